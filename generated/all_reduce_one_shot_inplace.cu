@@ -858,6 +858,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 // copy or reduce its part of the step's element range, then add 1 to every
 // listed counter (release, sys scope) in whichever rank's memory holds it.
 // `tsgen verify` runs the same tables on the CPU under many interleavings.
+// A small plan is also rendered as straight-line code (plan<W>::run) that
+// makes the same share calls with each step a compile-time constant.
 #ifndef TSGEN_PLAN_CUH
 #define TSGEN_PLAN_CUH
 
@@ -1107,9 +1109,86 @@ static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, cha
     red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
 }
 
-// Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
-// thread in flight per source (their fp32 accumulators cost registers; with
-// several sources there is as much memory parallelism as a copy's UNROLL).
+// This thread's entry of one of a step's lists (waits, signals, extra destinations; thread
+// j < n takes entry j), picked by unrolled compares instead of a run-time index: when the
+// step is a compile-time constant (straight-line plans), so is every entry, and nothing
+// is read from the tables.
+template <typename E, int MAX>
+static __device__ __forceinline__ E tsgen_entry(const E (&list)[MAX], int n) {
+  E e = list[0];
+#pragma unroll
+  for (int j = 1; j < MAX; ++j)
+    if (j < n && threadIdx.x == (unsigned)j) e = list[j];
+  return e;
+}
+
+// One share of a step, as a block runs it: wait until every listed counter of this rank
+// reaches epoch * per_call (one thread per counter), copy or reduce share `share` of
+// `shares` of the step's element range, then add 1 to every listed counter (one thread
+// each). Reductions keep UNROLL / 2 vectors per thread in flight per source (their fp32
+// accumulators cost registers; with several sources there is as much memory parallelism
+// as a copy's UNROLL). The table interpreter below calls it once per share; a small
+// plan's straight-line code (plan<W>::run) calls it with a step whose address is a
+// compile-time constant, so that every field of the step folds into the code (and the
+// loads of every source are issued together: the interpreter, which tests j < nsrc at
+// run time, has one source's in flight at a time, in fewer registers).
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_run_share(const tsgen_step& st, int share, int shares, int rank,
+                                                       uint64_t epoch, uint64_t count, char* const* bufs,
+                                                       char* const* peers, const char* const* names) {
+  if (threadIdx.x < st.nwait) {  // one thread per counter
+    const tsgen_wait w = tsgen_entry(st.wait, st.nwait);
+    wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
+                        tsgen_make_site(names[w.buf], rank, rank, w.index));
+  }
+  __syncthreads();
+  if (st.op != TSGEN_OP_NONE) {
+    uint64_t lo, hi;
+    tsgen_share_range<T>(st.dst, count, share, shares, &lo, &hi);
+    T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+    const int nalso = st.nalso;
+    __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+    if (nalso) {  // the same for the whole block
+      if (threadIdx.x < (unsigned)nalso) {
+        const tsgen_slice a = tsgen_entry(st.also, nalso);
+        uint64_t alo, ahi;
+        tsgen_share_range<T>(a, count, share, shares, &alo, &ahi);
+        more[threadIdx.x] = tsgen_slice_ptr<T>(a, bufs, peers, rank) + alo;
+      }
+      __syncthreads();
+    }
+    if (hi > lo) {
+      if (st.op == TSGEN_OP_COPY) {
+        uint64_t slo, shi;
+        tsgen_share_range<T>(st.src[0], count, share, shares, &slo, &shi);
+        const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
+        tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
+                                    threadIdx.x, blockDim.x);
+      } else {
+        T* srcs[TSGEN_MAX_SRCS];
+        TSGEN_FOR_SRC(j, st.nsrc) {
+          uint64_t slo, shi;
+          tsgen_share_range<T>(st.src[j], count, share, shares, &slo, &shi);
+          srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+        }
+        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                                            blockDim.x);
+        if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+          __syncthreads();
+          tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < st.nsignal) {  // one thread per counter
+    const tsgen_signal s = tsgen_entry(st.signal, st.nsignal);
+    uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
+    red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank), 1ull);
+  }
+}
+
+// Execute this block's shares of the plan: shares[first..last) of this rank's tables.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1119,57 +1198,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const char* const* names) {
   for (int k = first; k < last; ++k) {
     const tsgen_share sh = shares[k];
-    const tsgen_step& st = steps[sh.step];
-    if (threadIdx.x < st.nwait) {  // one thread per counter
-      const tsgen_wait w = st.wait[threadIdx.x];
-      wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                          tsgen_make_site(names[w.buf], rank, rank, w.index));
-    }
-    __syncthreads();
-    if (st.op != TSGEN_OP_NONE) {
-      uint64_t lo, hi;
-      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
-      T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
-      const int nalso = st.nalso;
-      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
-      if (nalso) {  // the same for the whole block
-        if (threadIdx.x < (unsigned)nalso) {
-          uint64_t alo, ahi;
-          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
-          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
-        }
-        __syncthreads();
-      }
-      if (hi > lo) {
-        if (st.op == TSGEN_OP_COPY) {
-          uint64_t slo, shi;
-          tsgen_share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
-          const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
-          tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
-                                      threadIdx.x, blockDim.x);
-        } else {
-          T* srcs[TSGEN_MAX_SRCS];
-          TSGEN_FOR_SRC(j, st.nsrc) {
-            uint64_t slo, shi;
-            tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
-            srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
-          }
-          tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                                              blockDim.x);
-          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
-            __syncthreads();
-            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
-          }
-        }
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < st.nsignal) {  // one thread per counter
-      const tsgen_signal s = st.signal[threadIdx.x];
-      uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
-                                     1ull);
-    }
+    tsgen_run_share<T, UNROLL>(steps[sh.step], sh.share, sh.shares, rank, epoch, count, bufs, peers, names);
   }
 }
 
@@ -3559,6 +3588,50 @@ template <> struct plan<2> {
     }
     tsgen_open_signal(mask, bufs[3], index, rank, peers);
   }
+  // The plan as straight-line code: this rank's and this block's shares, each step a
+  // constant entry of steps_w2 (no step, share or block table is read at run time).
+  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
+  template <typename T, int UNROLL>
+  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
+                                             char* const* peers) {
+    const int b = blockIdx.x;
+    switch (rank) {
+      case 0:
+        if (b == 0) {  // block 0
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w2[2], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 0 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w2[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w2[2], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 1:
+        if (b == 0) {  // block 0
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w2[5], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 1 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w2[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w2[5], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      default:
+        break;
+    }
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
@@ -3576,6 +3649,66 @@ template <> struct plan<3> {
       default: break;
     }
     tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
+  // The plan as straight-line code: this rank's and this block's shares, each step a
+  // constant entry of steps_w3 (no step, share or block table is read at run time).
+  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
+  template <typename T, int UNROLL>
+  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
+                                             char* const* peers) {
+    const int b = blockIdx.x;
+    switch (rank) {
+      case 0:
+        if (b == 0) {  // block 0
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w3[2], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 0 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w3[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w3[2], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 1:
+        if (b == 0) {  // block 0
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w3[5], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 1 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w3[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w3[5], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 2:
+        if (b == 0) {  // block 0
+          // rank 2 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w3[8], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 2 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w3[7], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 2 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w3[8], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      default:
+        break;
+    }
   }
 };
 template <> struct plan<4> {
@@ -3595,6 +3728,82 @@ template <> struct plan<4> {
       default: break;
     }
     tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
+  // The plan as straight-line code: this rank's and this block's shares, each step a
+  // constant entry of steps_w4 (no step, share or block table is read at run time).
+  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
+  template <typename T, int UNROLL>
+  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
+                                             char* const* peers) {
+    const int b = blockIdx.x;
+    switch (rank) {
+      case 0:
+        if (b == 0) {  // block 0
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[2], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 0 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w4[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[2], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 1:
+        if (b == 0) {  // block 0
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[5], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 1 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w4[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[5], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 2:
+        if (b == 0) {  // block 0
+          // rank 2 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[8], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 2 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w4[7], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 2 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[8], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 3:
+        if (b == 0) {  // block 0
+          // rank 3 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[11], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 3 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w4[10], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 3 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w4[11], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      default:
+        break;
+    }
   }
 };
 template <> struct plan<8> {
@@ -3619,6 +3828,146 @@ template <> struct plan<8> {
     }
     tsgen_open_signal(mask, bufs[3], index, rank, peers);
   }
+  // The plan as straight-line code: this rank's and this block's shares, each step a
+  // constant entry of steps_w8 (no step, share or block table is read at run time).
+  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
+  template <typename T, int UNROLL>
+  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
+                                             char* const* peers) {
+    const int b = blockIdx.x;
+    switch (rank) {
+      case 0:
+        if (b == 0) {  // block 0
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[2], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 0 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 0 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[2], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 1:
+        if (b == 0) {  // block 0
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[5], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 1 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 1 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[5], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 2:
+        if (b == 0) {  // block 0
+          // rank 2 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[8], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 2 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[7], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 2 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[8], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 3:
+        if (b == 0) {  // block 0
+          // rank 3 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[11], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 3 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[10], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 3 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[11], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 4:
+        if (b == 0) {  // block 0
+          // rank 4 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[14], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 4 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[13], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 4 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[14], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 5:
+        if (b == 0) {  // block 0
+          // rank 5 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[17], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 5 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[16], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 5 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[17], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 6:
+        if (b == 0) {  // block 0
+          // rank 6 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[20], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 6 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[19], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 6 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[20], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 7:
+        if (b == 0) {  // block 0
+          // rank 7 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[23], 31, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 1 && b < 33) {  // blocks 1..32
+          const int i = b - 1;
+          // rank 7 step 1: sum every rank's input
+          tsgen_run_share<T, UNROLL>(steps_w8[22], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 33 && b < 64) {  // blocks 33..63
+          const int i = b - 33;
+          // rank 7 step 2: result over our input
+          tsgen_run_share<T, UNROLL>(steps_w8[23], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      default:
+        break;
+    }
+  }
 };
 
 
@@ -3631,10 +3980,42 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
                             rank, epoch, count, bufs, peers, buffer_names);
 }
 
+// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
+template <>
+__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)scratch, (char*)entry, (char*)done, (char*)reduced };
+  plan<2>::open(rank, bufs, peers);
+  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
+}
+
+// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
+template <>
+__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)scratch, (char*)entry, (char*)done, (char*)reduced };
+  plan<3>::open(rank, bufs, peers);
+  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
+}
+
+// World size 4: a small plan, run as straight-line code (plan<4>::run), not through the tables.
+template <>
+__device__ __forceinline__ void run<4>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)scratch, (char*)entry, (char*)done, (char*)reduced };
+  plan<4>::open(rank, bufs, peers);
+  plan<4>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
+}
+
+// World size 8: a small plan, run as straight-line code (plan<8>::run), not through the tables.
+template <>
+__device__ __forceinline__ void run<8>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)scratch, (char*)entry, (char*)done, (char*)reduced };
+  plan<8>::open(rank, bufs, peers);
+  plan<8>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
+}
+
 }  // namespace all_reduce_one_shot_inplace
 
 // World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_one_shot_inplace_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_inplace_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_reduce_one_shot_inplace::run<2>(peers, rank, epoch, count, dst, scratch, entry, done, reduced);
   tsgen_call_end(calls, epoch);
@@ -3647,7 +4028,7 @@ extern "C" cudaError_t all_reduce_one_shot_inplace_w2_launch(char* const* peers,
 }
 
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_one_shot_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_reduce_one_shot_inplace::run<3>(peers, rank, epoch, count, dst, scratch, entry, done, reduced);
   tsgen_call_end(calls, epoch);
@@ -3660,7 +4041,7 @@ extern "C" cudaError_t all_reduce_one_shot_inplace_w3_launch(char* const* peers,
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_one_shot_inplace_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_inplace_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_reduce_one_shot_inplace::run<4>(peers, rank, epoch, count, dst, scratch, entry, done, reduced);
   tsgen_call_end(calls, epoch);
@@ -3673,7 +4054,7 @@ extern "C" cudaError_t all_reduce_one_shot_inplace_w4_launch(char* const* peers,
 }
 
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_one_shot_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_reduce_one_shot_inplace::run<8>(peers, rank, epoch, count, dst, scratch, entry, done, reduced);
   tsgen_call_end(calls, epoch);

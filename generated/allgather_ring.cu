@@ -861,6 +861,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 // copy or reduce its part of the step's element range, then add 1 to every
 // listed counter (release, sys scope) in whichever rank's memory holds it.
 // `tsgen verify` runs the same tables on the CPU under many interleavings.
+// A small plan is also rendered as straight-line code (plan<W>::run) that
+// makes the same share calls with each step a compile-time constant.
 #ifndef TSGEN_PLAN_CUH
 #define TSGEN_PLAN_CUH
 
@@ -1110,9 +1112,86 @@ static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, cha
     red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
 }
 
-// Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
-// thread in flight per source (their fp32 accumulators cost registers; with
-// several sources there is as much memory parallelism as a copy's UNROLL).
+// This thread's entry of one of a step's lists (waits, signals, extra destinations; thread
+// j < n takes entry j), picked by unrolled compares instead of a run-time index: when the
+// step is a compile-time constant (straight-line plans), so is every entry, and nothing
+// is read from the tables.
+template <typename E, int MAX>
+static __device__ __forceinline__ E tsgen_entry(const E (&list)[MAX], int n) {
+  E e = list[0];
+#pragma unroll
+  for (int j = 1; j < MAX; ++j)
+    if (j < n && threadIdx.x == (unsigned)j) e = list[j];
+  return e;
+}
+
+// One share of a step, as a block runs it: wait until every listed counter of this rank
+// reaches epoch * per_call (one thread per counter), copy or reduce share `share` of
+// `shares` of the step's element range, then add 1 to every listed counter (one thread
+// each). Reductions keep UNROLL / 2 vectors per thread in flight per source (their fp32
+// accumulators cost registers; with several sources there is as much memory parallelism
+// as a copy's UNROLL). The table interpreter below calls it once per share; a small
+// plan's straight-line code (plan<W>::run) calls it with a step whose address is a
+// compile-time constant, so that every field of the step folds into the code (and the
+// loads of every source are issued together: the interpreter, which tests j < nsrc at
+// run time, has one source's in flight at a time, in fewer registers).
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_run_share(const tsgen_step& st, int share, int shares, int rank,
+                                                       uint64_t epoch, uint64_t count, char* const* bufs,
+                                                       char* const* peers, const char* const* names) {
+  if (threadIdx.x < st.nwait) {  // one thread per counter
+    const tsgen_wait w = tsgen_entry(st.wait, st.nwait);
+    wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
+                        tsgen_make_site(names[w.buf], rank, rank, w.index));
+  }
+  __syncthreads();
+  if (st.op != TSGEN_OP_NONE) {
+    uint64_t lo, hi;
+    tsgen_share_range<T>(st.dst, count, share, shares, &lo, &hi);
+    T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+    const int nalso = st.nalso;
+    __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+    if (nalso) {  // the same for the whole block
+      if (threadIdx.x < (unsigned)nalso) {
+        const tsgen_slice a = tsgen_entry(st.also, nalso);
+        uint64_t alo, ahi;
+        tsgen_share_range<T>(a, count, share, shares, &alo, &ahi);
+        more[threadIdx.x] = tsgen_slice_ptr<T>(a, bufs, peers, rank) + alo;
+      }
+      __syncthreads();
+    }
+    if (hi > lo) {
+      if (st.op == TSGEN_OP_COPY) {
+        uint64_t slo, shi;
+        tsgen_share_range<T>(st.src[0], count, share, shares, &slo, &shi);
+        const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
+        tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
+                                    threadIdx.x, blockDim.x);
+      } else {
+        T* srcs[TSGEN_MAX_SRCS];
+        TSGEN_FOR_SRC(j, st.nsrc) {
+          uint64_t slo, shi;
+          tsgen_share_range<T>(st.src[j], count, share, shares, &slo, &shi);
+          srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+        }
+        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                                            blockDim.x);
+        if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+          __syncthreads();
+          tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < st.nsignal) {  // one thread per counter
+    const tsgen_signal s = tsgen_entry(st.signal, st.nsignal);
+    uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
+    red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank), 1ull);
+  }
+}
+
+// Execute this block's shares of the plan: shares[first..last) of this rank's tables.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1122,57 +1201,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const char* const* names) {
   for (int k = first; k < last; ++k) {
     const tsgen_share sh = shares[k];
-    const tsgen_step& st = steps[sh.step];
-    if (threadIdx.x < st.nwait) {  // one thread per counter
-      const tsgen_wait w = st.wait[threadIdx.x];
-      wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                          tsgen_make_site(names[w.buf], rank, rank, w.index));
-    }
-    __syncthreads();
-    if (st.op != TSGEN_OP_NONE) {
-      uint64_t lo, hi;
-      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
-      T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
-      const int nalso = st.nalso;
-      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
-      if (nalso) {  // the same for the whole block
-        if (threadIdx.x < (unsigned)nalso) {
-          uint64_t alo, ahi;
-          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
-          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
-        }
-        __syncthreads();
-      }
-      if (hi > lo) {
-        if (st.op == TSGEN_OP_COPY) {
-          uint64_t slo, shi;
-          tsgen_share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
-          const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
-          tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
-                                      threadIdx.x, blockDim.x);
-        } else {
-          T* srcs[TSGEN_MAX_SRCS];
-          TSGEN_FOR_SRC(j, st.nsrc) {
-            uint64_t slo, shi;
-            tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
-            srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
-          }
-          tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                                              blockDim.x);
-          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
-            __syncthreads();
-            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
-          }
-        }
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < st.nsignal) {  // one thread per counter
-      const tsgen_signal s = st.signal[threadIdx.x];
-      uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
-                                     1ull);
-    }
+    tsgen_run_share<T, UNROLL>(steps[sh.step], sh.share, sh.shares, rank, epoch, count, bufs, peers, names);
   }
 }
 
@@ -8298,6 +8327,110 @@ template <> struct plan<2> {
     }
     tsgen_open_signal(mask, bufs[3], index, rank, peers);
   }
+  // The plan as straight-line code: this rank's and this block's shares, each step a
+  // constant entry of steps_w2 (no step, share or block table is read at run time).
+  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
+  template <typename T, int UNROLL>
+  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
+                                             char* const* peers) {
+    const int b = blockIdx.x;
+    switch (rank) {
+      case 0:
+        if (b == 0) {  // block 0
+          // rank 0 step 5: local copy, piece 0
+          tsgen_run_share<T, UNROLL>(steps_w2[5], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 6: local copy, piece 1
+          tsgen_run_share<T, UNROLL>(steps_w2[6], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 7: local copy, piece 2
+          tsgen_run_share<T, UNROLL>(steps_w2[7], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 8: local copy, piece 3
+          tsgen_run_share<T, UNROLL>(steps_w2[8], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b == 1) {  // block 1
+          // rank 0 step 1: chunk 0 piece 0 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[1], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 2: chunk 0 piece 1 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[2], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 3: chunk 0 piece 2 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[3], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 4: chunk 0 piece 3 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[4], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 9: wait for every chunk
+          tsgen_run_share<T, UNROLL>(steps_w2[9], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 2 && b < 65) {  // blocks 2..64
+          const int i = b - 2;
+          // rank 0 step 1: chunk 0 piece 0 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[1], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 2: chunk 0 piece 1 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[2], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 3: chunk 0 piece 2 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[3], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 4: chunk 0 piece 3 to rank 1
+          tsgen_run_share<T, UNROLL>(steps_w2[4], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 65 && b < 128) {  // blocks 65..127
+          const int i = b - 65;
+          // rank 0 step 5: local copy, piece 0
+          tsgen_run_share<T, UNROLL>(steps_w2[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 6: local copy, piece 1
+          tsgen_run_share<T, UNROLL>(steps_w2[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 7: local copy, piece 2
+          tsgen_run_share<T, UNROLL>(steps_w2[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 0 step 8: local copy, piece 3
+          tsgen_run_share<T, UNROLL>(steps_w2[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 1:
+        if (b == 0) {  // block 0
+          // rank 1 step 5: local copy, piece 0
+          tsgen_run_share<T, UNROLL>(steps_w2[15], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 6: local copy, piece 1
+          tsgen_run_share<T, UNROLL>(steps_w2[16], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 7: local copy, piece 2
+          tsgen_run_share<T, UNROLL>(steps_w2[17], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 8: local copy, piece 3
+          tsgen_run_share<T, UNROLL>(steps_w2[18], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b == 1) {  // block 1
+          // rank 1 step 1: chunk 1 piece 0 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[11], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 2: chunk 1 piece 1 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[12], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 3: chunk 1 piece 2 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[13], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 4: chunk 1 piece 3 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[14], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 9: wait for every chunk
+          tsgen_run_share<T, UNROLL>(steps_w2[19], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 2 && b < 65) {  // blocks 2..64
+          const int i = b - 2;
+          // rank 1 step 1: chunk 1 piece 0 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[11], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 2: chunk 1 piece 1 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[12], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 3: chunk 1 piece 2 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[13], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 4: chunk 1 piece 3 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[14], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 65 && b < 128) {  // blocks 65..127
+          const int i = b - 65;
+          // rank 1 step 5: local copy, piece 0
+          tsgen_run_share<T, UNROLL>(steps_w2[15], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 6: local copy, piece 1
+          tsgen_run_share<T, UNROLL>(steps_w2[16], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 7: local copy, piece 2
+          tsgen_run_share<T, UNROLL>(steps_w2[17], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 8: local copy, piece 3
+          tsgen_run_share<T, UNROLL>(steps_w2[18], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      default:
+        break;
+    }
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
@@ -8370,10 +8503,18 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
                             rank, epoch, count, bufs, peers, buffer_names);
 }
 
+// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
+template <>
+__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  plan<2>::open(rank, bufs, peers);
+  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
+}
+
 }  // namespace allgather_ring
 
 // World size 2: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) allgather_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   allgather_ring::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen_call_end(calls, epoch);

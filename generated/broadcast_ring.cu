@@ -862,6 +862,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 // copy or reduce its part of the step's element range, then add 1 to every
 // listed counter (release, sys scope) in whichever rank's memory holds it.
 // `tsgen verify` runs the same tables on the CPU under many interleavings.
+// A small plan is also rendered as straight-line code (plan<W>::run) that
+// makes the same share calls with each step a compile-time constant.
 #ifndef TSGEN_PLAN_CUH
 #define TSGEN_PLAN_CUH
 
@@ -1111,9 +1113,86 @@ static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, cha
     red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
 }
 
-// Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
-// thread in flight per source (their fp32 accumulators cost registers; with
-// several sources there is as much memory parallelism as a copy's UNROLL).
+// This thread's entry of one of a step's lists (waits, signals, extra destinations; thread
+// j < n takes entry j), picked by unrolled compares instead of a run-time index: when the
+// step is a compile-time constant (straight-line plans), so is every entry, and nothing
+// is read from the tables.
+template <typename E, int MAX>
+static __device__ __forceinline__ E tsgen_entry(const E (&list)[MAX], int n) {
+  E e = list[0];
+#pragma unroll
+  for (int j = 1; j < MAX; ++j)
+    if (j < n && threadIdx.x == (unsigned)j) e = list[j];
+  return e;
+}
+
+// One share of a step, as a block runs it: wait until every listed counter of this rank
+// reaches epoch * per_call (one thread per counter), copy or reduce share `share` of
+// `shares` of the step's element range, then add 1 to every listed counter (one thread
+// each). Reductions keep UNROLL / 2 vectors per thread in flight per source (their fp32
+// accumulators cost registers; with several sources there is as much memory parallelism
+// as a copy's UNROLL). The table interpreter below calls it once per share; a small
+// plan's straight-line code (plan<W>::run) calls it with a step whose address is a
+// compile-time constant, so that every field of the step folds into the code (and the
+// loads of every source are issued together: the interpreter, which tests j < nsrc at
+// run time, has one source's in flight at a time, in fewer registers).
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_run_share(const tsgen_step& st, int share, int shares, int rank,
+                                                       uint64_t epoch, uint64_t count, char* const* bufs,
+                                                       char* const* peers, const char* const* names) {
+  if (threadIdx.x < st.nwait) {  // one thread per counter
+    const tsgen_wait w = tsgen_entry(st.wait, st.nwait);
+    wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
+                        tsgen_make_site(names[w.buf], rank, rank, w.index));
+  }
+  __syncthreads();
+  if (st.op != TSGEN_OP_NONE) {
+    uint64_t lo, hi;
+    tsgen_share_range<T>(st.dst, count, share, shares, &lo, &hi);
+    T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+    const int nalso = st.nalso;
+    __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+    if (nalso) {  // the same for the whole block
+      if (threadIdx.x < (unsigned)nalso) {
+        const tsgen_slice a = tsgen_entry(st.also, nalso);
+        uint64_t alo, ahi;
+        tsgen_share_range<T>(a, count, share, shares, &alo, &ahi);
+        more[threadIdx.x] = tsgen_slice_ptr<T>(a, bufs, peers, rank) + alo;
+      }
+      __syncthreads();
+    }
+    if (hi > lo) {
+      if (st.op == TSGEN_OP_COPY) {
+        uint64_t slo, shi;
+        tsgen_share_range<T>(st.src[0], count, share, shares, &slo, &shi);
+        const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
+        tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
+                                    threadIdx.x, blockDim.x);
+      } else {
+        T* srcs[TSGEN_MAX_SRCS];
+        TSGEN_FOR_SRC(j, st.nsrc) {
+          uint64_t slo, shi;
+          tsgen_share_range<T>(st.src[j], count, share, shares, &slo, &shi);
+          srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+        }
+        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                                            blockDim.x);
+        if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+          __syncthreads();
+          tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < st.nsignal) {  // one thread per counter
+    const tsgen_signal s = tsgen_entry(st.signal, st.nsignal);
+    uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
+    red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank), 1ull);
+  }
+}
+
+// Execute this block's shares of the plan: shares[first..last) of this rank's tables.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1123,57 +1202,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const char* const* names) {
   for (int k = first; k < last; ++k) {
     const tsgen_share sh = shares[k];
-    const tsgen_step& st = steps[sh.step];
-    if (threadIdx.x < st.nwait) {  // one thread per counter
-      const tsgen_wait w = st.wait[threadIdx.x];
-      wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                          tsgen_make_site(names[w.buf], rank, rank, w.index));
-    }
-    __syncthreads();
-    if (st.op != TSGEN_OP_NONE) {
-      uint64_t lo, hi;
-      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
-      T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
-      const int nalso = st.nalso;
-      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
-      if (nalso) {  // the same for the whole block
-        if (threadIdx.x < (unsigned)nalso) {
-          uint64_t alo, ahi;
-          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
-          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
-        }
-        __syncthreads();
-      }
-      if (hi > lo) {
-        if (st.op == TSGEN_OP_COPY) {
-          uint64_t slo, shi;
-          tsgen_share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
-          const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
-          tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
-                                      threadIdx.x, blockDim.x);
-        } else {
-          T* srcs[TSGEN_MAX_SRCS];
-          TSGEN_FOR_SRC(j, st.nsrc) {
-            uint64_t slo, shi;
-            tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
-            srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
-          }
-          tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                                              blockDim.x);
-          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
-            __syncthreads();
-            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
-          }
-        }
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < st.nsignal) {  // one thread per counter
-      const tsgen_signal s = st.signal[threadIdx.x];
-      uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
-                                     1ull);
-    }
+    tsgen_run_share<T, UNROLL>(steps[sh.step], sh.share, sh.shares, rank, epoch, count, bufs, peers, names);
   }
 }
 
@@ -5149,6 +5178,100 @@ template <> struct plan<2> {
     }
     tsgen_open_signal(mask, bufs[3], index, rank, peers);
   }
+  // The plan as straight-line code: this rank's and this block's shares, each step a
+  // constant entry of steps_w2 (no step, share or block table is read at run time).
+  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
+  template <typename T, int UNROLL>
+  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
+                                             char* const* peers) {
+    const int b = blockIdx.x;
+    switch (rank) {
+      case 0:
+        if (b == 1) {  // block 1
+          // rank 0 step 1: wait for every piece
+          tsgen_run_share<T, UNROLL>(steps_w2[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b == 2) {  // block 2
+          // rank 0 step 2: wait for every piece
+          tsgen_run_share<T, UNROLL>(steps_w2[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 1:
+        if (b >= 0 && b < 64) {  // blocks 0..63
+          const int i = b - 0;
+          // rank 1 step 0: piece 0 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[3], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 1: piece 1 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[4], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 2: piece 2 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 3: piece 3 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 4: piece 4 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 5: piece 5 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 6: piece 6 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[9], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 7: piece 7 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[10], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 8: piece 8 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[11], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 9: piece 9 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[12], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 10: piece 10 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[13], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 11: piece 11 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[14], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 12: piece 12 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[15], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 13: piece 13 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[16], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 14: piece 14 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[17], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 15: piece 15 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w2[18], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 64 && b < 128) {  // blocks 64..127
+          const int i = b - 64;
+          // rank 1 step 16: local copy, piece 0
+          tsgen_run_share<T, UNROLL>(steps_w2[19], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 17: local copy, piece 1
+          tsgen_run_share<T, UNROLL>(steps_w2[20], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 18: local copy, piece 2
+          tsgen_run_share<T, UNROLL>(steps_w2[21], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 19: local copy, piece 3
+          tsgen_run_share<T, UNROLL>(steps_w2[22], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 20: local copy, piece 4
+          tsgen_run_share<T, UNROLL>(steps_w2[23], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 21: local copy, piece 5
+          tsgen_run_share<T, UNROLL>(steps_w2[24], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 22: local copy, piece 6
+          tsgen_run_share<T, UNROLL>(steps_w2[25], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 23: local copy, piece 7
+          tsgen_run_share<T, UNROLL>(steps_w2[26], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 24: local copy, piece 8
+          tsgen_run_share<T, UNROLL>(steps_w2[27], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 25: local copy, piece 9
+          tsgen_run_share<T, UNROLL>(steps_w2[28], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 26: local copy, piece 10
+          tsgen_run_share<T, UNROLL>(steps_w2[29], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 27: local copy, piece 11
+          tsgen_run_share<T, UNROLL>(steps_w2[30], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 28: local copy, piece 12
+          tsgen_run_share<T, UNROLL>(steps_w2[31], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 29: local copy, piece 13
+          tsgen_run_share<T, UNROLL>(steps_w2[32], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 30: local copy, piece 14
+          tsgen_run_share<T, UNROLL>(steps_w2[33], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 31: local copy, piece 15
+          tsgen_run_share<T, UNROLL>(steps_w2[34], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      default:
+        break;
+    }
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
@@ -5165,6 +5288,137 @@ template <> struct plan<3> {
       default: break;
     }
     tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
+  // The plan as straight-line code: this rank's and this block's shares, each step a
+  // constant entry of steps_w3 (no step, share or block table is read at run time).
+  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
+  template <typename T, int UNROLL>
+  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
+                                             char* const* peers) {
+    const int b = blockIdx.x;
+    switch (rank) {
+      case 0:
+        if (b == 1) {  // block 1
+          // rank 0 step 1: wait for every piece
+          tsgen_run_share<T, UNROLL>(steps_w3[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b == 2) {  // block 2
+          // rank 0 step 2: wait for every piece
+          tsgen_run_share<T, UNROLL>(steps_w3[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 1:
+        if (b >= 0 && b < 64) {  // blocks 0..63
+          const int i = b - 0;
+          // rank 1 step 0: piece 0 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[3], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 1: piece 1 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[4], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 2: piece 2 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 3: piece 3 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 4: piece 4 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 5: piece 5 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 6: piece 6 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[9], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 7: piece 7 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[10], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 8: piece 8 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[11], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 9: piece 9 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[12], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 10: piece 10 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[13], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 11: piece 11 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[14], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 12: piece 12 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[15], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 13: piece 13 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[16], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 14: piece 14 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[17], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 15: piece 15 to rank 2
+          tsgen_run_share<T, UNROLL>(steps_w3[18], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        if (b >= 64 && b < 128) {  // blocks 64..127
+          const int i = b - 64;
+          // rank 1 step 16: local copy, piece 0
+          tsgen_run_share<T, UNROLL>(steps_w3[19], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 17: local copy, piece 1
+          tsgen_run_share<T, UNROLL>(steps_w3[20], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 18: local copy, piece 2
+          tsgen_run_share<T, UNROLL>(steps_w3[21], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 19: local copy, piece 3
+          tsgen_run_share<T, UNROLL>(steps_w3[22], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 20: local copy, piece 4
+          tsgen_run_share<T, UNROLL>(steps_w3[23], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 21: local copy, piece 5
+          tsgen_run_share<T, UNROLL>(steps_w3[24], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 22: local copy, piece 6
+          tsgen_run_share<T, UNROLL>(steps_w3[25], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 23: local copy, piece 7
+          tsgen_run_share<T, UNROLL>(steps_w3[26], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 24: local copy, piece 8
+          tsgen_run_share<T, UNROLL>(steps_w3[27], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 25: local copy, piece 9
+          tsgen_run_share<T, UNROLL>(steps_w3[28], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 26: local copy, piece 10
+          tsgen_run_share<T, UNROLL>(steps_w3[29], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 27: local copy, piece 11
+          tsgen_run_share<T, UNROLL>(steps_w3[30], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 28: local copy, piece 12
+          tsgen_run_share<T, UNROLL>(steps_w3[31], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 29: local copy, piece 13
+          tsgen_run_share<T, UNROLL>(steps_w3[32], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 30: local copy, piece 14
+          tsgen_run_share<T, UNROLL>(steps_w3[33], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 1 step 31: local copy, piece 15
+          tsgen_run_share<T, UNROLL>(steps_w3[34], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      case 2:
+        if (b >= 1 && b < 65) {  // blocks 1..64
+          const int i = b - 1;
+          // rank 2 step 1: piece 0 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[36], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 2: piece 1 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[37], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 3: piece 2 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[38], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 4: piece 3 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[39], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 5: piece 4 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[40], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 6: piece 5 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[41], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 7: piece 6 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[42], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 8: piece 7 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[43], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 9: piece 8 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[44], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 10: piece 9 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[45], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 11: piece 10 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[46], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 12: piece 11 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[47], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 13: piece 12 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[48], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 14: piece 13 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[49], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 15: piece 14 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[50], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          // rank 2 step 16: piece 15 to rank 0
+          tsgen_run_share<T, UNROLL>(steps_w3[51], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+        }
+        break;
+      default:
+        break;
+    }
   }
 };
 template <> struct plan<4> {
@@ -5218,10 +5472,26 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
                             rank, epoch, count, bufs, peers, buffer_names);
 }
 
+// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
+template <>
+__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  plan<2>::open(rank, bufs, peers);
+  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
+}
+
+// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
+template <>
+__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  plan<3>::open(rank, bufs, peers);
+  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
+}
+
 }  // namespace broadcast_ring
 
 // World size 2: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) broadcast_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   broadcast_ring::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen_call_end(calls, epoch);
@@ -5234,7 +5504,7 @@ extern "C" cudaError_t broadcast_ring_w2_launch(char* const* peers, int rank, ui
 }
 
 // World size 3: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) broadcast_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   broadcast_ring::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen_call_end(calls, epoch);

@@ -1044,6 +1044,16 @@ static __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint
                : "memory");
 }
 
+// The same box added into global memory instead of stored: an element-wise reduction
+// (the tensor map's type: bf16 / fp16 adds) done where the memory is -- in a peer's L2
+// when the map points there. Concurrent adds to one element are atomic; their order is not fixed.
+static __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                   map),
+               "r"(x), "r"(y), "r"(z), "r"(src)
+               : "memory");
+}
+
 // Orders this thread's earlier generic-proxy accesses (an acquire load of a signal) before
 // its later async-proxy ones (TMA loads of the data the signal announced).
 static __device__ __forceinline__ void fence_proxy_async_global() {
@@ -1240,6 +1250,14 @@ template <class H, class = void>
 struct HasStored : std::false_type {};
 template <class H>
 struct HasStored<H, std::void_t<decltype(std::declval<H&>().stored(0u, true))>> : std::true_type {};
+//   REDUCE_ADD               (a static constexpr bool; batched C only) true: the epilogue
+//                            adds each tile into C (TMA reduce-add, tma_reduce_add_3d) instead
+//                            of storing it: several GEMMs sum into one C (gemm_reduce_scatter
+//                            push with reduce: add)
+template <class H, class = void>
+struct ReducesIntoC : std::false_type {};
+template <class H>
+struct ReducesIntoC<H, std::void_t<decltype(H::REDUCE_ADD)>> : std::integral_constant<bool, H::REDUCE_ADD> {};
 
 template <class C>
 struct Layout {
@@ -1461,7 +1479,8 @@ static __device__ __forceinline__ void release_stage(uint32_t empty) {
 // Accumulators of rows [m0, m0 + WG_M) x columns [n0, n0 + TILE_N) -> C, through
 // the warpgroup's two 64 x 64 chunk buffers and TMA stores (one in flight while
 // the next chunk is written). `chunks` counts this warpgroup's chunks (buffer parity).
-template <class C>
+// ADD: the chunks are added into C (TMA reduce-add) instead of stored.
+template <class C, bool ADD = false>
 static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOCKS][Layout<C>::ACC],
                                                   const CUtensorMap* c_map, uint32_t buffers, uint32_t cw,
                                                   uint32_t m0, uint32_t n0, int z, uint32_t rows,
@@ -1492,7 +1511,10 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
       fence_proxy_async_shared_cta();  // our shared-memory writes, visible to the TMA engine
       named_barrier_sync(1 + cw, 128);
       if (t == 0) {
-        if constexpr (L::BATCHES > 1) {
+        if constexpr (ADD) {
+          static_assert(L::BATCHES > 1, "reduce-add epilogues use batched (3-D) C maps");
+          tma_reduce_add_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, z);
+        } else if constexpr (L::BATCHES > 1) {
           tma_store_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, z);
         } else {
           tma_store_2d(c_map, buf, (int)(n0 + 64 * j), (int)r0);
@@ -1553,7 +1575,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
     const CUtensorMap* to = c_map;
     if constexpr (HasCMap<Hook>::value) to = hook.c_map(c_map, batch, z);
     const uint32_t before = chunks;
-    store_tile<C>(acc, to, buffers, cw, m0, n0, z, rows, chunks);
+    store_tile<C, ReducesIntoC<Hook>::value>(acc, to, buffers, cw, m0, n0, z, rows, chunks);
     if constexpr (HasStored<Hook>::value) {
       if (pending) {  // the previous tile's stores are done once at most this tile's are in flight
         if (leader) bulk_wait_group_at_most<L::M_BLOCKS * (C::TILE_N / 64)>(chunks - before);
@@ -1798,8 +1820,9 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 //   sig[READY + s] = e: source s's rows of call e have landed in this rank's a_full
 //                  (raised by s after its copy completed, waited for by the GEMM here).
 // gemm_reduce_scatter reads them so (see ScatterHook): FREE[q] = e: rank q has entered call
-// e, so its previous call's reduce no longer reads this rank's partial; READY[s] = e (at
-// the owner): source s's partial block for this rank is stored in s's memory.
+// e, so its previous call's reduce no longer reads this rank's partial (push, reduce: add:
+// and q's c is zeroed for this call's adds); READY[s] = e (at the owner): source s's partial
+// block for this rank is stored in s's memory (push: in the owner's; add: added into its c).
 // The epoch e is the device call counter: the entry kernel advances calls[0] to e on
 // the caller's stream before anything else of the call, every later kernel of the call
 // reads calls[0] (stream order after the entry), so CUDA graph replay works.
@@ -1914,12 +1937,17 @@ struct ScatterHook {
   }
 };
 
-// push: the overlapped hook whose tiles of block q are stored into rank q's partial
+// push: the overlapped hook whose tiles of block q go into rank q's memory. ADD = false:
+// stored into q's partial at slot `rank` (push[q]: q's partial, 3-D, slot = source rank);
+// ADD = true: added into q's c itself (push[q]: q's c, 3-D with one batch), which q zeroed
+// before it raised FREE[q] -- no slots, and no sum after the GEMM.
+template <bool ADD>
 struct PushHook : ScatterHook<true> {
-  const CUtensorMap* push;  // world maps: push[q] = rank q's partial (3-D, slot = source rank)
+  static constexpr bool REDUCE_ADD = ADD;
+  const CUtensorMap* push;  // world maps, push[q] for owner q
 
   __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) const {
-    z = (int)rank;  // our slot in the owner's partial
+    z = ADD ? 0 : (int)rank;  // our slot in the owner's partial, or its only batch
     return push + batch;
   }
 };
@@ -2065,6 +2093,7 @@ enum SyncMode : int {
   WAIT_FREE = 1,   // wait until every peer raised FREE[peer] here (its a_full is ours to write)
   SIGNAL = 2,      // the copy to `target` completed: raise READY[rank] at target
   SIGNAL_ALL = 3,  // every copy completed: raise READY[rank] at every peer, then wait for all READY here
+  WAIT_READY = 4,  // wait until every peer raised READY[peer] here (its adds into our c are done)
 };
 
 template <int WORLD>
@@ -2081,9 +2110,11 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     return;
   }
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
-  if (mode == WAIT_FREE) {
+  if (mode == WAIT_FREE || mode == WAIT_READY) {
+    const int base = mode == WAIT_FREE ? FREE : READY;
     if (t < WORLD && t != rank)
-      wait_ge_acquire_sys(sig + FREE + t, epoch, tsgen_make_site("sig.free", rank, rank, FREE + t));
+      wait_ge_acquire_sys(sig + base + t, epoch,
+                          tsgen_make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
     return;
   }
   // The copy engine's writes completed before this kernel started (stream order); the
@@ -2285,7 +2316,6 @@ gemm_reduce_scatter_plain_w2_reduce(char* const* peers, int rank, const uint64_t
   tsgen_fused::reduce_body<__nv_bfloat16, 2, gemm_reduce_scatter_plain::REDUCE_UNROLL>(peers, rank, calls, sig, partial, acc, c,
                                                                       count * gemm_reduce_scatter_plain::N, mode);
 }
-
 // Entry / wait / signal (one block; see tsgen_fused::SyncMode).
 extern "C" __global__ void __launch_bounds__(32)
 gemm_reduce_scatter_plain_w2_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target) {
@@ -2362,7 +2392,6 @@ gemm_reduce_scatter_plain_w4_reduce(char* const* peers, int rank, const uint64_t
   tsgen_fused::reduce_body<__nv_bfloat16, 4, gemm_reduce_scatter_plain::REDUCE_UNROLL>(peers, rank, calls, sig, partial, acc, c,
                                                                       count * gemm_reduce_scatter_plain::N, mode);
 }
-
 // Entry / wait / signal (one block; see tsgen_fused::SyncMode).
 extern "C" __global__ void __launch_bounds__(32)
 gemm_reduce_scatter_plain_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target) {

@@ -23,9 +23,10 @@ from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 SPECS = [ROOT / "specs" / "gemm_reduce_scatter.yaml", ROOT / "specs" / "gemm_reduce_scatter_plain.yaml",
          ROOT / "specs" / "gemm_reduce_scatter_push.yaml", ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml",
-         ROOT / "specs" / "gemm_reduce_scatter_odd_world.yaml"]
+         ROOT / "specs" / "gemm_reduce_scatter_odd_world.yaml", ROOT / "specs" / "gemm_reduce_scatter_push_add.yaml"]
 OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "gemm_reduce_scatter_push": "push",
-           "gemm_reduce_scatter_push_interleaved": "push", "gemm_reduce_scatter_odd_world": "push"}
+           "gemm_reduce_scatter_push_interleaved": "push", "gemm_reduce_scatter_odd_world": "push",
+           "gemm_reduce_scatter_push_add": "push add"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,9 @@ def variant(tmp, name, **changes):
     ({"params": {"overlap": "scatter"}}, "overlap"),
     ({"params": {"batch_order": "interleaved"}}, "interleaved needs overlap: push"),
     ({"params": {"batch_order": "striped"}}, "batch_order"),
+    ({"params": {"reduce": "add"}}, "add needs overlap: push"),
+    ({"params": {"overlap": "none", "reduce": "add"}}, "add needs overlap: push"),
+    ({"params": {"overlap": "push", "reduce": "max"}}, "reduce"),
     ({"world_sizes": [1]}, "world_sizes"),
     ({"world_sizes": [16]}, "world_sizes"),
     ({"params": {"stages": 6}}, "shared"),
@@ -87,26 +91,32 @@ def test_world_3_when_k_divides(tmp_path):
 def test_render_and_manifest(path):
     r = render(load_spec(path), base=ROOT)
     m = json.loads(r.manifest)
-    mode = OVERLAP[path.stem]
+    mode, add = OVERLAP[path.stem].split(" ")[0], OVERLAP[path.stem].endswith(" add")
     overlapped = mode != "none"
     assert m["host_launch"] and m["world_sizes"] == load_spec(path).model.world_sizes and m["count_unit"] == "rows"
     k = m["kernels"][0]
     # push encodes a tensor map of every owner's partial: the host copy of the peer table
     leading = ["peers"] + (["peers_host"] if mode == "push" else []) + ["rank", "calls", "count"]
     assert [a["role"] for a in k["launcher_args"]][:len(leading)] == leading
-    names = ["calls", "a", "b", "c", "partial"] + (["acc"] if mode == "pull" else []) + ["sig"]
+    # reduce: add sums into c itself: no partial slots
+    names = ["calls", "a", "b", "c"] + ([] if add else ["partial"]) + (["acc"] if mode == "pull" else []) + ["sig"]
     assert [b["name"] for b in m["buffers"]] == names
     bufs = {b["name"]: b for b in m["buffers"]}
     assert bufs["a"]["elems"] == {"per_count": load_spec(path).model.params.k, "per_world_count": 0, "fixed": 0}
-    assert bufs["partial"]["elems"] == {"per_count": 0, "per_world_count": 8192, "fixed": 0}
+    if not add:
+        assert bufs["partial"]["elems"] == {"per_count": 0, "per_world_count": 8192, "fixed": 0}
     assert bufs["c"]["role"] == "output" and bufs["sig"]["elems"]["fixed"] == 24
     assert "K = gemm_reduce_scatter" in r.source
     assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
     assert ("PULL_PEER);" in r.source) == (mode == "pull") and ("PULL_ALL);" in r.source) == (mode == "none")
-    assert ("SUM_PUSHED);" in r.source) == (mode == "push")
+    assert ("SUM_PUSHED);" in r.source) == (mode == "push" and not add)
+    # add: c zeroed before the entry, tiles added through per-owner maps of c, then a wait for every READY
+    assert ("WAIT_READY, 0);" in r.source) == add and ("cudaMemsetAsync(c, 0" in r.source) == add
+    assert (f"PushHook<{'true' if add else 'false'}>" in r.source) == (mode == "push")
+    assert ("_reduce(char* const* peers" in r.source) == (not add)
     if mode == "push":  # stores through per-owner tensor maps; no reserved SMs, no side stream
-        assert "tsgen_fused::PushHook hook" in r.source and "tsgen_fused::PushMaps<4> push" in r.source
-        assert "host_peer_ptr(partial, peers_host, rank, q)" in r.source
+        assert "tsgen_fused::PushMaps<4> push" in r.source
+        assert f"host_peer_ptr({'c' if add else 'partial'}, peers_host, rank, q)" in r.source
         launchers = r.source.split("// ---- world size 2 ----")[1]
         assert "constexpr int RESERVE_SMS = 0;" in r.source and "l->signal" not in launchers
     else:
@@ -160,7 +170,8 @@ def test_compiles_without_spills(cache, tmp_path, path, mode):
     src.write_text(r.source)
     report = compile_source(src, mode=mode).report
     kernels = {k: v for k, v in report.items() if k.endswith(("_gemm", "_reduce"))}
-    assert len(kernels) == 2 * len(load_spec(path).model.world_sizes), report.keys()  # per world size
+    per_world = 1 if OVERLAP[path.stem].endswith(" add") else 2  # add has no reduce kernel
+    assert len(kernels) == per_world * len(load_spec(path).model.world_sizes), report.keys()
     for name, e in kernels.items():
         assert e["spill_stores"] == 0 and e["spill_loads"] == 0, (name, e)
         if name.endswith("_gemm"):
@@ -168,14 +179,15 @@ def test_compiles_without_spills(cache, tmp_path, path, mode):
 
 
 @needs_sass
-@pytest.mark.parametrize("path", [SPECS[0], SPECS[2]], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [SPECS[0], SPECS[2], SPECS[5]], ids=lambda p: p.stem)
 def test_sass(cache, tmp_path, path):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
     sass = dump_sass(compile_source(src).output)
     assert "HGMMA.64x256x16.F32.BF16" in sass
-    assert "UTMALDG.3D" in sass and "UTMASTG.3D" in sass
+    add = OVERLAP[path.stem].endswith(" add")  # the epilogue adds its tiles (TMA reduce) instead of storing
+    assert "UTMALDG.3D" in sass and ("UTMAREDG.3D" if add else "UTMASTG.3D") in sass
 
 
 WALK = r"""

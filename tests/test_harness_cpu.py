@@ -155,3 +155,20 @@ def test_one_process_per_gpu_without_barriers_fails(monkeypatch):
     or a rank checking before its writer ran, must make the test fail."""
     ok, lines = _run_ipc(monkeypatch, "specs/allgather.yaml", barriers=False)
     assert not ok, lines
+
+
+def test_poison_counts_only_where_it_survives():
+    """A value equal to the poison's bits but within the tolerance of the reference is counted
+    unwritten -- unless the op overwrites its outputs first (gemm_reduce_scatter reduce: add
+    zeroes c, and its 16-bit adds may land one unit away from the once-rounded reference)."""
+    poison = np.array([H._poison_value(np.dtype(np.uint16), 7)], np.uint16)
+    want = poison - 1  # one unit in the last place below the poison's bits
+    tol = np.array([1.0])
+    assert H.wrong_elements(poison, want, tol, "bfloat16", 7).tolist() == [0]
+    assert H.wrong_elements(poison, want, tol, "bfloat16", None).tolist() == []
+    assert H.wrong_elements(poison, want, np.array([0.0]), "bfloat16", None).tolist() == [0]
+    from tsgen.spec import load_spec
+    from conftest import ROOT
+    fam = get_family("gemm_reduce_scatter")
+    assert not fam.poison_survives(load_spec(ROOT / "specs" / "gemm_reduce_scatter_push_add.yaml").model)
+    assert fam.poison_survives(load_spec(ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml").model)

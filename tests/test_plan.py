@@ -1,15 +1,18 @@
 """Plans and their CPU verifier: every shipped collective verifies at world sizes
 2..8, and broken plans (a signal, a wait or a chunk offset changed) fail, so the
-verifier is load-bearing. The full run is `tsgen verify specs` (in .ci/run)."""
+verifier is load-bearing. The full run is `tsgen verify specs` (in .ci/run).
+Straight-line code of small plans makes exactly the share calls the verified tables list."""
 
 import dataclasses
+import re
 
 import pytest
 
-from conftest import SPECS
+from conftest import ROOT, SPECS
 
 from tsgen.ops import get_family
-from tsgen.plan import SignalRef, verify
+from tsgen.plan import SignalRef, c_tables, straight_line_groups, verify
+from tsgen.render import render
 from tsgen.spec import load_spec
 
 COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")
@@ -116,7 +119,7 @@ def test_verify_cli_exit_codes(tmp_path):
 def test_opening_signal_hoisted(spec, w, mask_of):
     """Each rank's entry step leaves block 0's share list when hoisted and comes back as
     (buffer index, counter index, peer mask): what plan<W>::open raises at kernel start."""
-    from tsgen.plan import c_tables, opening_signal
+    from tsgen.plan import opening_signal
 
     plan = _plan(spec, w)
     index = {n: i for i, n in enumerate(["calls", *plan.buffers, *plan.signals])}
@@ -156,3 +159,96 @@ def test_extra_destinations_only_on_reduce_steps():
     st = plan.ranks[0].steps[i]
     plan.ranks[0].steps[i] = dataclasses.replace(st, also=(st.dst,))
     assert any("only a reduce stores to extra destinations" in p for p in verify(plan, schedules=2))
+
+
+def _table_shares(plan, hoist):
+    """Per rank, per block, the (step, share, shares) entries the C tables give it."""
+    index = {n: i for i, n in enumerate(["calls", *plan.buffers, *plan.signals])}
+    t = c_tables(plan, index, hoist_opening=hoist)
+    flat = [tuple(map(int, e)) for _, lines in t["shares"] for line in lines
+            for e in re.findall(r"\{(\d+), (\d+), (\d+)\}", line)]
+    return [[flat[row[b]:row[b + 1]] for b in range(plan.nblocks)] for row in t["first"]]
+
+
+def _expand(groups, nblocks):
+    """Per block, the (step, share, shares) calls a rank's straight-line code makes."""
+    blocks = [[] for _ in range(nblocks)]
+    for g in groups:
+        for b in range(g.lo, g.hi):
+            assert not blocks[b], f"block {b} is in two groups"
+            blocks[b] = [(sh.step, sh.share + b - g.lo, sh.shares) for sh in g.shares]
+    return blocks
+
+
+@pytest.mark.parametrize("hoist", [False, True], ids=["plain", "hoisted"])
+@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in load_spec(s).model.world_sizes],
+                         ids=lambda x: x.stem if hasattr(x, "stem") else f"w{x}")
+def test_straight_line_groups_are_the_tables(spec, w, hoist):
+    """Straight-line code makes, in every block of every rank, exactly the share calls
+    the tables list for that block: the same steps, shares and order."""
+    plan = _plan(spec, w)
+    groups, calls = straight_line_groups(plan, hoist_opening=hoist)
+    assert [_expand(g, plan.nblocks) for g in groups] == _table_shares(plan, hoist)
+    assert calls == sum(len(g.shares) for rank in groups for g in rank)
+
+
+def test_straight_line_groups_merge_blocks():
+    """one_shot at world size 4: per rank, blocks 1..32 run shares 0..31 of the reduce (one
+    group, one call) and block 33 the final wait; block 0 only opens (hoisted)."""
+    groups, calls = straight_line_groups(_plan("specs/all_reduce_one_shot.yaml", 4), hoist_opening=True)
+    assert calls == 8
+    for rank in groups:
+        assert [(g.lo, g.hi, [(sh.step, sh.share, sh.shares) for sh in g.shares]) for g in rank] == [
+            (1, 33, [(1, 0, 32)]), (33, 34, [(2, 0, 1)])]
+
+
+def _straight_worlds(name):
+    """World sizes with straight-line code; their kernels, and only theirs, are compiled for
+    one block per SM (min_blocks)."""
+    spec = load_spec(ROOT / "specs" / f"{name}.yaml").model
+    family = get_family(spec.op)
+    worlds = sorted(family.template_vars(spec)["straight_line"])
+    assert [k.world_size for k in family.plan(spec).kernels if k.min_blocks == 1] == worlds
+    return worlds
+
+
+@pytest.mark.parametrize("name,worlds", [
+    ("all_reduce_one_shot", [2, 3, 4, 8]), ("all_reduce_two_shot_pull", [2, 3, 4, 8]), ("broadcast", [2, 3, 4, 8]),
+    ("allgather", [2, 3, 4]), ("all_to_all", [2, 3, 4]), ("reduce_scatter", [2, 3, 4]),
+    ("all_reduce_ring", [2]), ("allgather_ring", [2]), ("all_reduce_two_shot", [2]),
+    ("allgather_ce", []), ("allgather_nvshmem", []),  # the other executors keep the tables
+])
+def test_which_shipped_plans_are_straight_line(name, worlds):
+    """STRAIGHT_LINE_MAX_CALLS at work: the shipped world sizes that get straight-line code."""
+    assert _straight_worlds(name) == worlds
+
+
+def test_plan_code_tables_renders_no_straight_line_code(tmp_path):
+    """launch.plan_code: tables (the A/B baseline) keeps every world size on the table
+    interpreter; the tables themselves are the same either way."""
+    path = ROOT / "specs" / "all_reduce_one_shot.yaml"
+    forced = tmp_path / "all_reduce_one_shot.yaml"
+    forced.write_text(path.read_text().replace("launch:\n", "launch:\n  plan_code: tables\n"))
+    auto, tables = render(load_spec(path)).source, render(load_spec(forced)).source
+    for w in (2, 3, 4, 8):
+        assert f"plan<{w}>::run<T, UNROLL>(rank, epoch" in auto
+        assert f"tsgen_run_share<T, UNROLL>(steps_w{w}[" in auto
+        assert f"static __device__ const tsgen_share shares_w{w}[]" in tables
+    assert "tsgen_run_share<T, UNROLL>(steps_w" not in tables and "::run<T, UNROLL>" not in tables
+    assert _tables_text(auto) == _tables_text(tables)
+
+
+def _tables_text(source):
+    return source[source.index("static __device__ const tsgen_step steps_w"):source.index("template <int WORLD> struct plan;")]
+
+
+def test_more_than_512_threads_keep_the_tables(tmp_path):
+    """With 1024 threads ptxas caps a thread at 64 registers, fewer than straight-line
+    reductions keep in flight: such specs run the table interpreter."""
+    path = ROOT / "specs" / "all_reduce_one_shot.yaml"
+    wide = tmp_path / "all_reduce_one_shot.yaml"
+    wide.write_text(path.read_text().replace("threads: 512", "threads: 1024"))
+    spec = load_spec(wide).model
+    assert spec.launch.threads == 1024
+    assert get_family(spec.op).template_vars(spec)["straight_line"] == {}
+    assert "::run<T, UNROLL>" not in render(load_spec(wide)).source

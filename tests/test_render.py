@@ -111,9 +111,10 @@ def test_manifest(path):
         params = ", ".join(f"{a['ctype']} {a['name']}" for a in args)
         if m["host_launch"]:  # the launcher runs device kernels named <kernel>_<part>
             assert re.search(rf'extern "C" __global__ void [^;{{]*\b{k["name"]}_\w+\(', source), k["name"]
-        else:
-            assert (f'extern "C" __global__ void __launch_bounds__({spec.launch.threads}) '
-                    f"{k['name']}({params})") in source
+        else:  # straight-line kernels are compiled for one block per SM
+            min_blocks = next(pk.min_blocks for pk in plan.kernels if pk.name == k["name"])
+            bounds = f"{spec.launch.threads}, {min_blocks}" if min_blocks else f"{spec.launch.threads}"
+            assert f'extern "C" __global__ void __launch_bounds__({bounds}) {k["name"]}({params})' in source
         launcher_params = ", ".join(f"{a['ctype']} {a['name']}" for a in k["launcher_args"])
         assert f'extern "C" cudaError_t {k["launcher"]}({launcher_params}, cudaStream_t stream)' in source
 
@@ -298,6 +299,8 @@ SCHEMA_BAD = {
     "threads_33": {"name": "t", "op": "put_block", "world_sizes": [2], "launch": {"threads": 33}},
     "blocks_string": {"name": "t", "op": "put_block", "world_sizes": [2], "launch": {"blocks": "64"}},
     "world_size_9": {"name": "t", "op": "put_block", "world_sizes": [9]},
+    "plan_code_unknown": {"name": "t", "op": "allgather", "world_sizes": [2], "launch": {"plan_code": "straight"}},
+    "plan_code_on_a_primitive": {"name": "t", "op": "put_block", "world_sizes": [2], "launch": {"plan_code": "auto"}},
     "no_world_sizes": {"name": "t", "op": "put_block"},
     "bad_semantics": {"name": "t", "op": "remote_st", "world_sizes": [2],
                       "params": {"semantics": "acquire", "scope": "sys"}},

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from tsgen.bench import bench_collective, best_baselines, human, parse_sizes  # noqa: E402
 
-# op -> list of (spec file, param overrides, launch.blocks)
+# op -> list of (spec file, param overrides, launch.blocks[, other launch overrides])
 SHIPPED = {
     "allgather": [("allgather", {}, None), ("allgather_ring", {}, None), ("allgather_ce", {}, None)],
     "reduce_scatter": [("reduce_scatter", {}, None), ("reduce_scatter_large", {}, None),
@@ -43,22 +43,27 @@ TUNE = {
     + [("all_to_all", {"peer_order": "pairwise", "blocks_per_peer": b}, b + 1) for b in (32, 64, 96)],
     "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, b + 8) for b in (8, 16, 64)]
     + [("all_reduce_one_shot", {"blocks_per_peer": b}, b + 1) for b in (4, 8, 16)]
+    # the table interpreter instead of straight-line code (A/B of launch.plan_code)
+    + [(name, {}, None, {"plan_code": "tables"}) for name in ("all_reduce_one_shot", "all_reduce_two_shot_pull")]
     + [("all_reduce_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (2, 8)],
     "broadcast": [("broadcast_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (8, 32)],
 }
 
 
-def variant_spec(tmp: Path, name: str, params: dict, blocks, dtype: str | None) -> tuple[str, Path]:
+def variant_spec(tmp: Path, name: str, params: dict, blocks, dtype: str | None,
+                 launch: dict | None = None) -> tuple[str, Path]:
     path = ROOT / "specs" / f"{name}.yaml"
-    if not params and blocks is None and dtype is None:
+    if not params and blocks is None and dtype is None and not launch:
         return name, path
     data = yaml.safe_load(path.read_text())
     data["params"] = {**data.get("params", {}), **params}
+    data["launch"] = {**data.get("launch", {}), **(launch or {})}
     if blocks is not None:
         data["launch"]["blocks"] = blocks
     if dtype is not None:
         data["dtype"] = dtype
-    label = name + "".join(f"_{k[:1]}{v}" for k, v in params.items()) + (f"_B{blocks}" if blocks else "")
+    label = (name + "".join(f"_{k[:1]}{v}" for k, v in params.items()) + (f"_B{blocks}" if blocks else "")
+             + "".join(f"_{v}" for v in (launch or {}).values()))
     data["name"] = label
     out = tmp / f"{label}.yaml"
     out.write_text(yaml.safe_dump(data))
@@ -73,18 +78,21 @@ def main():
     ap.add_argument("--ops", default="allgather,reduce_scatter,all_to_all,all_reduce,broadcast")
     ap.add_argument("--tune", action="store_true", help="also time tuning variants")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--only", default=None, help="comma-separated spec names: time just these variants")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated variant labels (a shipped spec's is its name; a tuning variant's "
+                    "adds its overrides, e.g. all_reduce_one_shot_b8_B9, all_reduce_one_shot_tables): time just these")
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
     tmp = Path(tempfile.mkdtemp())
     rows = []
     for op in args.ops.split(","):
         variants = SHIPPED[op] + (TUNE[op] if args.tune else [])
-        if args.only:
-            variants = [v for v in variants if v[0] in args.only.split(",")] or variants[:1]
         dtype = args.dtype
-        for name, params, blocks in variants:
-            label, path = variant_spec(tmp, name, params, blocks, dtype)
+        labelled = [(v[0], *variant_spec(tmp, *v[:3], dtype, *v[3:])) for v in variants]
+        if args.only:
+            only = args.only.split(",")
+            labelled = [v for v in labelled if v[1] in only] or labelled[:1]
+        for name, label, path in labelled:
             try:
                 for r in bench_collective(path, args.gpus, sizes):
                     r["variant"] = label

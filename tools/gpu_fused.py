@@ -51,6 +51,7 @@ BENCH_WORLD = 4
 BENCH_M = [4096, 8192, 16384]  # total rows
 K, N = 8192, 8192
 ITERS, WARMUP = 20, 3
+SAMPLES = 5  # timed samples of ITERS calls each; the median is reported
 MAX_REL_ERR = 1e-2
 CHECK_TIMEOUT_S, TSGEN_BENCH_TIMEOUT_S, TORCH_TIMEOUT_S, DEADLINE_S = 75, 90, 120, 280
 
@@ -88,6 +89,64 @@ def from_f32(cp, x):
 # ---------------------------------------------------------------------------
 # Child: correctness at one world size
 # ---------------------------------------------------------------------------
+
+
+def time_tsgen(world, module, bufs, iters: int, warmup: int) -> float:
+    """Milliseconds per call: `iters` calls queued back to back on one stream per GPU between
+    two events per GPU, the slowest GPU's time / iters; the median of SAMPLES such samples
+    (after `warmup` calls), so one disturbed sample does not decide a ratio."""
+    import cupy as cp
+
+    streams = {}  # the events must be on the stream the calls run on
+    for r in world.ranks:
+        with cp.cuda.Device(world.devices[r]):
+            streams[r] = cp.cuda.Stream(non_blocking=True)
+    for _ in range(warmup):
+        module.launch(bufs, streams=streams)
+    world.synchronize()
+    samples = []
+    for _ in range(SAMPLES):
+        ev = {}
+        for r in world.ranks:
+            with cp.cuda.Device(world.devices[r]):
+                ev[r] = (cp.cuda.Event(), cp.cuda.Event())
+                ev[r][0].record(streams[r])
+        for _ in range(iters):
+            module.launch(bufs, streams=streams)
+        for r in world.ranks:
+            with cp.cuda.Device(world.devices[r]):
+                ev[r][1].record(streams[r])
+        world.synchronize()
+        samples.append(max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / iters)
+    return sorted(samples)[len(samples) // 2]
+
+
+def time_torch(fn, iters: int, warmup: int, dev=None) -> float:
+    """Microseconds per call of fn (torch, on the current device), the same way: `iters`
+    calls between two events, median of SAMPLES samples; with a process group (dev given),
+    the slowest rank's."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(SAMPLES):
+        if dev is not None:
+            torch.distributed.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters * 1e3)
+    us = sorted(samples)[len(samples) // 2]
+    if dev is None:
+        return us
+    t = torch.tensor([us], device=dev)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
 
 
 def check(out: Path, world_size: int) -> dict:
@@ -169,25 +228,7 @@ def bench_tsgen(out: Path) -> dict:
                             bufs.array("a", r).view(cp.uint16)[...] = from_f32(cp, g.standard_normal(m * K, dtype=cp.float32))
                             bufs.array("b", r).view(cp.uint16)[...] = from_f32(
                                 cp, g.standard_normal(K * n_local, dtype=cp.float32))
-                    streams = {}  # the events must be on the stream the calls run on
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            streams[r] = cp.cuda.Stream(non_blocking=True)
-                    for _ in range(WARMUP):
-                        module.launch(bufs, streams=streams)
-                    world.synchronize()
-                    ev = {}
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r] = (cp.cuda.Event(), cp.cuda.Event())
-                            ev[r][0].record(streams[r])
-                    for _ in range(ITERS):
-                        module.launch(bufs, streams=streams)
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r][1].record(streams[r])
-                    world.synchronize()
-                    ms = max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / ITERS
+                    ms = time_tsgen(world, module, bufs, ITERS, WARMUP)
                     # the timed output is right: one row block of rank 0 against its reference
                     with cp.cuda.Device(world.devices[0]):
                         a1 = to_f32(cp, cp.asarray(bufs.array("a", 1).view(cp.uint16)[:128 * K].get())).reshape(128, K)
@@ -229,19 +270,7 @@ def torch_worker(cfg: dict, rank: int) -> list[dict]:
     n_local = cfg["n"] // world
 
     def timed(fn) -> float:
-        for _ in range(cfg["warmup"]):
-            fn()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(cfg["iters"]):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / cfg["iters"] * 1e3], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        return time_torch(fn, cfg["iters"], cfg["warmup"], dev)
 
     rows = []
     for m_total in cfg["ms"]:
@@ -343,7 +372,7 @@ def summarize(tsgen_rows: list[dict], torch_rows: list[dict],
 
 def markdown(s: dict) -> str:
     lines = [f"# allgather_gemm on {BENCH_WORLD} GPUs: K = N = {K} (N_local = {N // BENCH_WORLD}), bf16", "",
-             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {ITERS} calls back to back per sample.", "",
+             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {ITERS} calls back to back per sample, median of {SAMPLES} samples.", "",
              "| correctness | world | M_local | calls | max rel err | poison left | result |",
              "|---|---|---|---|---|---|---|"]
     for c in s["checks"]:
@@ -478,7 +507,10 @@ OPS = ["allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"]
 RS_SPECS = {"overlapped": ROOT / "specs" / "gemm_reduce_scatter.yaml",
             "plain": ROOT / "specs" / "gemm_reduce_scatter_plain.yaml",
             "push": ROOT / "specs" / "gemm_reduce_scatter_push.yaml",
-            "push interleaved": ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml"}
+            "push interleaved": ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml",
+            "push add": ROOT / "specs" / "gemm_reduce_scatter_push_add.yaml"}
+if os.environ.get("RS_ONLY"):  # e.g. RS_ONLY="push interleaved,push add": a shorter device run
+    RS_SPECS = {k: v for k, v in RS_SPECS.items() if k in os.environ["RS_ONLY"].split(",")}
 RS_WORLDS = [2, 4]
 RS_CHECK_COUNT = 129  # rows of C per rank: a full row tile and a tail per block
 RS_CALLS = 20
@@ -574,25 +606,7 @@ def rs_bench_tsgen(out: Path) -> dict:
                                 cp, g.standard_normal(m_total * k_local, dtype=cp.float32))
                             bufs.array("b", r).view(cp.uint16)[:k_local * N] = from_f32(
                                 cp, g.standard_normal(k_local * N, dtype=cp.float32))
-                    streams = {}  # the events must be on the stream the calls run on
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            streams[r] = cp.cuda.Stream(non_blocking=True)
-                    for _ in range(WARMUP):
-                        module.launch(bufs, streams=streams)
-                    world.synchronize()
-                    ev = {}
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r] = (cp.cuda.Event(), cp.cuda.Event())
-                            ev[r][0].record(streams[r])
-                    for _ in range(ITERS):
-                        module.launch(bufs, streams=streams)
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r][1].record(streams[r])
-                    world.synchronize()
-                    ms = max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / ITERS
+                    ms = time_tsgen(world, module, bufs, ITERS, WARMUP)
                     # the timed output is right: the first 64 rows of rank 0's C
                     with cp.cuda.Device(world.devices[0]):
                         ref = None
@@ -635,19 +649,7 @@ def rs_torch_worker(cfg: dict, rank: int) -> list[dict]:
     k_local = cfg["k"] // world
 
     def timed(fn) -> float:
-        for _ in range(cfg["warmup"]):
-            fn()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(cfg["iters"]):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / cfg["iters"] * 1e3], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        return time_torch(fn, cfg["iters"], cfg["warmup"], dev)
 
     rows = []
     for m_total in cfg["ms"]:
@@ -684,7 +686,7 @@ def rs_torch_worker(cfg: dict, rank: int) -> list[dict]:
 
 def rs_markdown(s: dict) -> str:
     lines = [f"# gemm_reduce_scatter on {BENCH_WORLD} GPUs: K = N = {K} (K/world = {K // BENCH_WORLD}), bf16", "",
-             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {ITERS} calls back to back per sample.", "",
+             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {ITERS} calls back to back per sample, median of {SAMPLES} samples.", "",
              "| correctness | world | rows of C per rank | calls | max rel err | poison left | result |",
              "|---|---|---|---|---|---|---|"]
     for c in s["checks"]:
@@ -886,25 +888,7 @@ def grid_bench_tsgen(out: Path, ops: list[str]) -> dict:
                                 cp, g.standard_normal(count * kb, dtype=cp.float32))
                             bufs.array("b", r).view(cp.uint16)[:kb * nb] = from_f32(
                                 cp, g.standard_normal(kb * nb, dtype=cp.float32))
-                    streams = {}
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            streams[r] = cp.cuda.Stream(non_blocking=True)
-                    for _ in range(GRID_WARMUP):
-                        module.launch(bufs, streams=streams)
-                    world.synchronize()
-                    ev = {}
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r] = (cp.cuda.Event(), cp.cuda.Event())
-                            ev[r][0].record(streams[r])
-                    for _ in range(GRID_ITERS):
-                        module.launch(bufs, streams=streams)
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r][1].record(streams[r])
-                    world.synchronize()
-                    ms = max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / GRID_ITERS
+                    ms = time_tsgen(world, module, bufs, GRID_ITERS, GRID_WARMUP)
                     # the timed output is right: the first 64 rows of C_00 = sum_s A_0s . B_s0
                     with cp.cuda.Device(world.devices[0]):
                         ref = None
@@ -945,16 +929,8 @@ def grid_cublas() -> dict:
     for size in GRID_SIZES:
         a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
         b = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
-        for _ in range(GRID_WARMUP):
-            torch.matmul(a, b)
-        torch.cuda.synchronize(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(GRID_ITERS):
-            torch.matmul(a, b)
-        end.record()
-        torch.cuda.synchronize(dev)
-        us = start.elapsed_time(end) / GRID_ITERS * 1e3
+        with torch.cuda.device(dev):
+            us = time_torch(lambda: torch.matmul(a, b), GRID_ITERS, GRID_WARMUP)
         rows.append({"impl": "cuBLAS (1 GPU, whole matrix)", "size": size, "us": us})
         print(f"  cuBLAS {size}^3 on one GPU: {us:.1f} us", flush=True)
         del a, b
@@ -964,7 +940,7 @@ def grid_cublas() -> dict:
 
 def grid_markdown(s: dict) -> str:
     lines = [f"# cannon / summa on a {GRID_Q} x {GRID_Q} grid ({GRID_WORLD} GPUs), bf16, C = A . B (whole size^3)", "",
-             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {GRID_ITERS} calls back to back per sample.", "",
+             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {GRID_ITERS} calls back to back per sample, median of {SAMPLES} samples.", "",
              "| correctness | world | rows per block | calls | max rel err | poison left | result |",
              "|---|---|---|---|---|---|---|"]
     for c in s["checks"]:

@@ -4,7 +4,8 @@
 # fused_all_gather_matmul; results under $OUT. Under 5 minutes (the script stops
 # starting steps after ~280 s; each step has its own timeout).
 # `--ops gemm_reduce_scatter` runs only gemm_reduce_scatter (world 2 and 4 checks, timing at
-# world 4; under 4 minutes); both ops need FUSED_TIMEOUT=590.
+# world 4; under 4 minutes); both ops need FUSED_TIMEOUT=590. RS_ONLY="push interleaved,push add"
+# (names of tools/gpu_fused.py RS_SPECS) checks and times only those.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout ${FUSED_TIMEOUT:-295} python3 tools/gpu_fused.py "$OUT" "$@"

@@ -139,7 +139,8 @@ def run_test(
                         want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
                         bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
                                              None if tol is None else tol[s.name][rank],
-                                             None if tol is None else spec.dtype, call)
+                                             None if tol is None else spec.dtype,
+                                             call if family.poison_survives(spec) else None)
                         t = tallies[rank]
                         t.checked += got.size
                         t.wrong += bad.size
@@ -147,7 +148,7 @@ def run_test(
                             i = int(bad[0])
                             t.first.append(
                                 f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
-                                f"({bad.size} wrong{', poison left: unwritten' if (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
+                                f"({bad.size} wrong{', poison left: unwritten' if family.poison_survives(spec) and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
                             )
         finally:
             bufs.free()
@@ -182,15 +183,18 @@ def load_call(world, bufs, inputs: dict[str, list[np.ndarray]], call: int) -> No
 
 
 def wrong_elements(got: np.ndarray, want: np.ndarray, tol: np.ndarray | None, dtype: str | None,
-                   call: int) -> np.ndarray:
+                   call: int | None) -> np.ndarray:
     """Indices of wrong elements: bits differ (tol None), or off by more than `tol` (values
-    of `dtype`), or still holding the poison bytes where the reference does not."""
+    of `dtype`), or still holding call `call`'s poison bytes where the reference does not
+    (call None: the op overwrites its outputs first, see OpFamily.poison_survives)."""
     got_bits, want_bits = as_bits(got), as_bits(np.ascontiguousarray(want))
     if tol is None:
         return np.flatnonzero(got_bits != want_bits)
     from .ops.collectives import to_f64
 
     diff = np.abs(to_f64(got_bits.view(want.dtype), dtype) - to_f64(want, dtype))
+    if call is None:
+        return np.flatnonzero(~(diff <= tol))
     poisoned = (got_bits == _poison_value(got_bits.dtype, call)) & (want_bits != got_bits)
     return np.flatnonzero(~(diff <= tol) | poisoned)
 

@@ -3,7 +3,8 @@
 A collective's plan says, for every rank, what each block of the kernel
 does, in order: wait for signals, copy or reduce one slice of memory (its
 share of a step), raise signals. The generated kernel is an interpreter of
-exactly this table (rendered as a __constant__ array), and `tsgen verify`
+exactly this table (rendered as a __constant__ array), or for a small plan
+straight-line code making the same share calls, and `tsgen verify`
 executes the same table on the CPU under many interleavings of ranks and
 blocks, so what is verified is what runs.
 
@@ -464,6 +465,21 @@ def opening_signal(plan: CommPlan, r: int) -> tuple[str, int, int] | None:
     return name, index, sum(1 << q for q in targets)
 
 
+def _openings(plan: CommPlan, hoist_opening: bool) -> list[tuple[str, int, int] | None]:
+    """Per rank, the opening signal rendered as code (see opening_signal), or None: hoisted
+    only when asked and every opening raises a counter of the same signal buffer."""
+    opens = [opening_signal(plan, r) if hoist_opening else None for r in range(plan.world)]
+    return [None] * plan.world if len({o[0] for o in opens if o}) > 1 else opens
+
+
+def block_shares(plan: CommPlan, hoist_opening: bool = False) -> list[list[list[Share]]]:
+    """Per rank, per block, the shares the kernel runs through its tables or straight-line
+    code: the plan's, less block 0's opening signal where that is hoisted into code."""
+    opens = _openings(plan, hoist_opening)
+    return [[lst[1:] if b == 0 and opens[r] else list(lst) for b, lst in enumerate(rp.blocks)]
+            for r, rp in enumerate(plan.ranks)]
+
+
 def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool = False) -> dict:
     """Initializer text of the step / share / block tables: one commented line per step;
     the shares of each block under one comment, SHARES_PER_LINE {step, share, shares}
@@ -474,15 +490,9 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool =
     def sl(rank_slice: tuple[int, Slice] | None) -> str:
         return c_slice(plan, buffer_index, rank_slice)
 
-    steps, step_base, shares, first, opening = [], [], [], [], []
+    steps, step_base, shares, first = [], [], [], []
     nshares = 0
-    # hoisted only when every opening raises a counter of the same signal buffer
-    opens_all = [opening_signal(plan, r) if hoist_opening else None for r in range(plan.world)]
-    if len({o[0] for o in opens_all if o}) > 1:
-        opens_all = [None] * plan.world
-    for r, rp in enumerate(plan.ranks):
-        opens = opens_all[r]
-        opening.append(None if opens is None else (buffer_index[opens[0]], opens[1], opens[2]))
+    for r, (rp, blocks) in enumerate(zip(plan.ranks, block_shares(plan, hoist_opening))):
         step_base.append(len(steps))
         for i, st in enumerate(rp.steps):
             srcs = ", ".join(sl(x) for x in st.srcs)
@@ -494,9 +504,7 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool =
                           f"{sl(st.dst)}, {{{srcs}}}, {{{also}}}, {{{waits}}}, {{{sigs}}}}}",
                           f"rank {r} step {i}: {what}"))
         row = []
-        for b, lst in enumerate(rp.blocks):
-            if b == 0 and opens is not None:
-                lst = lst[1:]  # raised by the kernel's opening code
+        for b, lst in enumerate(blocks):
             row.append(nshares)
             entries = [f"{{{sh.step}, {sh.share}, {sh.shares}}}" for sh in lst]
             lines = [", ".join(entries[i:i + SHARES_PER_LINE]) for i in range(0, len(entries), SHARES_PER_LINE)]
@@ -506,6 +514,7 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool =
             nshares += len(lst)
         row.append(nshares)
         first.append(row)
+    opening = [None if o is None else (buffer_index[o[0]], o[1], o[2]) for o in _openings(plan, hoist_opening)]
     return {"steps": steps, "step_base": step_base, "shares": shares, "nshares": nshares, "first": first,
             "opening": opening}
 
@@ -523,6 +532,61 @@ def _describe(r: int, st: Step) -> str:
     if st.blocks > 1:
         parts.append(f"{st.blocks} blocks")
     return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Small plans as straight-line code (plan<W>::run in templates/ops/plan_tables.cu.j2)
+# ---------------------------------------------------------------------------
+
+# A plan runs as straight-line code (launch.plan_code: auto) when that code makes at most
+# this many share calls over all ranks. Each call inlines a copy or reduce loop (world-size-4
+# reduce_scatter: 40 calls, 16k SASS instructions against the interpreter's 1.7k), so this
+# bounds the kernel's size and compile time. Shipped specs: one_shot, two_shot_pull and
+# broadcast push take at most 24 calls at any world size; the allgather / all_to_all /
+# reduce_scatter push plans 28 to 40 at world size 4 and 80 to 160 at 8; the ring plans and
+# the 8-piece pipelines (all_reduce two_shot, reduce_scatter_large) fold their thousands of
+# shares into 32 to 50 calls at world size 2 (broadcast ring also at 3), 66 or more beyond.
+STRAIGHT_LINE_MAX_CALLS = 64
+
+
+@dataclass(frozen=True)
+class ShareGroup:
+    """Blocks lo..hi-1 of one rank that run the same steps the same way: block lo + i
+    runs, in order, share sh.share + i of sh.shares of step sh.step for each sh in
+    `shares` (block lo's list)."""
+
+    lo: int
+    hi: int
+    shares: tuple[Share, ...]
+
+
+def straight_line_groups(plan: CommPlan, hoist_opening: bool = False) -> tuple[list[list[ShareGroup]], int]:
+    """Each rank's blocks as groups for straight-line code, and how many share calls that
+    code makes (the groups' list lengths summed over all ranks). Consecutive blocks join a
+    group when their share lists, as the tables hold them (block_shares), have the same
+    length, steps and splits, and each entry's share is its block-lo share plus the
+    distance from lo: one call site then serves every block of the group. Blocks with
+    nothing to do are in no group."""
+    groups, calls = [], 0
+    for blocks in block_shares(plan, hoist_opening):
+        mine = []
+        b = 0
+        while b < len(blocks):
+            lo, first = b, blocks[b]
+            b += 1
+            while b < len(blocks) and _continues(first, blocks[b], b - lo):
+                b += 1
+            if first:
+                mine.append(ShareGroup(lo, b, tuple(first)))
+                calls += len(first)
+        groups.append(mine)
+    return groups, calls
+
+
+def _continues(first: list[Share], shares: list[Share], i: int) -> bool:
+    """`shares` is what a block i blocks after the one running `first` runs in its group."""
+    return len(shares) == len(first) and all(
+        (s.step, s.share, s.shares) == (f.step, f.share + i, f.shares) for s, f in zip(shares, first))
 
 
 # ---------------------------------------------------------------------------

@@ -13,8 +13,9 @@
 //   sig[READY + s] = e: source s's rows of call e have landed in this rank's a_full
 //                  (raised by s after its copy completed, waited for by the GEMM here).
 // gemm_reduce_scatter reads them so (see ScatterHook): FREE[q] = e: rank q has entered call
-// e, so its previous call's reduce no longer reads this rank's partial; READY[s] = e (at
-// the owner): source s's partial block for this rank is stored in s's memory.
+// e, so its previous call's reduce no longer reads this rank's partial (push, reduce: add:
+// and q's c is zeroed for this call's adds); READY[s] = e (at the owner): source s's partial
+// block for this rank is stored in s's memory (push: in the owner's; add: added into its c).
 // The epoch e is the device call counter: the entry kernel advances calls[0] to e on
 // the caller's stream before anything else of the call, every later kernel of the call
 // reads calls[0] (stream order after the entry), so CUDA graph replay works.
@@ -129,12 +130,17 @@ struct ScatterHook {
   }
 };
 
-// push: the overlapped hook whose tiles of block q are stored into rank q's partial
+// push: the overlapped hook whose tiles of block q go into rank q's memory. ADD = false:
+// stored into q's partial at slot `rank` (push[q]: q's partial, 3-D, slot = source rank);
+// ADD = true: added into q's c itself (push[q]: q's c, 3-D with one batch), which q zeroed
+// before it raised FREE[q] -- no slots, and no sum after the GEMM.
+template <bool ADD>
 struct PushHook : ScatterHook<true> {
-  const CUtensorMap* push;  // world maps: push[q] = rank q's partial (3-D, slot = source rank)
+  static constexpr bool REDUCE_ADD = ADD;
+  const CUtensorMap* push;  // world maps, push[q] for owner q
 
   __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) const {
-    z = (int)rank;  // our slot in the owner's partial
+    z = ADD ? 0 : (int)rank;  // our slot in the owner's partial, or its only batch
     return push + batch;
   }
 };
@@ -280,6 +286,7 @@ enum SyncMode : int {
   WAIT_FREE = 1,   // wait until every peer raised FREE[peer] here (its a_full is ours to write)
   SIGNAL = 2,      // the copy to `target` completed: raise READY[rank] at target
   SIGNAL_ALL = 3,  // every copy completed: raise READY[rank] at every peer, then wait for all READY here
+  WAIT_READY = 4,  // wait until every peer raised READY[peer] here (its adds into our c are done)
 };
 
 template <int WORLD>
@@ -296,9 +303,11 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     return;
   }
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
-  if (mode == WAIT_FREE) {
+  if (mode == WAIT_FREE || mode == WAIT_READY) {
+    const int base = mode == WAIT_FREE ? FREE : READY;
     if (t < WORLD && t != rank)
-      wait_ge_acquire_sys(sig + FREE + t, epoch, tsgen_make_site("sig.free", rank, rank, FREE + t));
+      wait_ge_acquire_sys(sig + base + t, epoch,
+                          tsgen_make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
     return;
   }
   // The copy engine's writes completed before this kernel started (stream order); the

@@ -185,6 +185,16 @@ static __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint
                : "memory");
 }
 
+// The same box added into global memory instead of stored: an element-wise reduction
+// (the tensor map's type: bf16 / fp16 adds) done where the memory is -- in a peer's L2
+// when the map points there. Concurrent adds to one element are atomic; their order is not fixed.
+static __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                   map),
+               "r"(x), "r"(y), "r"(z), "r"(src)
+               : "memory");
+}
+
 // Orders this thread's earlier generic-proxy accesses (an acquire load of a signal) before
 // its later async-proxy ones (TMA loads of the data the signal announced).
 static __device__ __forceinline__ void fence_proxy_async_global() {
@@ -381,6 +391,14 @@ template <class H, class = void>
 struct HasStored : std::false_type {};
 template <class H>
 struct HasStored<H, std::void_t<decltype(std::declval<H&>().stored(0u, true))>> : std::true_type {};
+//   REDUCE_ADD               (a static constexpr bool; batched C only) true: the epilogue
+//                            adds each tile into C (TMA reduce-add, tma_reduce_add_3d) instead
+//                            of storing it: several GEMMs sum into one C (gemm_reduce_scatter
+//                            push with reduce: add)
+template <class H, class = void>
+struct ReducesIntoC : std::false_type {};
+template <class H>
+struct ReducesIntoC<H, std::void_t<decltype(H::REDUCE_ADD)>> : std::integral_constant<bool, H::REDUCE_ADD> {};
 
 template <class C>
 struct Layout {
@@ -602,7 +620,8 @@ static __device__ __forceinline__ void release_stage(uint32_t empty) {
 // Accumulators of rows [m0, m0 + WG_M) x columns [n0, n0 + TILE_N) -> C, through
 // the warpgroup's two 64 x 64 chunk buffers and TMA stores (one in flight while
 // the next chunk is written). `chunks` counts this warpgroup's chunks (buffer parity).
-template <class C>
+// ADD: the chunks are added into C (TMA reduce-add) instead of stored.
+template <class C, bool ADD = false>
 static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOCKS][Layout<C>::ACC],
                                                   const CUtensorMap* c_map, uint32_t buffers, uint32_t cw,
                                                   uint32_t m0, uint32_t n0, int z, uint32_t rows,
@@ -633,7 +652,10 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
       fence_proxy_async_shared_cta();  // our shared-memory writes, visible to the TMA engine
       named_barrier_sync(1 + cw, 128);
       if (t == 0) {
-        if constexpr (L::BATCHES > 1) {
+        if constexpr (ADD) {
+          static_assert(L::BATCHES > 1, "reduce-add epilogues use batched (3-D) C maps");
+          tma_reduce_add_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, z);
+        } else if constexpr (L::BATCHES > 1) {
           tma_store_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, z);
         } else {
           tma_store_2d(c_map, buf, (int)(n0 + 64 * j), (int)r0);
@@ -694,7 +716,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
     const CUtensorMap* to = c_map;
     if constexpr (HasCMap<Hook>::value) to = hook.c_map(c_map, batch, z);
     const uint32_t before = chunks;
-    store_tile<C>(acc, to, buffers, cw, m0, n0, z, rows, chunks);
+    store_tile<C, ReducesIntoC<Hook>::value>(acc, to, buffers, cw, m0, n0, z, rows, chunks);
     if constexpr (HasStored<Hook>::value) {
       if (pending) {  // the previous tile's stores are done once at most this tile's are in flight
         if (leader) bulk_wait_group_at_most<L::M_BLOCKS * (C::TILE_N / 64)>(chunks - before);

@@ -92,6 +92,9 @@ class Kernel:
     args: tuple[Arg, ...]
     # arguments of the host launcher, before its trailing cudaStream_t (None: `args`)
     launcher_args: tuple[Arg, ...] | None = None
+    # blocks per SM the kernel is compiled to fit (__launch_bounds__' second argument; 0: not
+    # given, and ptxas may trade spills for more blocks per SM)
+    min_blocks: int = 0
 
     @property
     def launcher(self) -> str:
@@ -164,6 +167,13 @@ class OpFamily:
     def tolerance(self, spec: Any, world: int, count: int, inputs: dict) -> dict | None:
         """Allowed absolute error per output element; None: bit-exact."""
         return None
+
+    def poison_survives(self, spec: Any) -> bool:
+        """Whether an output element the kernel never writes still holds the harness's poison
+        after a call: then an element equal to the poison where the reference differs is
+        counted unwritten, even inside the tolerance. False where the launch overwrites every
+        output element before its kernels do their work (a missed element shows as a value)."""
+        return True
 
     def template_vars(self, spec: Any) -> dict[str, Any]:
         """Extra names the op's template uses (beyond spec, plan, constants)."""

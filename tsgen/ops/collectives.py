@@ -4,7 +4,8 @@ Each family builds, for every world size, a CommPlan (tsgen/plan.py): the
 steps every rank takes, the signals between them, and the contributions
 every output slice must end up with. The template renders the plan as
 tables that one interpreter kernel executes (templates/include/
-tsgen_plan.cuh), and `tsgen verify` executes the same plan on the CPU.
+tsgen_plan.cuh) -- a small plan also as straight-line code making the same
+share calls --, and `tsgen verify` executes the same plan on the CPU.
 
 Conventions (as NCCL's): `count` is elements per rank of the smaller side:
 allgather takes count and returns world x count; reduce_scatter takes
@@ -24,11 +25,28 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from ..plan import MAX_WAITS, CommPlan, SignalRef, Slice, Step, schedule, stream_program
-from ..spec import SpecBase, StrictModel
+from ..plan import (MAX_WAITS, STRAIGHT_LINE_MAX_CALLS, CommPlan, ShareGroup, SignalRef, Slice, Step, schedule,
+                    straight_line_groups, stream_program)
+from ..spec import Launch, SpecBase, StrictModel
 from .base import CALLS, Arg, Buffer, OpFamily, Plan, fill
 
 CollectiveDtype = Literal["bfloat16", "float16", "float32", "int32"]
+
+
+# 512 threads x 128 registers fill an SM's register file: the most straight-line code may take
+STRAIGHT_LINE_MAX_THREADS = 512
+
+
+class CollectiveLaunch(Launch):
+    """Launch shape and copy tuning, and how the kernel runs its plan."""
+
+    plan_code: Literal["auto", "tables"] = Field(
+        "auto", description="how the kernel runs its plan (transport p2p; other transports always use the "
+        f"tables): auto: a world size whose plan takes at most {STRAIGHT_LINE_MAX_CALLS} share calls as "
+        "straight-line code (blocks that run the same steps share a call) runs that code, every step a "
+        f"compile-time constant (with at most {STRAIGHT_LINE_MAX_THREADS} threads), and a larger plan the table "
+        "interpreter; tables: always the table interpreter, "
+        "which reads the next share's step from the tables after every wait")
 
 
 class CollectiveParams(StrictModel):
@@ -86,8 +104,10 @@ def _spec(kind: str, params: type) -> type[SpecBase]:
         f"{kind.title().replace('_', '')}Spec",
         (SpecBase,),
         {
-            "__annotations__": {"op": Literal[kind], "dtype": CollectiveDtype, "params": params},
+            "__annotations__": {"op": Literal[kind], "dtype": CollectiveDtype, "params": params,
+                                "launch": CollectiveLaunch},
             "dtype": "bfloat16",
+            "launch": CollectiveLaunch(),
             "params": params(),
             "__doc__": f"Spec of collective `{kind}`.",
         },
@@ -152,15 +172,36 @@ class CollectiveFamily(OpFamily):
 
     def plan(self, spec: Any) -> Plan:
         plan = super().plan(spec)
-        if not self.copy_engine(spec):
-            return plan
-        # The host launcher also needs the peer table in host memory (memcpy addresses).
-        kernels = []
-        for k in plan.kernels:
-            args = k.args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + k.args[1:]
-            kernels.append(dataclasses.replace(k, launcher_args=args))
-        plan.kernels = tuple(kernels)
+        if self.copy_engine(spec):
+            # The host launcher also needs the peer table in host memory (memcpy addresses).
+            kernels = []
+            for k in plan.kernels:
+                args = k.args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + k.args[1:]
+                kernels.append(dataclasses.replace(k, launcher_args=args))
+            plan.kernels = tuple(kernels)
+        # Straight-line code keeps every source of a reduction in flight at once, which takes
+        # more registers than the interpreter; ptxas's default may cap them at what a second
+        # block per SM leaves and spill. Collectives run one block per SM (at most 132).
+        straight = self.straight_line(spec)
+        plan.kernels = tuple(dataclasses.replace(k, min_blocks=1) if k.world_size in straight else k
+                             for k in plan.kernels)
         return plan
+
+    def straight_line(self, spec: Any) -> dict[int, list[list[ShareGroup]]]:
+        """World size -> each rank's block groups, for the world sizes whose SM kernel runs its
+        plan as straight-line code: launch.plan_code auto, at most STRAIGHT_LINE_MAX_CALLS share
+        calls, and at most STRAIGHT_LINE_MAX_THREADS threads (with more, ptxas caps a thread at
+        fewer registers than straight-line reductions keep in flight, and spills). The
+        copy-engine and NVSHMEM executors, and multimem, have no such code."""
+        if (self.template_for(spec) != self.template or spec.launch.plan_code != "auto"
+                or spec.launch.threads > STRAIGHT_LINE_MAX_THREADS):
+            return {}
+        out = {}
+        for w in spec.world_sizes:
+            groups, calls = straight_line_groups(self.comm_plan(spec, w), hoist_opening=True)
+            if calls <= STRAIGHT_LINE_MAX_CALLS:
+                out[w] = groups
+        return out
 
     def signal_sizes(self, spec: Any, w: int) -> dict[str, int]:
         raise NotImplementedError
@@ -268,6 +309,8 @@ class CollectiveFamily(OpFamily):
         plans = {w: self.comm_plan(spec, w) for w in spec.world_sizes}
         table = (CALLS,) + tuple(self.buffers(spec))  # the order plan.buffers has
         out |= {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
+        # the SM kernel (collective.cu.j2) raises each rank's opening signal in code
+        out |= {"hoist_opening": self.template_for(spec) == self.template, "straight_line": self.straight_line(spec)}
         if self.copy_engine(spec):
             out["stream_programs"] = {w: [stream_program(cp, r) for r in range(w)] for w, cp in plans.items()}
             out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in self.plan(spec).kernels[0].launcher_args)

@@ -170,6 +170,12 @@ class GemmReduceScatterParams(GemmParams):
         "blocked", description="push: blocked walks the row blocks one after the other (all pushes go to one "
         "owner at a time); interleaved deals tiles round-robin over the owners, so the pushes spread over every "
         "link for the whole GEMM (pull and none: blocked only, their reduce waits for whole blocks in order)")
+    reduce: Literal["slots", "add"] = Field(
+        "slots", description="push: slots stores each source's tiles in its own slot of the owner's partial and "
+        "sums the slots in fp32 after the GEMM (deterministic: the same bits every call); add adds the tiles "
+        "straight into the owner's C (TMA reduce-add, done in the owner's memory): no partial buffer and no "
+        "sum kernel, but each add rounds to 16 bits and the adds land in no fixed order (the result may "
+        "differ in the last bits from call to call)")
 
 
 class GemmReduceScatterSpec(SpecBase):
@@ -206,6 +212,10 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
                      of the peer table); the last tile of block q raises READY at q once
                      written; after the GEMM (all SMs) each rank waits for every READY and
                      writes c = the fp32 sum of its partial's slots, all local reads.
+                     With reduce: add there are no slots: the owner zeroes c before its entry
+                     (FREE), the epilogues add their tiles into the owner's c (TMA reduce-add,
+                     16-bit adds in the owner's memory), and a one-block kernel waits for every
+                     READY (no sum kernel, no `partial`; not bit-reproducible).
     Cross-call hazard: a rank writes block q of `partial` only after rank q entered the call
     (FREE[q], raised by q's entry kernel after q's previous reduce ended, in stream order).
     """
@@ -231,6 +241,10 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
             problems.append((("params", "batch_order"),
                              f"interleaved needs overlap: push (overlap: {p.overlap} reduces whole row blocks in "
                              "the order they finish)"))
+        if p.reduce == "add" and p.overlap != "push":
+            problems.append((("params", "reduce"),
+                             f"add needs overlap: push (overlap: {p.overlap} sums the partials it pulls; only push "
+                             "stores tiles into the owner's memory, where they can be added)"))
         if p.overlap == "pull" and p.reserve_sms % 2:
             problems.append((("params", "reserve_sms"),
                              f"{p.reserve_sms} is odd: the reduce kernel runs in clusters of 2 CTAs"))
@@ -246,8 +260,9 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
             # K/world x N; sized K x N (the manifest's sizes have no 1/world term): the first K/world rows
             Buffer("b", spec.dtype, "input", per_count=0, fixed=p.k * p.n),
             Buffer("c", spec.dtype, "output", per_count=p.n),  # count x N
-            Buffer("partial", spec.dtype, "scratch", per_count=0, per_world_count=p.n),  # (world x count) x N
         ]
+        if p.reduce != "add":  # add sums into c itself
+            bufs.append(Buffer("partial", spec.dtype, "scratch", per_count=0, per_world_count=p.n))  # (world x count) x N
         if p.overlap == "pull":
             bufs.append(Buffer("acc", "float32", "scratch", per_count=p.n))  # count x N, fp32
         bufs.append(Buffer("sig", "uint64", "signal", per_count=0, fixed=RS_SIGNALS))
@@ -310,7 +325,9 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
 
     def tolerance(self, spec, world, count, inputs):
         """Each partial is rounded to 16 bits before the fp32 sum, the sum once more: one unit in
-        the last place of every partial and of the result, plus the fp32 sums' own rounding."""
+        the last place of every partial and of the result, plus the fp32 sums' own rounding.
+        reduce: add rounds the running sum after each of the world adds instead (a unit of the
+        magnitude summed so far, at most `mag`, per add)."""
         ulp = 2.0**-7 if spec.dtype == "bfloat16" else 2.0**-10
         parts = self.partials(spec, world, count, inputs)
         amax = max(np.abs(to_f64(x, spec.dtype)).max(initial=0) for x in inputs["a"])
@@ -320,8 +337,15 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
             rows = slice(r * count, (r + 1) * count)
             mag = sum(np.abs(x[rows]) for x in parts).astype(np.float64)
             total = np.abs(sum(x[rows] for x in parts)).astype(np.float64)
-            out.append((ulp * (mag + total) + 2.0**-16 * world * np.sqrt(spec.params.k) * amax * bmax).reshape(-1))
+            roundings = world if spec.params.reduce == "add" else 1
+            out.append((ulp * (roundings * mag + total) + 2.0**-16 * world * np.sqrt(spec.params.k) * amax * bmax).reshape(-1))
         return {"c": out}
+
+    def poison_survives(self, spec):
+        """reduce: add zeroes c at the start of every call (its adds land on zeros): poison never
+        survives, and a correct sum may equal the poison's bits while the reference, rounded
+        once instead of after each add, differs in the last bit."""
+        return spec.params.reduce != "add"
 
     def bytes_moved(self, spec, world, count):
         """Each rank pulls its row block from every peer: (world - 1) x count x N 16-bit values."""
