@@ -1261,6 +1261,16 @@ struct HasStored<H, std::void_t<decltype(std::declval<H&>().stored(0u, true))>> 
 //                            adds each tile into C (TMA reduce-add, tma_reduce_add_3d) instead
 //                            of storing it: several GEMMs sum into one C (gemm_reduce_scatter
 //                            push with reduce: add)
+//   side_work(t, n)          threads 32 + t (t < n = 96) of the producer warpgroup, once, beside
+//                            the pipeline (they have nothing else to do; 40 registers each):
+//                            gemm_reduce_scatter add zeroes its C there while the first tiles'
+//                            MMAs run. Named barrier SIDE_BARRIER is theirs.
+template <class H, class = void>
+struct HasSideWork : std::false_type {};
+template <class H>
+struct HasSideWork<H, std::void_t<decltype(std::declval<H&>().side_work(0u, 0u))>> : std::true_type {};
+constexpr uint32_t SIDE_THREADS = 96, SIDE_BARRIER = 3;  // consumers use barriers 1 + warpgroup
+
 template <class H, class = void>
 struct ReducesIntoC : std::false_type {};
 template <class H>
@@ -1630,7 +1640,12 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     if constexpr (C::CONSUMERS == 2) setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) produce<C>(a_map, b_map, smem, rows, hook);
+    if (threadIdx.x == 0) {
+      produce<C>(a_map, b_map, smem, rows, hook);
+    } else if constexpr (HasSideWork<Hook>::value) {
+      static_assert(C::CONSUMERS + 1 <= (int)SIDE_BARRIER, "the side threads' named barrier is free");
+      if (threadIdx.x >= 128 - SIDE_THREADS) hook.side_work(threadIdx.x - (128 - SIDE_THREADS), SIDE_THREADS);
+    }
   } else {
     if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
     consume<C>(c_map, smem, rows, warpgroup - 1, hook);

@@ -34,7 +34,7 @@
 //   b        __nv_bfloat16  input  62914560
 //   c        __nv_bfloat16  output 8192 * count
 //   partial  __nv_bfloat16  scratch 8192 * world * count
-//   sig      uint64_t       signal 24
+//   sig      uint64_t       signal 26
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -1259,6 +1259,16 @@ struct HasStored<H, std::void_t<decltype(std::declval<H&>().stored(0u, true))>> 
 //                            adds each tile into C (TMA reduce-add, tma_reduce_add_3d) instead
 //                            of storing it: several GEMMs sum into one C (gemm_reduce_scatter
 //                            push with reduce: add)
+//   side_work(t, n)          threads 32 + t (t < n = 96) of the producer warpgroup, once, beside
+//                            the pipeline (they have nothing else to do; 40 registers each):
+//                            gemm_reduce_scatter add zeroes its C there while the first tiles'
+//                            MMAs run. Named barrier SIDE_BARRIER is theirs.
+template <class H, class = void>
+struct HasSideWork : std::false_type {};
+template <class H>
+struct HasSideWork<H, std::void_t<decltype(std::declval<H&>().side_work(0u, 0u))>> : std::true_type {};
+constexpr uint32_t SIDE_THREADS = 96, SIDE_BARRIER = 3;  // consumers use barriers 1 + warpgroup
+
 template <class H, class = void>
 struct ReducesIntoC : std::false_type {};
 template <class H>
@@ -1628,7 +1638,12 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     if constexpr (C::CONSUMERS == 2) setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) produce<C>(a_map, b_map, smem, rows, hook);
+    if (threadIdx.x == 0) {
+      produce<C>(a_map, b_map, smem, rows, hook);
+    } else if constexpr (HasSideWork<Hook>::value) {
+      static_assert(C::CONSUMERS + 1 <= (int)SIDE_BARRIER, "the side threads' named barrier is free");
+      if (threadIdx.x >= 128 - SIDE_THREADS) hook.side_work(threadIdx.x - (128 - SIDE_THREADS), SIDE_THREADS);
+    }
   } else {
     if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
     consume<C>(c_map, smem, rows, warpgroup - 1, hook);
@@ -1826,7 +1841,7 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 //                  (raised by s after its copy completed, waited for by the GEMM here).
 // gemm_reduce_scatter reads them so (see ScatterHook): FREE[q] = e: rank q has entered call
 // e, so its previous call's reduce no longer reads this rank's partial (push, reduce: add:
-// and q's c is zeroed for this call's adds); READY[s] = e (at the owner): source s's partial
+// raised by q's GEMM once q's c is zero for this call's adds); READY[s] = e (at the owner): source s's partial
 // block for this rank is stored in s's memory (push: in the owner's; add: added into its c).
 // The epoch e is the device call counter: the entry kernel advances calls[0] to e on
 // the caller's stream before anything else of the call, every later kernel of the call
@@ -1893,7 +1908,10 @@ struct GatherHook {
 // says the data is already there; ScatterHook stores them in this rank's own partial.
 // ---------------------------------------------------------------------------
 constexpr int TILES = 2 * MAX_WORLD;  // sig[TILES + q]: tiles of block q stored in this call
-constexpr int RS_SIGNALS = 3 * MAX_WORLD;
+// push with reduce: add: sig[ZEROING] counts the CTAs that zeroed their share of our c in this
+// call (reset by the last); sig[ZEROED] = e: all of it is zero for call e
+constexpr int ZEROING = 3 * MAX_WORLD, ZEROED = ZEROING + 1;
+constexpr int RS_SIGNALS = ZEROED + 1;
 
 // push: every owner's partial as a 3-D tensor map (a kernel parameter, __grid_constant__)
 template <int WORLD>
@@ -1942,17 +1960,51 @@ struct ScatterHook {
   }
 };
 
-// push: the overlapped hook whose tiles of block q go into rank q's memory. ADD = false:
-// stored into q's partial at slot `rank` (push[q]: q's partial, 3-D, slot = source rank);
-// ADD = true: added into q's c itself (push[q]: q's c, 3-D with one batch), which q zeroed
-// before it raised FREE[q] -- no slots, and no sum after the GEMM.
-template <bool ADD>
+// push: the overlapped hook whose tiles of block q are stored into rank q's partial
 struct PushHook : ScatterHook<true> {
-  static constexpr bool REDUCE_ADD = ADD;
-  const CUtensorMap* push;  // world maps, push[q] for owner q
+  const CUtensorMap* push;  // world maps: push[q] = rank q's partial (3-D, slot = source rank)
 
   __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) const {
-    z = ADD ? 0 : (int)rank;  // our slot in the owner's partial, or its only batch
+    z = (int)rank;  // our slot in the owner's partial
+    return push + batch;
+  }
+};
+
+// push with reduce: add: the tiles of block q are added into rank q's c itself (push[q]: q's
+// c, 3-D with one batch) -- no slots, no sum after the GEMM. c must be zero first: each CTA's
+// idle producer threads zero its share of our c (side_work) and the last CTA to finish raises
+// FREE[rank] at every peer. The consumers wait before their first add into q's c (FREE[q], or
+// ZEROED for our own), not the producer before its loads: the first tiles' MMAs run while
+// every rank zeroes its c.
+struct AddHook : ScatterHook<true> {
+  static constexpr bool REDUCE_ADD = true;
+  const CUtensorMap* push;  // world maps, push[q] for owner q
+  uint4* c;                 // our c
+  uint64_t vectors;         // its 16-byte vectors
+  uint32_t zeroed;          // bit q: this thread has seen q's c zeroed for this call
+
+  __device__ __forceinline__ void wait(uint32_t) {}  // loads need nothing; adds wait in c_map
+  __device__ __forceinline__ void side_work(uint32_t t, uint32_t n) {
+    const uint64_t stride = (uint64_t)gridDim.x * n;
+    for (uint64_t i = (uint64_t)blockIdx.x * n + t; i < vectors; i += stride) c[i] = make_uint4(0u, 0u, 0u, 0u);
+    __threadfence();  // our zeros, before the CTA is counted below
+    tsgen_gemm::named_barrier_sync(tsgen_gemm::SIDE_BARRIER, n);
+    if (t != 0) return;
+    const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + ZEROING, 1ull);
+    if (before + 1 == (uint64_t)gridDim.x) {  // every CTA's share is zero (acquired through the counter)
+      st_relaxed_gpu_global_u64(sig + ZEROING, 0ull);  // for the next call (stream order)
+      fence_acq_rel_sys();
+      st_release_gpu_global_u64(sig + ZEROED, epoch);
+      for (uint32_t q = 0; q < world; ++q)
+        if (q != rank) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)q) + FREE + rank, epoch);
+    }
+  }
+  __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) {
+    if (!((zeroed >> batch) & 1u)) {  // q's c is zero for this call (then: toward the async proxy)
+      tsgen_gemm::wait_signal_ge_sys(batch == rank ? sig + ZEROED : sig + FREE + batch, epoch);
+      zeroed |= 1u << batch;
+    }
+    z = 0;  // the owner's c: one batch
     return push + batch;
   }
 };
@@ -2099,18 +2151,19 @@ enum SyncMode : int {
   SIGNAL = 2,      // the copy to `target` completed: raise READY[rank] at target
   SIGNAL_ALL = 3,  // every copy completed: raise READY[rank] at every peer, then wait for all READY here
   WAIT_READY = 4,  // wait until every peer raised READY[peer] here (its adds into our c are done)
+  BEGIN = 5,       // advance calls[0] only (push add: the GEMM raises FREE once our c is zero)
 };
 
 template <int WORLD>
 static __device__ __forceinline__ void sync_body(char* const* peers, int rank, uint64_t* calls, uint64_t* sig,
                                                  int mode, int target) {
   const int t = threadIdx.x;
-  if (mode == ENTRY) {
+  if (mode == ENTRY || mode == BEGIN) {
     // the previous call's kernels on this stream (its GEMM included) are done: stream order
     const uint64_t epoch = ld_relaxed_gpu_global_u64(calls) + 1;
     __syncthreads();  // everyone has read calls[0] before thread 0 advances it
     if (t == 0) st_relaxed_gpu_global_u64(calls, epoch);
-    if (t < WORLD && t != rank)
+    if (mode == ENTRY && t < WORLD && t != rank)
       st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
     return;
   }
@@ -2310,8 +2363,8 @@ gemm_reduce_scatter_odd_world_w2_gemm(const __grid_constant__ CUtensorMap a_map,
                                       const uint64_t* calls, uint64_t* sig, int rank, uint64_t count) {
   using C = gemm_reduce_scatter_odd_world::Config<2>;
   const uint32_t expected = tsgen_gemm::Scheduler<C>::batch_tiles((uint32_t)count) * C::CLUSTER * C::CONSUMERS;
-  tsgen_fused::PushHook<false> hook{
-      {peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank, 2u, expected, 0u}, push.to};
+  tsgen_fused::PushHook hook{ {peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank, 2u, expected, 0u},
+                             push.to};
   tsgen_gemm::run<C>(&a_map, &b_map, &push.to[rank], (uint32_t)count, hook);
 }
 
@@ -2368,6 +2421,7 @@ extern "C" cudaError_t gemm_reduce_scatter_odd_world_w2_launch(char* const* peer
                                            gemm_reduce_scatter_odd_world::RESERVE_SMS, &grid));
   constexpr unsigned FULL = (gemm_reduce_scatter_odd_world::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
   constexpr int T = gemm_reduce_scatter_odd_world::REDUCE_THREADS, SMEM = gemm_reduce_scatter_odd_world::REDUCE_SMEM;
+  // the entry: calls[0] -> this call's epoch, FREE raised at every peer
   gemm_reduce_scatter_odd_world_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   PushMaps<WORLD> push;
@@ -2388,8 +2442,8 @@ gemm_reduce_scatter_odd_world_w3_gemm(const __grid_constant__ CUtensorMap a_map,
                                       const uint64_t* calls, uint64_t* sig, int rank, uint64_t count) {
   using C = gemm_reduce_scatter_odd_world::Config<3>;
   const uint32_t expected = tsgen_gemm::Scheduler<C>::batch_tiles((uint32_t)count) * C::CLUSTER * C::CONSUMERS;
-  tsgen_fused::PushHook<false> hook{
-      {peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank, 3u, expected, 0u}, push.to};
+  tsgen_fused::PushHook hook{ {peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank, 3u, expected, 0u},
+                             push.to};
   tsgen_gemm::run<C>(&a_map, &b_map, &push.to[rank], (uint32_t)count, hook);
 }
 
@@ -2446,6 +2500,7 @@ extern "C" cudaError_t gemm_reduce_scatter_odd_world_w3_launch(char* const* peer
                                            gemm_reduce_scatter_odd_world::RESERVE_SMS, &grid));
   constexpr unsigned FULL = (gemm_reduce_scatter_odd_world::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
   constexpr int T = gemm_reduce_scatter_odd_world::REDUCE_THREADS, SMEM = gemm_reduce_scatter_odd_world::REDUCE_SMEM;
+  // the entry: calls[0] -> this call's epoch, FREE raised at every peer
   gemm_reduce_scatter_odd_world_w3_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   PushMaps<WORLD> push;
@@ -2466,8 +2521,8 @@ gemm_reduce_scatter_odd_world_w4_gemm(const __grid_constant__ CUtensorMap a_map,
                                       const uint64_t* calls, uint64_t* sig, int rank, uint64_t count) {
   using C = gemm_reduce_scatter_odd_world::Config<4>;
   const uint32_t expected = tsgen_gemm::Scheduler<C>::batch_tiles((uint32_t)count) * C::CLUSTER * C::CONSUMERS;
-  tsgen_fused::PushHook<false> hook{
-      {peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank, 4u, expected, 0u}, push.to};
+  tsgen_fused::PushHook hook{ {peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank, 4u, expected, 0u},
+                             push.to};
   tsgen_gemm::run<C>(&a_map, &b_map, &push.to[rank], (uint32_t)count, hook);
 }
 
@@ -2524,6 +2579,7 @@ extern "C" cudaError_t gemm_reduce_scatter_odd_world_w4_launch(char* const* peer
                                            gemm_reduce_scatter_odd_world::RESERVE_SMS, &grid));
   constexpr unsigned FULL = (gemm_reduce_scatter_odd_world::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
   constexpr int T = gemm_reduce_scatter_odd_world::REDUCE_THREADS, SMEM = gemm_reduce_scatter_odd_world::REDUCE_SMEM;
+  // the entry: calls[0] -> this call's epoch, FREE raised at every peer
   gemm_reduce_scatter_odd_world_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   PushMaps<WORLD> push;

@@ -105,14 +105,16 @@ def test_render_and_manifest(path):
     assert bufs["a"]["elems"] == {"per_count": load_spec(path).model.params.k, "per_world_count": 0, "fixed": 0}
     if not add:
         assert bufs["partial"]["elems"] == {"per_count": 0, "per_world_count": 8192, "fixed": 0}
-    assert bufs["c"]["role"] == "output" and bufs["sig"]["elems"]["fixed"] == 24
+    assert bufs["c"]["role"] == "output" and bufs["sig"]["elems"]["fixed"] == 26
     assert "K = gemm_reduce_scatter" in r.source
     assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
     assert ("PULL_PEER);" in r.source) == (mode == "pull") and ("PULL_ALL);" in r.source) == (mode == "none")
     assert ("SUM_PUSHED);" in r.source) == (mode == "push" and not add)
-    # add: c zeroed before the entry, tiles added through per-owner maps of c, then a wait for every READY
-    assert ("WAIT_READY, 0);" in r.source) == add and ("cudaMemsetAsync(c, 0" in r.source) == add
-    assert (f"PushHook<{'true' if add else 'false'}>" in r.source) == (mode == "push")
+    # add: the GEMM zeroes c and raises FREE itself (the entry only begins the call), tiles are added
+    # through per-owner maps of c, then a wait for every READY
+    assert ("WAIT_READY, 0);" in r.source) == add and ("BEGIN, 0);" in r.source) == add
+    assert ("tsgen_fused::AddHook hook" in r.source) == add
+    assert ("tsgen_fused::PushHook hook" in r.source) == (mode == "push" and not add)
     assert ("_reduce(char* const* peers" in r.source) == (not add)
     if mode == "push":  # stores through per-owner tensor maps; no reserved SMs, no side stream
         assert "tsgen_fused::PushMaps<4> push" in r.source

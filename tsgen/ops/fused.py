@@ -150,7 +150,7 @@ class AllgatherGemmFamily(OpFamily):
 # gemm_reduce_scatter
 # ---------------------------------------------------------------------------
 
-RS_SIGNALS = 3 * MAX_WORLD  # tsgen_fused::RS_SIGNALS: FREE, READY, TILES
+RS_SIGNALS = 3 * MAX_WORLD + 2  # tsgen_fused::RS_SIGNALS: FREE, READY, TILES, ZEROING, ZEROED
 
 
 class GemmReduceScatterParams(GemmParams):
