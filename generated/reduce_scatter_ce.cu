@@ -1042,11 +1042,13 @@ template <> struct tsgen_vec_math<__half> {
 
 // dst[i] = sum_j srcs[j][i] for i < n, accumulating in acc_t (fp32 for 16-bit
 // types). Sources are summed in table order on every rank, so every rank
-// computes bit-identical results.
-template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs, int nsrc,
-                                                          uint64_t n, uint32_t tid,
-                                                          uint32_t nthreads) {
+// computes bit-identical results. NSRC > 0: exactly NSRC sources, and every
+// source's loads are issued before the first add (NSRC x UNROLL vectors in
+// flight per thread); NSRC = 0: nsrc sources known at run time, one source's
+// loads in flight at a time (a load behind `j < nsrc` cannot be hoisted).
+template <typename T, int UNROLL, int NSRC>
+static __device__ __forceinline__ void tsgen_reduce_n(T* dst, T* const* srcs, int nsrc, uint64_t n, uint32_t tid,
+                                                      uint32_t nthreads) {
   typedef tsgen_vec_math<T> M;
   typedef typename M::acc_t acc_t;
   uintptr_t any = (uintptr_t)dst;
@@ -1060,12 +1062,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
     for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
       for (int k = 0; k < M::N; ++k) acc[u][k] = 0;
-    TSGEN_FOR_SRC(j, nsrc) {
-      uint4 v[UNROLL];
+    if constexpr (NSRC > 0) {
+      uint4 v[NSRC][UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) v[u] = ld_weak_global_v4((const uint4*)srcs[j] + i + (uint64_t)u * nthreads);
+      for (int j = 0; j < NSRC; ++j)
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) M::add(acc[u], v[u]);
+        for (int u = 0; u < UNROLL; ++u) v[j][u] = ld_weak_global_v4((const uint4*)srcs[j] + i + (uint64_t)u * nthreads);
+#pragma unroll
+      for (int j = 0; j < NSRC; ++j)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) M::add(acc[u], v[j][u]);
+    } else {
+      TSGEN_FOR_SRC(j, nsrc) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = ld_weak_global_v4((const uint4*)srcs[j] + i + (uint64_t)u * nthreads);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) M::add(acc[u], v[u]);
+      }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) st_weak_global_v4(d + i + (uint64_t)u * nthreads, M::pack(acc[u]));
@@ -1081,6 +1095,21 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
     acc_t acc = 0;
     TSGEN_FOR_SRC(j, nsrc) acc += M::load1(srcs[j] + e);
     dst[e] = M::store1(acc);
+  }
+}
+
+// The reduction of a step. Two sources (a ring hop: the partial sum so far + our input) with
+// both sources' loads in flight: +4-6 % busbw for reduce_scatter_ring (run 43). More sources
+// one at a time: with every load in flight, a table kernel at 4 sources needs more than the
+// 64 registers ptxas may give it, and spills. Straight-line code knows nsrc at compile time
+// (every source in flight, whatever the count), so there only its case is compiled in.
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs, int nsrc, uint64_t n,
+                                                          uint32_t tid, uint32_t nthreads) {
+  if (nsrc == 2) {
+    tsgen_reduce_n<T, UNROLL, 2>(dst, srcs, 2, n, tid, nthreads);
+  } else {
+    tsgen_reduce_n<T, UNROLL, 0>(dst, srcs, nsrc, n, tid, nthreads);
   }
 }
 
