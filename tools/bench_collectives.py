@@ -31,23 +31,26 @@ SHIPPED = {
                    ("all_reduce_two_shot_ce", {}, None)],
     "broadcast": [("broadcast", {}, None), ("broadcast_ring", {}, None)],
 }
+def tables(*names: str) -> list[tuple]:
+    """The table interpreter instead of straight-line code (the A/B of launch.plan_code)."""
+    return [(name, {}, None, {"plan_code": "tables"}) for name in names]
+
+
 TUNE = {
     "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (4, 24, 32)]
     + [("allgather_pull", {"blocks_per_peer": 32}, 128)]
     + [("allgather", {"peer_order": "pairwise", "blocks_per_peer": b}, b + 1) for b in (32, 64, 96)]
     + [("allgather_ring", {"blocks_per_peer": b, "pieces": p}, min(132, 2 * b)) for b, p in ((64, 4), (64, 12))]
-    + [("allgather_ring", {}, None, {"plan_code": "tables"})],
+    + tables("allgather_ring"),
     "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b + 1))
                        for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))]
     + [("reduce_scatter_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (4, 16)]
-    + [("reduce_scatter_ring", {}, None, {"plan_code": "tables"})],
+    + tables("reduce_scatter_ring"),
     "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)]
     + [("all_to_all", {"peer_order": "pairwise", "blocks_per_peer": b}, b + 1) for b in (32, 64, 96)],
     "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, b + 8) for b in (8, 16, 64)]
     + [("all_reduce_one_shot", {"blocks_per_peer": b}, b + 1) for b in (4, 8, 16)]
-    # the table interpreter instead of straight-line code (A/B of launch.plan_code)
-    + [(name, {}, None, {"plan_code": "tables"})
-       for name in ("all_reduce_one_shot", "all_reduce_two_shot_pull", "all_reduce_ring")]
+    + tables("all_reduce_one_shot", "all_reduce_two_shot_pull", "all_reduce_ring")
     + [("all_reduce_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (2, 8)],
     "broadcast": [("broadcast_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (8, 32)],
 }

@@ -116,6 +116,7 @@ def run_test(
         bufs = module.alloc(count)
         try:
             outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
+            poison_survives = family.poison_survives(spec)
             for call in range(iters):
                 rng = np.random.default_rng([seed, call])
                 inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
@@ -133,6 +134,7 @@ def run_test(
                 module.launch(bufs)
                 world.synchronize()
                 world.barrier(f"call {call}: every kernel done")
+                poison_call = call if poison_survives else None  # see OpFamily.poison_survives
                 for rank in world.ranks:
                     for s in outputs:
                         got = as_bits(bufs.array(s.name, rank).get())
@@ -140,7 +142,7 @@ def run_test(
                         bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
                                              None if tol is None else tol[s.name][rank],
                                              None if tol is None else spec.dtype,
-                                             call if family.poison_survives(spec) else None)
+                                             poison_call)
                         t = tallies[rank]
                         t.checked += got.size
                         t.wrong += bad.size
@@ -148,7 +150,7 @@ def run_test(
                             i = int(bad[0])
                             t.first.append(
                                 f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
-                                f"({bad.size} wrong{', poison left: unwritten' if family.poison_survives(spec) and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
+                                f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
                             )
         finally:
             bufs.free()

@@ -187,18 +187,20 @@ class CollectiveFamily(OpFamily):
                              for k in plan.kernels)
         return plan
 
-    def straight_line(self, spec: Any) -> dict[int, list[list[ShareGroup]]]:
+    def straight_line(self, spec: Any, plans: dict[int, CommPlan] | None = None) -> dict[int, list[list[ShareGroup]]]:
         """World size -> each rank's block groups, for the world sizes whose SM kernel runs its
         plan as straight-line code: launch.plan_code auto, at most STRAIGHT_LINE_MAX_CALLS share
         calls, and at most STRAIGHT_LINE_MAX_THREADS threads (with more, ptxas caps a thread at
         fewer registers than straight-line reductions keep in flight, and spills). The
-        copy-engine and NVSHMEM executors, and multimem, have no such code."""
+        copy-engine and NVSHMEM executors, and multimem, have no such code. `plans`: the comm
+        plans per world size, where the caller has them already."""
         if (self.template_for(spec) != self.template or spec.launch.plan_code != "auto"
                 or spec.launch.threads > STRAIGHT_LINE_MAX_THREADS):
             return {}
         out = {}
         for w in spec.world_sizes:
-            groups, calls = straight_line_groups(self.comm_plan(spec, w), hoist_opening=True)
+            cp = plans[w] if plans is not None else self.comm_plan(spec, w)
+            groups, calls = straight_line_groups(cp, hoist_opening=True)
             if calls <= STRAIGHT_LINE_MAX_CALLS:
                 out[w] = groups
         return out
@@ -310,7 +312,7 @@ class CollectiveFamily(OpFamily):
         table = (CALLS,) + tuple(self.buffers(spec))  # the order plan.buffers has
         out |= {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
         # the SM kernel (collective.cu.j2) raises each rank's opening signal in code
-        out |= {"hoist_opening": self.template_for(spec) == self.template, "straight_line": self.straight_line(spec)}
+        out |= {"hoist_opening": self.template_for(spec) == self.template, "straight_line": self.straight_line(spec, plans)}
         if self.copy_engine(spec):
             out["stream_programs"] = {w: [stream_program(cp, r) for r in range(w)] for w, cp in plans.items()}
             out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in self.plan(spec).kernels[0].launcher_args)
