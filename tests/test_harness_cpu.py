@@ -56,7 +56,8 @@ class World:
     break_it = False
     spec_path = None
     slow_rank_0 = False
-    def __init__(self, n, backend="single"):
+    shared, colocated = False, 1  # one GPU per rank (tests/test_shared_cpu.py fakes sharing)
+    def __init__(self, n, backend="single", share_gpus=None):
         self.size, self.devices, self.cp, self.ranks = n, {r: r for r in range(n)}, FakeCp, list(range(n))
         self.backend = type("NoStore", (), {"store": None})
     def heap(self, make): return make()
@@ -101,9 +102,9 @@ def test_bench_check_once(fake_world, broken, wrong):
 class IpcWorld(World):
     """This thread's rank of a world of one process per GPU: the rank comes from the
     thread's name (conftest.together), the store is real, the heap is shared."""
-    rendezvous, shared = None, {}
+    rendezvous, common = None, {}
     lock = threading.Lock()
-    def __init__(self, n, backend="single"):
+    def __init__(self, n, backend="single", share_gpus=None):
         assert backend == "ipc"
         super().__init__(n)
         rank = int(threading.current_thread().name.split()[1])
@@ -111,7 +112,7 @@ class IpcWorld(World):
         self.backend = type("Ipc", (), {"store": IpcWorld.rendezvous[rank]})
     def heap(self, make):
         with IpcWorld.lock:  # the first rank to allocate makes it, the others map it
-            return IpcWorld.shared.setdefault("heap", make())
+            return IpcWorld.common.setdefault("heap", make())
 
 
 def _run_ipc(monkeypatch, spec, barriers=True, slow=True, broken=False, size=3):
@@ -122,7 +123,7 @@ def _run_ipc(monkeypatch, spec, barriers=True, slow=True, broken=False, size=3):
     monkeypatch.setenv("RANK", "0")
     if not barriers:
         monkeypatch.setattr(IpcWorld, "barrier", lambda self, label: None)
-    IpcWorld.break_it, IpcWorld.spec_path, IpcWorld.slow_rank_0, IpcWorld.shared = broken, spec, slow, {}
+    IpcWorld.break_it, IpcWorld.spec_path, IpcWorld.slow_rank_0, IpcWorld.common = broken, spec, slow, {}
     IpcWorld.rendezvous = localhost_ranks(size)
     lines = [[] for _ in range(size)]
     try:

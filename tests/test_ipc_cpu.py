@@ -107,9 +107,14 @@ def test_join_problem():
     assert join_problem([_member(0), _member(1, host="b"), _member(2, host="b")], 3) == (
         "CUDA IPC needs every rank on one host, but the ranks run on 2 hosts (a: ranks 0; b: ranks 1, 2); "
         "use one host, or the NVSHMEM backend across hosts")
-    assert join_problem([_member(0), _member(1), _member(2, bus="0000:00:00.0")], 3) == (
+    same_gpu = [_member(0), _member(1), _member(2, bus="0000:00:00.0")]
+    assert join_problem(same_gpu, 3).startswith(
         "ranks 0 and 2 both run on GPU 0000:00:00.0 of a: give each rank its own GPU (LOCAL_RANK, or "
-        "CUDA_VISIBLE_DEVICES per rank)")
+        "CUDA_VISIBLE_DEVICES per rank), or let them share it with --share-gpus under MPS (")
+    # asked to share: only under MPS (processes are time-sliced without it), and the message says so
+    assert "no MPS daemon runs" in join_problem(same_gpu, 3, share=True, mps=False)
+    assert "nvidia-cuda-mps-control -d" in join_problem(same_gpu, 3, share=True, mps=False)
+    assert join_problem(same_gpu, 3, share=True, mps=True) is None
     # NVSHMEM spans hosts: the same bus id on two hosts is two GPUs
     assert join_problem([_member(0, size=2), _member(1, size=2, host="b", bus="0000:00:00.0")], 2,
                         one_host=False) is None
@@ -238,6 +243,10 @@ def fake_cupy(machine: Machine, gpus: list[int]):
                 yield
             finally:
                 rt.current = old
+
+        class Stream:  # World makes one non-blocking stream per rank
+            def __init__(self, non_blocking=False):
+                self.device = rt.current
 
     class Table(np.ndarray):  # a "device" array: .get() copies to the host
         def get(self):

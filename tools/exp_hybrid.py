@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tsgen.baselines import parse_size  # noqa: E402
-from tsgen.bench import _streams  # noqa: E402
 from tsgen.harness import materialize  # noqa: E402
 from tsgen.runtime import World  # noqa: E402
 from tsgen.spec import load_spec  # noqa: E402
@@ -30,7 +29,7 @@ def main():
     with World(4) as world:
         sm = world.load(materialize(load_spec(ROOT / "specs/allgather.yaml")))
         ce = world.load(materialize(load_spec(ROOT / "specs/allgather_ce.yaml")))
-        sa, sb = _streams(world), _streams(world)
+        sa, sb = world.make_streams(), world.make_streams()
         elems = total // 2 // 4  # bf16 elements per rank
         for f in (0.0, 0.15, 0.25, 0.35, 0.5, 1.0):
             n_ce = int(elems * f) // 64 * 64

@@ -35,7 +35,9 @@ def bench_copy(
     patterns: tuple[str, ...] = ("pair", "ring"),
     arch: str = "sm_90a",
     echo: Callable[[str], None] = print,
+    share_gpus: bool | None = None,
 ) -> list[dict]:
+    from .harness import shared_gpu_variant
     from .runtime import World
 
     loaded = load_spec(spec_path)
@@ -43,12 +45,12 @@ def bench_copy(
     family = get_family(spec.op)
     if family.count_unit != "bytes":
         raise RuntimeSetupError(f"{spec_path}: bench compares byte-copy ops with the copy engine; {spec.op} is not one")
-    manifest = materialize(loaded)
     rows = []
-    with World(gpus) as world:
+    with World(gpus, share_gpus=share_gpus) as world:
         cp = world.cp
-        module = world.load(manifest, arch=arch)
-        streams = _streams(world)
+        loaded = shared_gpu_variant(loaded, world, echo)
+        module = world.load(materialize(loaded), arch=arch)
+        streams = world.streams
         shift = spec.params.shift
         put = family.direction == "put"
         for nbytes in sizes:
@@ -84,22 +86,23 @@ def bench_copy(
                         "kernel_us": t_kernel * 1e6, "copy_engine_us": t_engine * 1e6,
                         "kernel_GBps": nbytes / t_kernel / 1e9, "copy_engine_GBps": nbytes / t_engine / 1e9,
                     }
-                    row["ratio"] = row["kernel_GBps"] / row["copy_engine_GBps"]
+                    if world.shared:  # ranks sharing a GPU: no ratio, see SHARED_NOTE
+                        row["note"] = SHARED_NOTE
+                    else:
+                        row["ratio"] = row["kernel_GBps"] / row["copy_engine_GBps"]
                     rows.append(row)
                     echo(f"{spec.name:12s} {pattern:4s} {human(nbytes):>6s}  kernel {row['kernel_GBps']:7.1f} GB/s  "
-                         f"memcpyPeer {row['copy_engine_GBps']:7.1f} GB/s  ratio {row['ratio']:.3f}")
+                         f"memcpyPeer {row['copy_engine_GBps']:7.1f} GB/s  "
+                         + (SHARED_NOTE if world.shared else f"ratio {row['ratio']:.3f}"))
             finally:
                 bufs.free()
     return rows
 
 
-def _streams(world) -> dict:
-    """One non-blocking stream per local rank, on its device."""
-    out = {}
-    for rank, dev in world.devices.items():
-        with world.cp.cuda.Device(dev):
-            out[rank] = world.cp.cuda.Stream(non_blocking=True)
-    return out
+# Ranks sharing a GPU compete for its SMs, its L2 and its copy engines, and their "peer"
+# traffic never leaves the GPU: such timings say nothing about the op. They are printed (the
+# bench and its correctness check still run) but carry no ratio and go into no results table.
+SHARED_NOTE = "shared GPU: not comparable"
 
 
 def _time(world, streams, ranks, calls, iters, reps) -> float:
@@ -195,7 +198,7 @@ def check_once(world, module, bufs, spec, gpus: int, count: int) -> int:
 
 def bench_collective(spec_path, gpus: int | None, sizes: list[int], iters: int = 20, reps: int = 7,
                      arch: str = "sm_90a", echo: Callable[[str], None] = print,
-                     max_sets: int = 32, backend: str = "single") -> list[dict]:
+                     max_sets: int = 32, backend: str = "single", share_gpus: bool | None = None) -> list[dict]:
     """Median time per call of the spec's collective at each size (bytes, nccl-tests
     convention). Each GPU replays a CUDA graph of back-to-back calls (so one host
     thread's launch skew is paid once per graph, not per call); calls rotate over
@@ -206,6 +209,7 @@ def bench_collective(spec_path, gpus: int | None, sizes: list[int], iters: int =
     calls); with "ipc" every process times its rank and the maxima meet in the
     store, so every process returns the same rows."""
     from .baselines import busbw_factor, rotation_slots
+    from .harness import shared_gpu_variant
     from .runtime import World
 
     loaded = load_spec(spec_path)
@@ -215,13 +219,13 @@ def bench_collective(spec_path, gpus: int | None, sizes: list[int], iters: int =
             f"{spec_path}: tsgen bench times {', '.join(sorted(BENCH_OPS))} against NCCL; op {spec.op} "
             + ("takes a counts matrix as input: time it from your own script" if spec.op == "all_to_all_v"
                else "has its own benchmark: tools/gpu_gemm.py or tools/gpu_fused.py"))
-    manifest = materialize(loaded)
     rows = []
-    with World(gpus, backend=backend) as world:
+    with World(gpus, backend=backend, share_gpus=share_gpus) as world:
         cp = world.cp
         gpus = world.size
-        module = world.load(manifest, arch=arch)
-        streams = _streams(world)
+        loaded = shared_gpu_variant(loaded, world, echo)
+        module = world.load(materialize(loaded), arch=arch)
+        streams = world.streams
         for nbytes in sizes:
             count = per_rank_count(spec.op, nbytes, spec.dtype, gpus)
             probe = module.alloc(count)
@@ -270,7 +274,7 @@ def bench_collective(spec_path, gpus: int | None, sizes: list[int], iters: int =
             row = {"backend": "tsgen", "spec": spec.name, "op": spec.op, "dtype": spec.dtype, "bytes": nbytes,
                    "world": gpus, "time_us": t * 1e6, "algbw_GBps": nbytes / t / 1e9,
                    "busbw_GBps": nbytes / t / 1e9 * busbw_factor(spec.op, gpus), "sets": len(sets), "calls": calls,
-                   "wrong": wrong}
+                   "wrong": wrong, **({"note": SHARED_NOTE} if world.shared else {})}
             rows.append(row)
             echo(f"{spec.name:28s} {human(nbytes):>6s}  {row['time_us']:9.1f} us  busbw {row['busbw_GBps']:7.1f} GB/s")
     return rows
@@ -312,6 +316,9 @@ def collective_table(rows: list[dict]) -> str:
             continue
         wrong = "-" if t.get("wrong") is None else str(t["wrong"])
         line = f"{hsize(size):>8} {t['time_us']:9.1f} {t['algbw_GBps']:7.1f} {t['busbw_GBps']:7.1f} {wrong:>6}"
+        if t.get("note"):  # a shared GPU: no baseline, no ratio
+            lines.append(f"{line}  {t['note']}")
+            continue
         for b in base:
             o = by[size].get(b)
             if o and o.get("time_us"):

@@ -113,6 +113,10 @@ BACKEND_OPTION = click.option(
          "`tsgen launch --nproc N -- tsgen ...` (or torchrun, mpirun, srun)")
 GPUS_OPTION = click.option("--gpus", type=int, default=None,
                            help="world size: GPUs to run on (--backend ipc/nvshmem: optional, must match the launcher's)")
+SHARE_OPTION = click.option(
+    "--share-gpus", is_flag=True, default=None,
+    help="let ranks share GPUs (rank r on GPU r % G; also TSGEN_SHARE_GPUS=1): tests a world of any size on "
+         "fewer GPUs, with the spec's grids fitted so every rank's blocks are resident; timings mean nothing")
 
 
 @main.command()
@@ -125,8 +129,12 @@ GPUS_OPTION = click.option("--gpus", type=int, default=None,
 @click.option("--arch", default="sm_90a", show_default=True)
 @click.option("--probe-timeout", is_flag=True,
               help="launch only rank 0 with a signal that never comes; expect the timeout message")
+@SHARE_OPTION
+@click.option("--skew", type=int, default=None, metavar="SEED",
+              help="compile in the test-only rank skew: every block waits a seeded 0-100 us before its work, "
+                   "so a missing wait shows up on a shared GPU (ops with their own entry kernels: no effect)")
 @_reports_errors
-def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout):
+def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout, share_gpus, skew):
     """Run SPEC on GPUs against its NumPy reference; exit 1 on any mismatch.
 
     With --backend ipc or nvshmem every rank checks its own outputs, rank 0 prints
@@ -138,11 +146,11 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout):
     if probe_timeout and backend != "single":
         raise click.UsageError("--probe-timeout runs with --backend single (it launches rank 0 alone)")
     if probe_timeout:
-        code = run_probe(spec, gpus, arch=arch)
+        code = run_probe(spec, gpus, arch=arch, share_gpus=share_gpus)
         leave_now(code)  # the trap left this process's CUDA contexts dead
     try:
         ok = run_test(spec, gpus, count=count, iters=iters, seed=seed, arch=arch, echo=click.echo,
-                      backend=backend)
+                      backend=backend, share_gpus=share_gpus, skew=skew)
     except TsgenError as e:
         if backend == "single":
             raise
@@ -219,8 +227,9 @@ def verify(paths, worlds, schedules, seed):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="collectives: draw busbw against size for tsgen and the baselines (needs matplotlib)")
 @click.option("--no-baselines", is_flag=True, help="collectives: time tsgen only (no NCCL / symm-mem)")
+@SHARE_OPTION
 @_reports_errors
-def bench(spec, gpus, backend, sizes, iters, patterns, json_path, arch, plot_path, no_baselines):
+def bench(spec, gpus, backend, sizes, iters, patterns, json_path, arch, plot_path, no_baselines, share_gpus):
     """Time SPEC on GPUs against its baseline in the same run.
 
     Copy primitives: against the copy engine (cudaMemcpyPeer). Collectives: an
@@ -230,7 +239,7 @@ def bench(spec, gpus, backend, sizes, iters, patterns, json_path, arch, plot_pat
     per GPU, and rank 0 prints and writes the results."""
     import datetime
 
-    from .bench import bench_collective, bench_copy, parse_sizes, write_results
+    from .bench import SHARED_NOTE, bench_collective, bench_copy, parse_sizes, write_results
     from .ops import get_family
     from .runtime.backends import world_size
     from .spec import load_spec
@@ -247,7 +256,8 @@ def bench(spec, gpus, backend, sizes, iters, patterns, json_path, arch, plot_pat
         from .runtime.ipc import process_env
 
         gpus = world_size(backend, gpus)
-        rows = bench_collective(spec, gpus, size_list, iters=iters, arch=arch, echo=lambda _: None, backend=backend)
+        rows = bench_collective(spec, gpus, size_list, iters=iters, arch=arch, echo=lambda _: None, backend=backend,
+                                share_gpus=share_gpus)
         if process_env(os.environ).rank == 0:
             from .bench import collective_table
 
@@ -257,14 +267,19 @@ def bench(spec, gpus, backend, sizes, iters, patterns, json_path, arch, plot_pat
         return
     if family.count_unit == "bytes":
         rows = bench_copy(spec, gpus, size_list, iters=iters,
-                          patterns=tuple(patterns) or ("pair", "ring"), arch=arch, echo=click.echo)
+                          patterns=tuple(patterns) or ("pair", "ring"), arch=arch, echo=click.echo,
+                          share_gpus=share_gpus)
     else:
         rows = []
         with click.progressbar(size_list, label="tsgen", item_show_func=lambda s: s and f"{s} B",
                                file=sys.stderr) as bar:
             for size in bar:
-                rows += bench_collective(spec, gpus, [size], iters=iters, arch=arch, echo=lambda _: None)
-        if not no_baselines:
+                rows += bench_collective(spec, gpus, [size], iters=iters, arch=arch, echo=lambda _: None,
+                                         share_gpus=share_gpus)
+        shared = any(r.get("note") == SHARED_NOTE for r in rows)
+        if shared:
+            click.echo(f"tsgen: ranks share GPUs: {SHARED_NOTE}; no baselines timed, no ratios", err=True)
+        if not no_baselines and not shared:
             from .bench import best_baselines
 
             click.echo("baselines: NCCL (and symm-mem for all_reduce), one process per GPU ...", err=True)

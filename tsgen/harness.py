@@ -27,25 +27,84 @@ from .spec import LoadedSpec, load_spec
 from .toolchain import cache_dir
 
 
-def with_overrides(loaded: LoadedSpec, **update) -> LoadedSpec:
-    """The spec with some top-level fields replaced, validated again."""
+def _merge(base: dict, updates: dict) -> dict:
+    out = dict(base)
+    for key, value in updates.items():
+        out[key] = _merge(base.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
+def _flat(updates: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in sorted(updates.items()):
+        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return out
+
+
+def spec_variant(loaded: LoadedSpec, updates: dict) -> LoadedSpec:
+    """The spec with `updates` merged in (nested: {"launch": {"blocks": 64}}), validated as
+    the loader validates a spec file (field types, then the family's cross-field checks).
+    The changes are appended to its text as comments, so its hash (and the cache entry and
+    banner made from it) says what was changed. Problems raise SpecError."""
     from .errors import SpecError
 
-    data = loaded.model.model_dump()
-    data.update(update)
+    if not updates:
+        return loaded
+    data = _merge(loaded.model.model_dump(), updates)
     family = get_family(loaded.model.op)
+    where = f"{loaded.path}:1:1"
+    changed = f"(in the variant {describe_variant(updates)})"
     try:
         model = family.Spec.model_validate(data)
     except Exception as e:  # pydantic ValidationError
-        raise SpecError([f"{loaded.path}:1:1: <override>: {e}"]) from None
-    note = "".join(f"\n# override {k}={v}" for k, v in sorted(update.items()))
+        raise SpecError([f"{where}: {changed}: {e}"]) from None
+    problems = family.check(model)
+    if problems:
+        raise SpecError([f"{where}: {'.'.join(map(str, path))}: {msg} {changed}" for path, msg in problems])
+    note = "".join(f"\n# variant: {k} = {v}" for k, v in _flat(updates))
     return LoadedSpec(loaded.path, loaded.text + note + "\n", model)
 
 
-def materialize(loaded: LoadedSpec) -> Path:
-    """Render the spec into the cache (so tests always match the spec); manifest path."""
-    rendered = render(loaded, base=loaded.path.resolve().parent.parent)
-    out = cache_dir() / "render" / loaded.sha256[:16]
+def describe_variant(updates: dict) -> str:
+    """`launch.blocks = 66, world_sizes = [8]`: what a variant changed, for output and results."""
+    return ", ".join(f"{k} = {v}" for k, v in _flat(updates))
+
+
+def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -> LoadedSpec:
+    """In a world whose ranks share GPUs: the spec variant whose co-located grids are all
+    resident at once (OpFamily.shared_fit), checked like a shipped spec, plans verified on
+    the CPU at this world size; the spec itself when it fits as it is. Says what it ran."""
+    if not world.shared:
+        return loaded
+    family = get_family(loaded.model.op)
+    sms = world.cp.cuda.runtime.getDeviceProperties(world.devices[world.ranks[0]])["multiProcessorCount"]
+    updates = family.shared_fit(loaded.model, world.colocated, sms)
+    variant = spec_variant(loaded, updates)
+    fitted = f"fitted variant: {describe_variant(updates)}" if updates else "the spec fits as it is"
+    if updates and hasattr(family, "comm_plan"):
+        from .plan import verify as verify_plan
+
+        problems = verify_plan(family.comm_plan(variant.model, world.size), schedules=4, seed=0)
+        if problems:
+            raise RuntimeSetupError(f"{loaded.path}: the {fitted} fails plan verification at world size "
+                                    f"{world.size}: {problems[0]}")
+        fitted += " (plan verified)"
+    if world.is_root:
+        echo(f"shared GPU: {world.size} ranks on {len(set(world.backend.bus_ids))} GPU(s), up to "
+             f"{world.colocated} per GPU of {sms} SMs; {fitted}")
+    return variant
+
+
+def with_overrides(loaded: LoadedSpec, **update) -> LoadedSpec:
+    """The spec with some top-level fields replaced (spec_variant)."""
+    return spec_variant(loaded, update)
+
+
+def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
+    """Render the spec into the cache (so tests always match the spec); manifest path.
+    `skew`: render the test-only rank skew with this seed (render's `skew`)."""
+    rendered = render(loaded, base=loaded.path.resolve().parent.parent, skew=skew)
+    out = cache_dir() / "render" / (loaded.sha256[:16] + ("" if skew is None else f"-skew{skew}"))
     for name, text in rendered.files().items():
         write_if_different(out / name, text)
     return out / f"{rendered.name}.json"
@@ -79,6 +138,9 @@ def run_test(
     dtype: str | None = None,
     backend: str = "single",
     before_launch: Callable[[int], None] | None = None,
+    share_gpus: bool | None = None,
+    skew: int | None = None,
+    variant: dict | None = None,
 ) -> bool:
     """True when every output of every call on every rank matched. `mutate`
     edits the generated source before compiling: negative controls use it to
@@ -89,13 +151,19 @@ def run_test(
     it): every rank makes the same seeded inputs for all ranks, loads and checks
     its own, and the results meet in the store, so every rank returns the same
     verdict and only rank 0 prints. `before_launch(call)` runs just before each
-    launch (`tools/ipc_checks.py die` kills a rank there)."""
+    launch (`tools/ipc_checks.py die` kills a rank there).
+
+    `share_gpus` (None: TSGEN_SHARE_GPUS) lets ranks share GPUs; the spec variant that fits
+    them is derived and printed (shared_gpu_variant). `skew` compiles in the test-only rank
+    skew with that seed. `variant`: spec fields to change first (spec_variant), e.g.
+    {"world_sizes": [8]} to run a spec at a world size it does not ship for."""
     from .runtime import World
     from .runtime.backends import world_size
 
     loaded = load_spec(spec_path)
     if dtype is not None:  # same spec, another element type (the dtype matrix of the GPU tests)
-        loaded = with_overrides(loaded, dtype=dtype, name=f"{loaded.model.name}_{dtype}")
+        loaded = spec_variant(loaded, {"dtype": dtype, "name": f"{loaded.model.name}_{dtype}"})
+    loaded = spec_variant(loaded, variant or {})
     spec = loaded.model
     family = get_family(spec.op)
     gpus = world_size(backend, gpus)
@@ -106,11 +174,13 @@ def run_test(
         )
     count = spec.test.count if count is None else count
     iters = spec.test.iters if iters is None else iters
-    manifest = materialize(loaded)
-    if mutate is not None:
-        manifest = _mutated(manifest, mutate)
     t0 = time.perf_counter()
-    with World(gpus, backend=backend) as world:
+    with World(gpus, backend=backend, share_gpus=share_gpus) as world:
+        loaded = shared_gpu_variant(loaded, world, echo)
+        spec = loaded.model
+        manifest = materialize(loaded, skew=skew)
+        if mutate is not None:
+            manifest = _mutated(manifest, mutate)
         module = world.load(manifest, arch=arch)
         tallies = {rank: RankTally() for rank in world.ranks}
         bufs = module.alloc(count)
@@ -156,7 +226,7 @@ def run_test(
             bufs.free()
         gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first] for r, t in tallies.items()])
         tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
-        root = world.is_root
+        root, shared = world.is_root, world.shared
     elapsed = time.perf_counter() - t0
     ok = all(t.wrong == 0 for t in tallies.values())
     if not root:
@@ -168,7 +238,9 @@ def run_test(
         for line in t.first:
             echo(f"    {line}")
     how = "" if backend == "single" else f" ({backend}: one process per GPU)"
-    echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {gpus} GPUs{how} ({elapsed:.1f} s)")
+    where = f"{gpus} ranks sharing GPUs" if shared else f"{gpus} GPUs"
+    echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {where}{how}{f' with skew {skew}' if skew is not None else ''} "
+         f"({elapsed:.1f} s)")
     return ok
 
 
@@ -237,7 +309,8 @@ def _poison_value(dtype: np.dtype, call: int) -> int:
     return v
 
 
-def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeout_ms: int = 300) -> int:
+def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeout_ms: int = 300,
+                  share_gpus: bool | None = None) -> int:
     """Launch only rank 0 of a spec whose kernel waits on a peer: the wait never
     completes, so the kernel must print the timeout diagnosis and trap.
     Returns 0 when that happened, 1 otherwise (a hang would be a test failure
@@ -251,7 +324,7 @@ def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeou
     short = spec.model_copy(update={"sync": spec.sync.model_copy(update={"timeout_ms": timeout_ms})})
     probe = LoadedSpec(loaded.path, loaded.text + f"\n# probe timeout_ms={timeout_ms}\n", short)
     manifest = materialize(probe)
-    with World(gpus) as world:
+    with World(gpus, share_gpus=share_gpus) as world:
         module = world.load(manifest, arch=arch)
         bufs = module.alloc(1024)
         # Capture what the device printf writes to this process's stdout.

@@ -88,8 +88,11 @@ class Rendered:
         return {f"{self.name}.cu": self.source, f"{self.name}.json": self.manifest}
 
 
-def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
-    """Render one spec; `base` is the folder spec paths in banners are relative to."""
+def render(loaded: LoadedSpec, base: Path | None = None, skew: int | None = None) -> Rendered:
+    """Render one spec; `base` is the folder spec paths in banners are relative to. `skew`
+    (tests only, never in shipped sources): every block of every rank waits a seeded, varying
+    time before its call's work (templates/module.cu.j2), so on a shared GPU a missing wait
+    or fence shows up as it would over NVLink. Ops with their own entry points ignore it."""
     spec = loaded.model
     family = get_family(spec.op)
     plan = family.plan(spec)
@@ -127,6 +130,7 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
         kernel_arg_names=kernel_arg_names,
         timeout_ns=timeout_ns,
         module=spec.name,
+        skew=skew,
         **family.template_vars(spec),
     )
     manifest = {

@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from ..runtime.placement import fit_blocks
 from ..spec import SpecBase, StrictModel
 from .base import Buffer, OpFamily
 from .collectives import CollectiveDtype, _values
@@ -52,6 +53,14 @@ class AllToAllVFamily(OpFamily):
         if spec.launch.blocks > 132:
             return [(("launch", "blocks"), "its blocks wait on peers: at most 132 (one per SM)")]
         return []
+
+    def shared_fit(self, spec, colocated, sms):
+        """Fewer blocks per peer where world x blocks_per_peer no longer fits a rank's SMs."""
+        world = max(spec.world_sizes)
+        blocks = fit_blocks(spec.launch.blocks, colocated, sms, floor=world)
+        per_peer = min(spec.params.blocks_per_peer, blocks // world)
+        updates = {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+        return updates | ({"params": {"blocks_per_peer": per_peer}} if per_peer != spec.params.blocks_per_peer else {})
 
     def buffers(self, spec):
         wmax = max(spec.world_sizes)

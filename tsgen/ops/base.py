@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..runtime.placement import fit_blocks
 from ..spec import SpecBase
 
 # dtype name -> (C type, numpy dtype)
@@ -178,6 +179,14 @@ class OpFamily:
     def template_vars(self, spec: Any) -> dict[str, Any]:
         """Extra names the op's template uses (beyond spec, plan, constants)."""
         return {}
+
+    # -- shared-GPU worlds -------------------------------------------------------
+    def shared_fit(self, spec: Any, colocated: int, sms: int) -> dict[str, Any]:
+        """Spec fields to change (nested, for harness.spec_variant) so that `colocated` ranks'
+        grids are all resident at once on one GPU of `sms` SMs; {} when the spec fits as it is.
+        The bound is one block per SM, whatever the kernel's occupancy. Pure."""
+        blocks = fit_blocks(spec.launch.blocks, colocated, sms)
+        return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
 
     # -- plan ---------------------------------------------------------------
     def buffers(self, spec: Any) -> tuple[Buffer, ...]:

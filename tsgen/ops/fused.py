@@ -30,7 +30,7 @@ from pydantic import Field
 from ..spec import SpecBase, WorldSizes
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
 from .collectives import from_f64, to_f64
-from .gemm import GemmFamily, GemmLaunch, GemmParams, smem_bytes
+from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
 MAX_WORLD = 8  # tsgen_fused::MAX_WORLD
 SIGNALS = 2 * MAX_WORLD  # tsgen_fused::SIGNALS
@@ -74,6 +74,11 @@ class AllgatherGemmFamily(OpFamily):
                              f"{spec.params.reserve_sms} is not a multiple of the cluster size "
                              f"{spec.params.cluster.size}"))
         return problems
+
+    def shared_fit(self, spec, colocated, sms):
+        """Persistent GEMM CTAs in whole clusters, each rank leaving its `reserve_sms` to the
+        kernels that run beside its GEMM (signals, copies, the reduce)."""
+        return gemm_shared_fit(spec, colocated, sms)
 
     def buffers(self, spec):
         p = spec.params

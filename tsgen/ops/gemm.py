@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BeforeValidator, Field
 
+from ..runtime.placement import fit_blocks
 from ..spec import SpecBase, StrictModel, _as_list
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
 from .collectives import from_f64, to_f64
@@ -229,3 +230,13 @@ class GemmFamily(OpFamily):
 
 
 FAMILIES: list[OpFamily] = [GemmFamily()]
+
+
+def gemm_shared_fit(spec, colocated: int, sms: int) -> dict:
+    """OpFamily.shared_fit for the GEMM-based ops of several ranks: persistent CTAs in whole
+    clusters, each rank leaving its `reserve_sms` SMs to the kernels beside its GEMM."""
+    if colocated == 1:
+        return {}
+    p = spec.params
+    blocks = fit_blocks(spec.launch.blocks, colocated, sms, multiple=p.cluster.size, reserve=p.reserve_sms)
+    return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}

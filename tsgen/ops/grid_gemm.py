@@ -46,7 +46,7 @@ from pydantic import Field
 from ..spec import SpecBase, WorldSizes
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
 from .collectives import from_f64, to_f64
-from .gemm import GemmFamily, GemmLaunch, GemmParams, smem_bytes
+from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
 MAX_Q = 8  # tsgen_grid::MAX_Q
 MAX_WORLD = MAX_Q * MAX_Q  # tsgen_grid::MAX_WORLD
@@ -164,6 +164,9 @@ class CannonFamily(OpFamily):
             problems.append((("params", "reserve_sms"), f"{p.reserve_sms} is not a multiple of the cluster size "
                              f"{p.cluster.size}"))
         return problems
+
+    def shared_fit(self, spec, colocated, sms):
+        return gemm_shared_fit(spec, colocated, sms)
 
     @staticmethod
     def q_min(spec) -> int:

@@ -77,40 +77,50 @@ def world_size(backend: str, size: int | None, env=os.environ) -> int:
     raise RuntimeSetupError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
 
-def make_backend(name: str, size: int | None, cp) -> Backend:
+def make_backend(name: str, size: int | None, cp, share_gpus: bool = False) -> Backend:
     size = world_size(name, size)
     if name == "ipc":
         from .ipc import IpcBackend
 
-        return IpcBackend(cp, size)
+        return IpcBackend(cp, size, share_gpus=share_gpus)
     if name == "nvshmem":
+        if share_gpus:
+            raise RuntimeSetupError(
+                "the nvshmem backend does not run ranks that share a GPU (NVSHMEM limits itself to one PE "
+                "per GPU without MPS): test on one GPU with the single-process backend "
+                "(`tsgen test SPEC --gpus N --share-gpus`) or give each rank its own GPU")
         from .nvshmem import NvshmemBackend
 
         return NvshmemBackend(cp, size)
-    return SingleProcessBackend(size, cp)
+    return SingleProcessBackend(size, cp, share_gpus=share_gpus)
 
 
 class SingleProcessBackend:
-    """One process, GPUs 0..size-1 (or `devices`), peer access between every pair."""
+    """One process, GPUs 0..size-1 (or `devices`), peer access between every pair of distinct
+    GPUs. With `share_gpus`, rank r runs on visible GPU r % G (placement.place_ranks)."""
 
     store = None
 
-    def __init__(self, size: int, cp, devices: list[int] | None = None):
+    def __init__(self, size: int, cp, devices: list[int] | None = None, share_gpus: bool = False):
+        from .placement import place_ranks
+
         self.cp, self.size = cp, size
         available = cp.cuda.runtime.getDeviceCount()
-        devices = list(devices) if devices is not None else list(range(size))
+        if devices is None:
+            shown = (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
+                     if "CUDA_VISIBLE_DEVICES" in os.environ else "")
+            devices = place_ranks(size, available, share_gpus, shown)
+        devices = list(devices)
         if len(devices) != size:
             raise RuntimeSetupError(f"world size {size} but {len(devices)} devices given")
         if max(devices) >= available:
-            raise RuntimeSetupError(
-                f"world size {size} needs {size} GPUs, but this machine shows {available}"
-                + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in os.environ else "")
-            )
+            raise RuntimeSetupError(f"GPU {max(devices)} asked for, but this machine shows {available}")
         self.devices = dict(enumerate(devices))
         rt = cp.cuda.runtime
         self.bus_ids = [rt.deviceGetPCIBusId(d) for d in devices]
-        for i in devices:
-            for j in devices:
+        distinct = sorted(set(devices))
+        for i in distinct:
+            for j in distinct:
                 if i == j:
                     continue
                 if not rt.deviceCanAccessPeer(i, j):

@@ -92,13 +92,14 @@ def launcher_world(env: Mapping[str, str], size: int | None = None) -> ProcessIn
     return info
 
 
-def pick_device(local_rank: int, visible: int, env: Mapping[str, str] | None = None) -> int:
+def pick_device(local_rank: int, visible: int, env: Mapping[str, str] | None = None, share: bool = False) -> int:
     """The GPU of a process with this local rank that sees `visible` GPUs: the only one
-    when the launcher bound one GPU per process, else GPU `local_rank`. Pure."""
+    when the launcher bound one GPU per process, else GPU `local_rank` (`share`: GPU
+    local_rank % visible). Pure."""
     if visible == 1:
         return 0
-    if local_rank < visible:
-        return local_rank
+    if local_rank < visible or share:
+        return local_rank % visible
     env = os.environ if env is None else env
     shown = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
     raise RuntimeSetupError(
@@ -107,9 +108,18 @@ def pick_device(local_rank: int, visible: int, env: Mapping[str, str] | None = N
     )
 
 
-def join_problem(members: list[dict], size: int, one_host: bool = True) -> str | None:
+MPS_HINT = ("processes that share a GPU without MPS are time-sliced, so their kernels are never resident "
+            "together and ranks that wait on each other can deadlock. Either start the MPS daemon "
+            "(`nvidia-cuda-mps-control -d`; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N gives each of N ranks "
+            "its share of the SMs) and pass --share-gpus, or test in one process: "
+            "`tsgen test SPEC --gpus N --share-gpus`")
+
+
+def join_problem(members: list[dict], size: int, one_host: bool = True, share: bool = False,
+                 mps: bool = False) -> str | None:
     """What is wrong with the ranks that met (each: rank, size, host, bus id), or None.
-    `one_host`: CUDA IPC needs every rank on one host (NVSHMEM does not). Pure."""
+    `one_host`: CUDA IPC needs every rank on one host (NVSHMEM does not). Ranks may share a
+    GPU only when asked (`share`) and under MPS (`mps`). Pure."""
     for m in members:
         if m["size"] != size:
             return (f"rank {m['rank']} was started in a world of {m['size']} ranks, rank 0 in one of "
@@ -122,18 +132,24 @@ def join_problem(members: list[dict], size: int, one_host: bool = True) -> str |
     seen: dict[tuple[str, str], int] = {}
     for m in members:
         gpu = (m["host"], m["bus"])
-        if gpu in seen:
-            return (f"ranks {seen[gpu]} and {m['rank']} both run on GPU {m['bus']} of {m['host']}: give each rank "
-                    "its own GPU (LOCAL_RANK, or CUDA_VISIBLE_DEVICES per rank)")
+        if gpu in seen and not (share and mps):
+            where = f"ranks {seen[gpu]} and {m['rank']} both run on GPU {m['bus']} of {m['host']}"
+            if share:
+                return f"{where}, and no MPS daemon runs: {MPS_HINT}"
+            return (f"{where}: give each rank its own GPU (LOCAL_RANK, or CUDA_VISIBLE_DEVICES per rank), "
+                    f"or let them share it with --share-gpus under MPS ({MPS_HINT})")
         seen[gpu] = m["rank"]
     return None
 
 
-def join(store: store_mod.Rendezvous, rank: int, size: int, bus: str, one_host: bool = True) -> list[dict]:
+def join(store: store_mod.Rendezvous, rank: int, size: int, bus: str, one_host: bool = True,
+         share: bool = False) -> list[dict]:
     """Every rank's host and GPU (PCI bus id), in rank order, checked by `join_problem`."""
+    from .placement import mps_active
+
     me = {"rank": rank, "size": size, "host": socket.gethostname(), "bus": bus}
     members = [json.loads(m) for m in store.all_gather("join: host and GPU of every rank", json.dumps(me).encode())]
-    problem = join_problem(members, size, one_host)
+    problem = join_problem(members, size, one_host, share=share, mps=mps_active())
     if problem:
         raise RuntimeSetupError(problem)
     return members
@@ -163,18 +179,18 @@ class IpcBackend:
     """This process's rank of a world of one process per GPU (see the module doc)."""
 
     def __init__(self, cp, size: int | None = None, env: Mapping[str, str] | None = None,
-                 rendezvous: store_mod.Rendezvous | None = None):
+                 rendezvous: store_mod.Rendezvous | None = None, share_gpus: bool = False):
         env = os.environ if env is None else env
         info = launcher_world(env, size)
         self.cp, self.rank, self.size = cp, info.rank, info.size
         rt = cp.cuda.runtime
-        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env)
+        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env, share=share_gpus)
         self.devices = {self.rank: self.device}
         self.store = rendezvous or store_mod.shared(info.master_addr, info.master_port, info.rank, info.size)
         self._heaps: dict[int, _Heap] = {}  # by own base address
         self._next_id = 0
         try:
-            members = join(self.store, self.rank, self.size, rt.deviceGetPCIBusId(self.device))
+            members = join(self.store, self.rank, self.size, rt.deviceGetPCIBusId(self.device), share=share_gpus)
             self.bus_ids = [m["bus"] for m in members]
             self._check_peer_access()
         except Exception as e:
@@ -195,7 +211,7 @@ class IpcBackend:
                 peer = rt.deviceGetByPCIBusId(bus)
             except rt.CUDARuntimeError:
                 continue
-            if not rt.deviceCanAccessPeer(self.device, peer):
+            if peer != self.device and not rt.deviceCanAccessPeer(self.device, peer):
                 raise RuntimeSetupError(
                     f"{self._where()} cannot access rank {r}'s GPU {bus} directly (no peer access); tsgen's p2p "
                     "kernels need every pair connected (NVLink or PCIe P2P)")

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import RuntimeSetupError
 from .backends import Backend, cupy_or_error, make_backend
+from .placement import ranks_per_gpu, residency_problem, share_from_env
 
 ALIGN = 256  # every buffer starts on a 256-byte boundary of the heap
 
@@ -201,13 +202,14 @@ class Module:
         self.functions = {}  # per local rank
         self.launcher = None
         self._pool = None  # threads that call host launchers, one per local rank
-        self._streams: dict[int, Any] = {}
         self._registered: list[int] = []  # CUmodule handles the backend registered (NVSHMEM)
         if self.manifest.get("host_launch", False):
             # The call is more than one kernel launch: the module's own host launcher
             # (compiled into a shared library) enqueues it on the stream we pass.
             self.binary = compile_source(source, arch=arch, mode="shared").output
             self.launcher = _host_launcher(self.binary, self.kernel)
+            if world.shared:  # persistent GEMM grids: one CTA per SM (their shared memory fills it)
+                world.check_resident(self.kernel, None)
             return
         self.binary = compile_source(source, arch=arch, link=self.device_libs).output
         self._raw = {}  # the loaded modules, kept alive while registered
@@ -219,7 +221,7 @@ class Module:
                 if self.device_libs:  # device-linked NVSHMEM: nvshmemx_cumodule_init before any launch
                     world.backend.register_module(mod.module.ptr)
                     self._registered.append(mod.module.ptr)
-        if self.manifest.get("blocks_wait", False):
+        if self.manifest.get("blocks_wait", False) or world.shared:
             world.check_resident(self.kernel, self.functions[world.ranks[0]])
 
     def alloc(self, count: int) -> Buffers:
@@ -242,12 +244,12 @@ class Module:
         grid = tuple(self.kernel["grid"])
         block = tuple(self.kernel["block"])
         smem = self.kernel["shared_bytes"]
+        streams = world.streams if streams is None else streams
         for rank in ranks:
             args = [np.int32(v) if a["role"] == "rank" else np.uint64(v)
                     for a, v in zip(self.kernel["args"], buffers.arg_values(self.kernel["args"], rank))]
             with cp.cuda.Device(world.devices[rank]):
-                stream = streams[rank] if streams is not None else cp.cuda.Stream.null
-                self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
+                self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=streams[rank])
 
     def _host_launch_all(self, buffers: "Buffers", ranks: list[int], streams: Sequence[Any] | None) -> None:
         """Call the host launcher of every rank, each from its own thread when there are
@@ -258,7 +260,7 @@ class Module:
 
         def one(rank: int) -> None:
             with cp.cuda.Device(self.world.devices[rank]):
-                self._host_launch(buffers, rank, streams[rank] if streams is not None else self._stream(rank))
+                self._host_launch(buffers, rank, (streams or self.world.streams)[rank])
 
         if len(ranks) == 1:
             one(ranks[0])
@@ -275,19 +277,9 @@ class Module:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._streams.clear()
         for handle in self._registered:  # before the backend finalizes NVSHMEM
             self.world.backend.unregister_module(handle)
         self._registered.clear()
-
-    def _stream(self, rank: int):
-        """The stream host launchers use when the caller gives none: a non-blocking one per
-        rank, never the legacy default stream (measured: peer copies queued there ordered
-        the two devices' default streams against each other and deadlocked the ranks)."""
-        if rank not in self._streams:
-            with self.world.cp.cuda.Device(self.world.devices[rank]):
-                self._streams[rank] = self.world.cp.cuda.Stream(non_blocking=True)
-        return self._streams[rank]
 
     def _host_launch(self, buffers: "Buffers", rank: int, stream: Any) -> None:
         import ctypes
@@ -320,17 +312,36 @@ class World:
     keyed by global rank. The context manager frees what it made; leaving it with an
     exception also tells the other processes (if any) to stop waiting."""
 
-    def __init__(self, size: int | None = None, backend: Backend | str | None = "single"):
+    def __init__(self, size: int | None = None, backend: Backend | str | None = "single",
+                 share_gpus: bool | None = None):
         self.cp = cupy_or_error()
+        if share_gpus is None:
+            share_gpus = share_from_env()
         if backend is None or isinstance(backend, str):
-            backend = make_backend(backend or "single", size, self.cp)
+            backend = make_backend(backend or "single", size, self.cp, share_gpus=share_gpus)
         if size is not None and backend.size != size:
             raise RuntimeSetupError(f"world size {size} asked for, but the backend has {backend.size} ranks")
         self.backend = backend
         self.size = backend.size
         self.devices = backend.devices  # {rank: CUDA device} for this process's ranks
         self.ranks = sorted(self.devices)
+        # ranks on the busiest GPU (over the whole world: with one process per rank, its peers')
+        self.colocated = ranks_per_gpu(list(backend.bus_ids))
+        self.shared = self.colocated > 1
+        # One non-blocking stream per local rank, on its device: every launch path uses it unless
+        # the caller passes others. Never the legacy default stream: ranks sharing a GPU would be
+        # serialized behind each other (a hang when one waits for the other), and peer copies
+        # queued there ordered separate devices' default streams against each other (deadlock).
+        self.streams = self.make_streams()
         self._modules: list[Module] = []  # closed with the World
+
+    def make_streams(self) -> dict[int, Any]:
+        """A new non-blocking stream per local rank, on its device, keyed by rank."""
+        out = {}
+        for rank, dev in self.devices.items():
+            with self.cp.cuda.Device(dev):
+                out[rank] = self.cp.cuda.Stream(non_blocking=True)
+        return out
 
     @property
     def is_root(self) -> bool:
@@ -356,7 +367,7 @@ class World:
         problem = getattr(self.backend, "mesh_problem", None)
         if problem:
             raise RuntimeSetupError(problem)
-        check_full_mesh(self.backend.bus_ids)
+        check_full_mesh(list(dict.fromkeys(self.backend.bus_ids)))  # ranks sharing a GPU: one entry
 
     def load(self, manifest: str | Path, arch: str = "sm_90a") -> Module:
         module = Module(self, Path(manifest), arch)
@@ -372,33 +383,39 @@ class World:
             return False
 
     def synchronize(self) -> None:
-        """Wait for this process's ranks; a failed kernel raises with the rank named."""
-        for rank, dev in self.devices.items():
+        """Wait for this process's ranks; a failed kernel raises with the rank(s) of its GPU named."""
+        on_gpu: dict[int, list[int]] = {}
+        for rank, dev in sorted(self.devices.items()):
+            on_gpu.setdefault(dev, []).append(rank)
+        for dev, ranks in on_gpu.items():
             try:
                 with self.cp.cuda.Device(dev):
                     self.cp.cuda.runtime.deviceSynchronize()
             except self.cp.cuda.runtime.CUDARuntimeError as e:
-                raise RuntimeSetupError(f"rank {rank} (GPU {dev}): kernel failed: {e}") from e
+                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+                raise RuntimeSetupError(f"{who} (GPU {dev}): kernel failed: {e}") from e
 
     def check_resident(self, kernel: dict, function: Any) -> None:
-        """Kernels whose blocks wait on each other need every block resident at once."""
+        """Kernels whose blocks wait on each other (or, on a shared GPU, on other ranks) need
+        every block of every co-located rank resident at once. `function` None: a host-launched
+        persistent kernel, counted at one block per SM."""
         cp = self.cp
         blocks = kernel["grid"][0]
         threads = kernel["block"][0]
         props = cp.cuda.runtime.getDeviceProperties(self.devices[self.ranks[0]])
         sms = props["multiProcessorCount"]
-        try:
-            per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                function.ptr, threads, kernel["shared_bytes"]
-            )
-        except Exception:  # older CuPy: bound by threads alone
-            per_sm = max(1, props["maxThreadsPerMultiProcessor"] // threads)
-        if blocks > sms * per_sm:
-            raise RuntimeSetupError(
-                f"{kernel['name']}: grid of {blocks} blocks cannot all be resident "
-                f"({sms} SMs x {per_sm} blocks per SM); its blocks wait on each other, so it "
-                f"would hang. Lower launch.blocks to <= {sms * per_sm}"
-            )
+        if function is None:
+            per_sm = 1
+        else:
+            try:
+                per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    function.ptr, threads, kernel["shared_bytes"]
+                )
+            except Exception:  # older CuPy: bound by threads alone
+                per_sm = max(1, props["maxThreadsPerMultiProcessor"] // threads)
+        problem = residency_problem(kernel["name"], blocks, self.colocated, sms, per_sm)
+        if problem:
+            raise RuntimeSetupError(problem)
 
     def close(self) -> None:
         for module in self._modules:
