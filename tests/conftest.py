@@ -21,10 +21,25 @@ def gpu_count() -> int:
         return 0
 
 
-def need_gpus(n: int):
+def sharing() -> bool:
+    """TSGEN_SHARE_GPUS=1: worlds larger than the machine's GPU count run with ranks sharing
+    GPUs (README "Testing on one GPU"); with enough GPUs every rank still gets its own."""
+    return os.environ.get("TSGEN_SHARE_GPUS") == "1"
+
+
+def need_gpus(n: int, processes: bool = False):
+    """Skip unless a world of `n` ranks can run here: n GPUs, or one GPU shared by the ranks
+    (TSGEN_SHARE_GPUS=1). `processes`: one process per rank, which may share a GPU only
+    under MPS (without it they are time-sliced and never resident together)."""
     have = gpu_count()
-    if have < n:
-        pytest.skip(f"needs {n} GPUs with CuPy; this machine has {have}")
+    if have >= n:
+        return
+    if not sharing() or have == 0:
+        pytest.skip(f"needs {n} GPUs with CuPy (or TSGEN_SHARE_GPUS=1 and one GPU); this machine has {have}")
+    from tsgen.runtime.placement import mps_active
+
+    if processes and not mps_active():
+        pytest.skip(f"{n} processes sharing {have} GPU(s) need the MPS daemon (nvidia-cuda-mps-control -d)")
 
 
 @pytest.fixture(autouse=True)

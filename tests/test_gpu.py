@@ -1,7 +1,11 @@
-"""GPU tests: every shipped primitive at world sizes 2, 3 and 4, 100 back-to-back
-calls each, bit-exact against the NumPy reference; and the timeout path.
+"""GPU tests: every shipped primitive and collective at world sizes 2, 3, 4 and 8,
+100 back-to-back calls each, bit-exact against the NumPy reference; the dtype
+matrix, the negative controls and the timeout path.
 
-Skipped with a reason on machines without enough GPUs (CI has none).
+Skipped with a reason on machines without enough GPUs (CI has none). With
+TSGEN_SHARE_GPUS=1 a world larger than the machine runs with ranks sharing its
+GPUs (the spec variant that fits is derived and printed): one GPU runs it all.
+World size 8 runs each spec as a variant built for 8 ranks.
 """
 
 import functools
@@ -55,14 +59,27 @@ def _worlds(spec_path):
     return _data(spec_path).get("world_sizes") or [2, 3, 4]
 
 
+FUSED_OPS = {"allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"}  # at their shipped world sizes
+
+
+def _cases(specs):
+    """(spec, world) at each shipped world size of 2, 3, 4, and at 8 (a variant) for ops of any world size."""
+    return [(s, w) for s in specs for w in (2, 3, 4, 8)
+            if w in _worlds(s) or (w == 8 and _op(s) not in FUSED_OPS)]
+
+
+def _variant(spec_path, world):
+    """Spec fields to change so the spec runs at `world` (world size 8 is not shipped)."""
+    return None if world in _worlds(spec_path) else {"world_sizes": [world]}
+
+
 # each spec at the world sizes it is built for (cannon / summa: 4 = a 2 x 2 grid; the
 # gemm_reduce_scatter specs: 2 and 4, as K does not split into 64-deep tiles over 3)
-@pytest.mark.parametrize("spec,world", [(s, w) for s in PRIMITIVE_SPECS for w in (2, 3, 4) if w in _worlds(s)],
-                         ids=lambda x: x.stem if isinstance(x, Path) else str(x))
+@pytest.mark.parametrize("spec,world", _cases(PRIMITIVE_SPECS), ids=lambda x: x.stem if isinstance(x, Path) else str(x))
 def test_primitive_on_gpus(spec, world):
     need_gpus(world)
     lines = []
-    ok = run_test(spec, world, echo=lines.append)
+    ok = run_test(spec, world, echo=lines.append, variant=_variant(spec, world))
     record("correctness", {"spec": spec.stem, "world": world, "pass": ok, "lines": lines})
     assert ok, "\n".join(lines)
 
@@ -105,14 +122,25 @@ NEGATIVE_CONTROLS = {
 }
 
 
+SKEW_SEED = 7  # the rank skew of `tsgen test --skew`: seeded, so a failure reproduces
+
+
+@pytest.mark.parametrize("skew", [None, SKEW_SEED], ids=["no-skew", "skew"])
 @pytest.mark.parametrize("spec", sorted(NEGATIVE_CONTROLS))
-def test_negative_control_fails(spec):
+def test_negative_control_fails(spec, skew):
+    """With each rank on its own GPU the broken kernel must fail as it is. Ranks sharing one
+    GPU share its L2 and clock, which can hide a missing wait: there the control must fail
+    with the rank skew; without it the result is recorded (which controls need skew)."""
     need_gpus(2)
     old, new = NEGATIVE_CONTROLS[spec]
     lines = []
-    ok = run_test(f"specs/{spec}.yaml", 2, iters=20, echo=lines.append,
+    ok = run_test(f"specs/{spec}.yaml", 2, iters=20, echo=lines.append, skew=skew,
                   mutate=lambda text: text.replace(old, new))
-    record("negative_control", {"spec": spec, "removed": old, "pass": ok, "lines": lines})
+    shared = any("shared GPU" in line for line in lines)
+    record("negative_control", {"spec": spec, "removed": old, "skew": skew, "shared": shared, "pass": ok,
+                                "lines": lines})
+    if ok and shared and skew is None:
+        pytest.skip("not caught on a shared GPU without rank skew (the skew case must catch it)")
     assert not ok, "broken kernel passed:\n" + "\n".join(lines)
 
 
@@ -145,14 +173,14 @@ def test_multimem_is_refused_on_these_machines(spec):
         run_test(spec, 2, iters=1)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("spec", COLLECTIVE_SPECS, ids=lambda p: "collective-" + p.stem)
 def test_collective_odd_count(spec, world):
     """The shipped spec's test count (not a multiple of 8: misaligned chunks take the
     element-wise path), its iters back-to-back calls, bit-exact or within tolerance."""
     need_gpus(world)
     lines = []
-    ok = run_test(spec, world, echo=lines.append)
+    ok = run_test(spec, world, echo=lines.append, variant=_variant(spec, world))
     record("correctness", {"spec": spec.stem, "world": world, "pass": ok, "lines": lines})
     assert ok, "\n".join(lines)
 

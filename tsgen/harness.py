@@ -226,7 +226,7 @@ def run_test(
             bufs.free()
         gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first] for r, t in tallies.items()])
         tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
-        root, shared = world.is_root, world.shared
+        root, shared = world.is_root, world.shared and len(set(world.backend.bus_ids))
     elapsed = time.perf_counter() - t0
     ok = all(t.wrong == 0 for t in tallies.values())
     if not root:
@@ -238,7 +238,7 @@ def run_test(
         for line in t.first:
             echo(f"    {line}")
     how = "" if backend == "single" else f" ({backend}: one process per GPU)"
-    where = f"{gpus} ranks sharing GPUs" if shared else f"{gpus} GPUs"
+    where = f"{gpus} ranks sharing {shared} GPU(s)" if shared else f"{gpus} GPUs"
     echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {where}{how}{f' with skew {skew}' if skew is not None else ''} "
          f"({elapsed:.1f} s)")
     return ok

@@ -1,0 +1,275 @@
+"""Shared-GPU worlds without a GPU: where ranks go, which grids can all be resident, the
+spec variants that fit every shipped spec on 132- and 114-SM GPUs at world sizes 2..8,
+the refusals and their messages, the test-only rank skew, and shared bench rows.
+The GPU side (the whole suite with TSGEN_SHARE_GPUS=1 on one GPU) is tools/gpu_shared.sh."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+
+from conftest import ROOT, SPECS
+from tsgen.errors import RuntimeSetupError, SpecError
+from tsgen.harness import describe_variant, spec_variant
+from tsgen.ops import get_family
+from tsgen.render import render
+from tsgen.runtime.placement import (fit_blocks, mps_active, place_ranks, ranks_per_gpu, residency_problem,
+                                     share_from_env)
+from tsgen.spec import load_spec
+
+# ---------------------------------------------------------------------------
+# placement and residency arithmetic
+# ---------------------------------------------------------------------------
+
+
+def test_placement_round_robin_when_sharing():
+    assert place_ranks(4, 1, share=True) == [0, 0, 0, 0]
+    assert place_ranks(5, 2, share=True) == [0, 1, 0, 1, 0]
+    assert place_ranks(3, 4, share=True) == [0, 1, 2]  # enough GPUs: one each, even when sharing is allowed
+    assert place_ranks(3, 4, share=False) == [0, 1, 2]
+    assert ranks_per_gpu([0, 1, 0, 1, 0]) == 3
+    assert ranks_per_gpu({0: 0, 1: 1}) == 1
+
+
+def test_too_few_gpus_names_share_gpus():
+    with pytest.raises(RuntimeSetupError, match=r"world size 4 needs 4 GPUs, but this machine shows 1 "
+                                                r"\(CUDA_VISIBLE_DEVICES=0\)\. .*--share-gpus \(or TSGEN_SHARE_GPUS=1\)"):
+        place_ranks(4, 1, share=False, shown=" (CUDA_VISIBLE_DEVICES=0)")
+    with pytest.raises(RuntimeSetupError, match="no CUDA device is visible"):
+        place_ranks(2, 0, share=True)
+
+
+@pytest.mark.parametrize("value,expect", [("", False), ("0", False), ("1", True)])
+def test_share_from_env(value, expect):
+    assert share_from_env({"TSGEN_SHARE_GPUS": value}) is expect
+    assert share_from_env({}) is False
+
+
+def test_share_from_env_refuses_other_values():
+    with pytest.raises(RuntimeSetupError, match="TSGEN_SHARE_GPUS='yes': set it to 1"):
+        share_from_env({"TSGEN_SHARE_GPUS": "yes"})
+
+
+def test_residency_of_colocated_grids():
+    assert residency_problem("k", 66, 2, 132, 1) is None
+    assert residency_problem("k", 32, 8, 132, 2) is None  # 256 blocks, 2 per SM
+    one = residency_problem("k_w2", 133, 1, 132, 1)
+    assert "grid of 133 blocks cannot all be resident (132 SMs x 1 blocks per SM)" in one
+    shared = residency_problem("k_w4", 64, 4, 132, 1)
+    assert shared.startswith("k_w4: 4 ranks share this GPU, and their grids of 64 blocks (256 in all) cannot all be "
+                             "resident (132 SMs x 1 blocks per SM = 132)")
+    assert "At most 33 blocks per rank fit" in shared and "--share-gpus" in shared
+
+
+def test_fit_blocks():
+    assert fit_blocks(132, 1, 132) == 132
+    assert fit_blocks(64, 2, 132) == 64  # fits as it is
+    assert fit_blocks(132, 3, 132) == 44
+    assert fit_blocks(132, 4, 114, multiple=2, reserve=2) == 26  # 28 SMs per rank, 2 reserved, whole clusters
+    with pytest.raises(RuntimeSetupError, match="leave 16 SMs per rank; this kernel needs at least 32 blocks"):
+        fit_blocks(132, 8, 132, floor=32)
+
+
+def test_mps_detection():
+    assert mps_active({}, exists=lambda p: p == "/tmp/nvidia-mps/control")
+    assert not mps_active({}, exists=lambda p: False)
+    assert mps_active({"CUDA_MPS_PIPE_DIRECTORY": "/x"}, exists=lambda p: p == "/x/control")
+
+
+# ---------------------------------------------------------------------------
+# fitted variants of every shipped spec
+# ---------------------------------------------------------------------------
+
+RUNNABLE = [p for p in SPECS if not get_family(load_spec(p).model.op).is_multimem(load_spec(p).model)
+            and getattr(load_spec(p).model.params, "transport", None) != "nvshmem"]
+FUSED = {"allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"}
+
+
+def _worlds(loaded):
+    """The world sizes the GPU suite runs a spec at: its own, and 8 for ops of any world size."""
+    shipped = [w for w in loaded.model.world_sizes if w > 1]
+    return shipped + ([8] if loaded.model.op not in FUSED and 8 not in shipped and shipped else [])
+
+
+def _reserve(spec):
+    return getattr(spec.params, "reserve_sms", 0) if spec.op in FUSED else 0
+
+
+@pytest.mark.parametrize("sms", [132, 114])
+@pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: p.stem)
+def test_fitted_variant_of_every_shipped_spec(path, sms):
+    """At every world size the suite runs, with every rank on one GPU: the variant validates as a
+    shipped spec does, and every rank's grid (plus the SMs it reserves) fits at one block per SM."""
+    loaded = load_spec(path)
+    family = get_family(loaded.model.op)
+    for world in _worlds(loaded):
+        at_world = spec_variant(loaded, {} if world in loaded.model.world_sizes else {"world_sizes": [world]})
+        updates = family.shared_fit(at_world.model, world, sms)
+        variant = spec_variant(at_world, updates)  # raises SpecError if a check fails
+        spec = variant.model
+        kernel = next(k for k in family.plan(spec).kernels if k.world_size == world)
+        assert world * (kernel.grid + _reserve(spec)) <= sms, (world, kernel.grid, describe_variant(updates))
+        assert updates == {} or set(updates) <= {"launch", "params"}
+        if not updates:  # unchanged only where it already fit
+            assert world * (spec.launch.blocks + _reserve(spec)) <= sms
+
+
+def test_one_rank_per_gpu_changes_nothing():
+    for path in RUNNABLE:
+        spec = load_spec(path).model
+        assert get_family(spec.op).shared_fit(spec, 1, 132) == {}, path.stem
+
+
+def test_fitted_plans_verify():
+    """The variants change the grid a plan is scheduled on; the CPU verifier passes them."""
+    from tsgen.plan import verify
+
+    for name, world in [("all_reduce_ring", 4), ("allgather", 8), ("reduce_scatter", 3), ("broadcast_ring", 8)]:
+        loaded = load_spec(ROOT / "specs" / f"{name}.yaml")
+        at_world = spec_variant(loaded, {} if world in loaded.model.world_sizes else {"world_sizes": [world]})
+        family = get_family(loaded.model.op)
+        variant = spec_variant(at_world, family.shared_fit(at_world.model, world, 132))
+        assert verify(family.comm_plan(variant.model, world), schedules=4, seed=0) == [], name
+
+
+def test_a2av_fit_keeps_world_times_blocks_per_peer():
+    loaded = load_spec(ROOT / "specs" / "all_to_all_v.yaml")
+    at8 = spec_variant(loaded, {"world_sizes": [8]})
+    updates = get_family("all_to_all_v").shared_fit(at8.model, 8, 114)
+    assert updates == {"launch": {"blocks": 14}, "params": {"blocks_per_peer": 1}}
+
+
+def test_variant_is_validated_like_a_spec_and_says_what_changed():
+    loaded = load_spec(ROOT / "specs" / "gemm_reduce_scatter.yaml")
+    with pytest.raises(SpecError, match=r"launch\.blocks: 131 is not a multiple of the cluster size 2 "
+                                        r"\(in the variant launch\.blocks = 131\)"):
+        spec_variant(loaded, {"launch": {"blocks": 131}})
+    with pytest.raises(SpecError, match="in the variant world_sizes = \\[9\\]"):
+        spec_variant(loaded, {"world_sizes": [9]})
+    variant = spec_variant(loaded, {"launch": {"blocks": 64}})
+    assert variant.text.endswith("\n# variant: launch.blocks = 64\n")
+    assert variant.sha256 != loaded.sha256 and variant.model.launch.blocks == 64
+    assert spec_variant(loaded, {}) is loaded
+
+
+# ---------------------------------------------------------------------------
+# refusals
+# ---------------------------------------------------------------------------
+
+
+def test_nvshmem_backend_refuses_shared_gpus():
+    from tsgen.runtime.backends import make_backend
+
+    env = {"RANK": "0", "WORLD_SIZE": "2"}
+    with pytest.MonkeyPatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        with pytest.raises(RuntimeSetupError, match="nvshmem backend does not run ranks that share a GPU.*--share-gpus"):
+            make_backend("nvshmem", 2, cp=None, share_gpus=True)
+
+
+class _Rt:
+    """A fake CUDA runtime with `n` GPUs that records peer-access calls."""
+
+    class CUDARuntimeError(Exception):
+        pass
+
+    def __init__(self, n):
+        self.n, self.enabled, self.current = n, [], 0
+
+    def getDeviceCount(self):
+        return self.n
+
+    def deviceGetPCIBusId(self, d):
+        return f"0000:{d:02x}:00.0"
+
+    def deviceCanAccessPeer(self, i, j):
+        return True
+
+    def deviceEnablePeerAccess(self, j):
+        self.enabled.append((self.current, j))
+
+
+def _fake_cp(n):
+    rt = _Rt(n)
+
+    class Cuda:
+        runtime = rt
+
+        @staticmethod
+        @contextlib.contextmanager
+        def Device(i):
+            rt.current = i
+            yield
+
+    return type("Cp", (), {"cuda": Cuda})
+
+
+def test_single_process_backend_shares_without_self_peer_access():
+    from tsgen.runtime.backends import SingleProcessBackend
+
+    cp = _fake_cp(2)
+    b = SingleProcessBackend(5, cp, share_gpus=True)
+    assert b.devices == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}
+    assert sorted(cp.cuda.runtime.enabled) == [(0, 1), (1, 0)]  # distinct GPUs only
+    assert b.bus_ids == ["0000:00:00.0", "0000:01:00.0"] * 2 + ["0000:00:00.0"]
+    one = _fake_cp(1)
+    SingleProcessBackend(4, one, share_gpus=True)
+    assert one.cuda.runtime.enabled == []
+    with pytest.raises(RuntimeSetupError, match="--share-gpus"):
+        SingleProcessBackend(4, _fake_cp(1))
+
+
+# ---------------------------------------------------------------------------
+# rank skew: compiled in only when asked
+# ---------------------------------------------------------------------------
+
+
+def test_skew_is_absent_from_shipped_sources():
+    for path in SPECS:
+        assert "tsgen_skew" not in (ROOT / "generated" / f"{path.stem}.cu").read_text(), path.stem
+
+
+@pytest.mark.parametrize("name", ["simple_shift", "allgather", "barrier_blocks"])
+def test_skew_adds_only_the_delay(name):
+    loaded = load_spec(ROOT / "specs" / f"{name}.yaml")
+    plain = render(loaded, base=ROOT).source
+    assert plain.encode() == (ROOT / "generated" / f"{name}.cu").read_bytes()  # skew off: the shipped bytes
+    skewed = render(loaded, base=ROOT, skew=7).source
+    assert "7ull * 0x9E3779B97F4A7C15ull" in skewed
+    added = [line for line in skewed.splitlines() if line not in set(plain.splitlines())]
+    removed = [line for line in plain.splitlines() if line not in set(skewed.splitlines())]
+    assert removed == []
+    calls = [line for line in added if re.fullmatch(r"\s*tsgen_skew\(rank, epoch\);", line)]
+    assert len(calls) == len(loaded.model.world_sizes)  # once per entry point, right after the epoch is read
+
+
+def test_skewed_source_compiles(tmp_path, monkeypatch):
+    from tsgen.toolchain import ToolchainError, compile_source, find_nvcc
+
+    try:
+        find_nvcc()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "simple_shift.cu"
+    src.write_text(render(load_spec(ROOT / "specs" / "simple_shift.yaml"), base=ROOT, skew=3).source)
+    assert compile_source(src).output.exists()
+
+
+# ---------------------------------------------------------------------------
+# bench rows of a shared GPU
+# ---------------------------------------------------------------------------
+
+
+def test_shared_rows_carry_no_ratio():
+    from tsgen.bench import SHARED_NOTE, collective_table
+
+    rows = [{"backend": "tsgen", "bytes": 1 << 20, "time_us": 10.0, "algbw_GBps": 1.0, "busbw_GBps": 1.0,
+             "wrong": 0, "note": SHARED_NOTE},
+            {"backend": "nccl", "bytes": 1 << 20, "time_us": 20.0, "busbw_GBps": 0.5}]
+    table = collective_table(rows)
+    row = next(line for line in table.splitlines() if line.lstrip().startswith("1M"))
+    assert row.endswith("shared GPU: not comparable") and "|" not in row
