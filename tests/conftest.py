@@ -21,6 +21,11 @@ def gpu_count() -> int:
         return 0
 
 
+if os.environ.get("TSGEN_SHARE_GPUS") == "1":
+    # test processes (pytest -n N) compile in parallel and take turns on the shared GPU (harness.gpu_turn)
+    os.environ.setdefault("TSGEN_GPU_LOCK", f"/tmp/tsgen-gpu-{os.getuid()}.lock")
+
+
 def sharing() -> bool:
     """TSGEN_SHARE_GPUS=1: worlds larger than the machine's GPU count run with ranks sharing
     GPUs (README "Testing on one GPU"); with enough GPUs every rank still gets its own."""

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import need_gpus
+from tsgen.harness import gpu_turn
 
 pytestmark = pytest.mark.gpu
 
@@ -15,8 +16,9 @@ TSGEN = [sys.executable, "-m", "tsgen"]
 
 
 def launch(nproc, *cmd, grace=30, timeout=180):
-    return subprocess.run([*TSGEN, "launch", "--nproc", str(nproc), "--grace", str(grace), "--", *cmd],
-                          capture_output=True, text=True, timeout=timeout)
+    with gpu_turn():  # the ranks (processes) never take the GPU lock themselves
+        return subprocess.run([*TSGEN, "launch", "--nproc", str(nproc), "--grace", str(grace), "--", *cmd],
+                              capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -43,6 +45,7 @@ def test_ipc_negative_control_fails_on_every_rank():
 
 def test_a_dying_rank_makes_the_others_time_out():
     need_gpus(2, processes=True)
-    p = subprocess.run([sys.executable, "tools/ipc_checks.py", "dying-rank", "specs/allgather.yaml", "--nproc", "2",
-                        "--rank", "1", "--call", "1"], capture_output=True, text=True, timeout=120)
+    with gpu_turn():
+        p = subprocess.run([sys.executable, "tools/ipc_checks.py", "dying-rank", "specs/allgather.yaml", "--nproc",
+                            "2", "--rank", "1", "--call", "1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

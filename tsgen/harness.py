@@ -9,6 +9,7 @@ between calls: the epoch just counts up.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -110,6 +111,27 @@ def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
     return out / f"{rendered.name}.json"
 
 
+@contextlib.contextmanager
+def gpu_turn(world=None):
+    """Hold the GPU alone while this block runs, when TSGEN_GPU_LOCK names a lock file (the test
+    suite sets it when ranks share GPUs): test processes then compile in parallel and take turns
+    on the GPU, so one test's grids never take the SMs another's ranks need to be resident.
+    A rank of a world of several processes never takes it (its peers would wait on it): the
+    test that starts them does (tests/test_gpu_ipc.py)."""
+    path = os.environ.get("TSGEN_GPU_LOCK")
+    if not path or (world is not None and world.backend.store is not None):
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def poison_byte(call: int) -> int:
     return (0xA5 + 0x3B * call) & 0xFF
 
@@ -183,47 +205,48 @@ def run_test(
             manifest = _mutated(manifest, mutate)
         module = world.load(manifest, arch=arch)
         tallies = {rank: RankTally() for rank in world.ranks}
-        bufs = module.alloc(count)
-        try:
-            outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
-            poison_survives = family.poison_survives(spec)
-            for call in range(iters):
-                rng = np.random.default_rng([seed, call])
-                inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
-                expected = family.reference(spec, gpus, count, inputs)
-                tol = family.tolerance(spec, gpus, count, inputs)
-                # With one process per GPU: no rank launches before every rank has loaded
-                # its inputs and poisoned its outputs (a fast peer's puts would be poisoned
-                # over), and none checks (or loads the next call) before every rank's kernel
-                # is done (a slow peer may still be writing our outputs or reading our inputs).
-                load_call(world, bufs, inputs, call)
-                world.synchronize()
-                world.barrier(f"call {call}: inputs loaded, outputs poisoned")
-                if before_launch is not None:
-                    before_launch(call)
-                module.launch(bufs)
-                world.synchronize()
-                world.barrier(f"call {call}: every kernel done")
-                poison_call = call if poison_survives else None  # see OpFamily.poison_survives
-                for rank in world.ranks:
-                    for s in outputs:
-                        got = as_bits(bufs.array(s.name, rank).get())
-                        want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
-                        bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
-                                             None if tol is None else tol[s.name][rank],
-                                             None if tol is None else spec.dtype,
-                                             poison_call)
-                        t = tallies[rank]
-                        t.checked += got.size
-                        t.wrong += bad.size
-                        if bad.size and len(t.first) < 3:
-                            i = int(bad[0])
-                            t.first.append(
-                                f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
-                                f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
-                            )
-        finally:
-            bufs.free()
+        with gpu_turn(world):  # alone on the GPU while it runs, where test processes share one
+            bufs = module.alloc(count)
+            try:
+                outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
+                poison_survives = family.poison_survives(spec)
+                for call in range(iters):
+                    rng = np.random.default_rng([seed, call])
+                    inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
+                    expected = family.reference(spec, gpus, count, inputs)
+                    tol = family.tolerance(spec, gpus, count, inputs)
+                    # With one process per GPU: no rank launches before every rank has loaded
+                    # its inputs and poisoned its outputs (a fast peer's puts would be poisoned
+                    # over), and none checks (or loads the next call) before every rank's kernel
+                    # is done (a slow peer may still be writing our outputs or reading our inputs).
+                    load_call(world, bufs, inputs, call)
+                    world.synchronize()
+                    world.barrier(f"call {call}: inputs loaded, outputs poisoned")
+                    if before_launch is not None:
+                        before_launch(call)
+                    module.launch(bufs)
+                    world.synchronize()
+                    world.barrier(f"call {call}: every kernel done")
+                    poison_call = call if poison_survives else None  # see OpFamily.poison_survives
+                    for rank in world.ranks:
+                        for s in outputs:
+                            got = as_bits(bufs.array(s.name, rank).get())
+                            want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
+                            bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
+                                                 None if tol is None else tol[s.name][rank],
+                                                 None if tol is None else spec.dtype,
+                                                 poison_call)
+                            t = tallies[rank]
+                            t.checked += got.size
+                            t.wrong += bad.size
+                            if bad.size and len(t.first) < 3:
+                                i = int(bad[0])
+                                t.first.append(
+                                    f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
+                                    f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
+                                )
+            finally:
+                bufs.free()
         gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first] for r, t in tallies.items()])
         tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
         root, shared = world.is_root, world.shared and len(set(world.backend.bus_ids))
@@ -324,7 +347,7 @@ def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeou
     short = spec.model_copy(update={"sync": spec.sync.model_copy(update={"timeout_ms": timeout_ms})})
     probe = LoadedSpec(loaded.path, loaded.text + f"\n# probe timeout_ms={timeout_ms}\n", short)
     manifest = materialize(probe)
-    with World(gpus, share_gpus=share_gpus) as world:
+    with World(gpus, share_gpus=share_gpus) as world, gpu_turn():
         module = world.load(manifest, arch=arch)
         bufs = module.alloc(1024)
         # Capture what the device printf writes to this process's stdout.
