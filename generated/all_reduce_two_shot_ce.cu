@@ -1265,7 +1265,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
 #include <mutex>
 
 #define TSGEN_CE_MAX_STREAMS 32
-#define TSGEN_CE_MAX_DEVICES 64
+#define TSGEN_CE_MAX_RANKS 64
 
 // Return the first CUDA error of an expression from the enclosing launcher.
 #define TSGEN_CE_TRY(expr)                  \
@@ -1324,9 +1324,10 @@ static __device__ __forceinline__ void tsgen_ce_reduce(const tsgen_step& st, int
 // Host side: streams, and the copy of one step
 // ---------------------------------------------------------------------------
 
-// The side streams of one device (stream 0 of a plan is the caller's stream),
+// The side streams of one rank (stream 0 of a plan is the caller's stream),
 // with the events that fork them from it and join them back. Made on the
-// first call on each device and kept for the life of the process.
+// first call of each rank this process drives (ranks that share a GPU must not share
+// them) and kept for the life of the process.
 struct tsgen_ce_lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
@@ -1334,13 +1335,11 @@ struct tsgen_ce_lanes {
   bool ready;
 };
 
-static cudaError_t tsgen_ce_lanes_get(tsgen_ce_lanes** out) {
-  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_DEVICES];
+static cudaError_t tsgen_ce_lanes_get(int rank, tsgen_ce_lanes** out) {
+  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_RANKS];
   static std::mutex made;  // ranks launch from threads of their own
-  int dev = 0;
-  TSGEN_CE_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= TSGEN_CE_MAX_DEVICES) return cudaErrorInvalidDevice;
-  tsgen_ce_lanes* l = &lanes[dev];
+  if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
+  tsgen_ce_lanes* l = &lanes[rank];
   std::lock_guard<std::mutex> lock(made);
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
@@ -3490,7 +3489,7 @@ extern "C" cudaError_t all_reduce_two_shot_ce_w2_launch(char* const* peers, char
   if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
   cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 5));
@@ -3607,7 +3606,7 @@ extern "C" cudaError_t all_reduce_two_shot_ce_w3_launch(char* const* peers, char
   if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
   cudaStream_t s[7] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 7));
@@ -3809,7 +3808,7 @@ extern "C" cudaError_t all_reduce_two_shot_ce_w4_launch(char* const* peers, char
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
   cudaStream_t s[10] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 10));
@@ -4136,7 +4135,7 @@ extern "C" cudaError_t all_reduce_two_shot_ce_w8_launch(char* const* peers, char
   if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
   cudaStream_t s[20] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9], lanes->side[10], lanes->side[11], lanes->side[12], lanes->side[13], lanes->side[14], lanes->side[15], lanes->side[16], lanes->side[17], lanes->side[18], lanes->side[19] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 20));

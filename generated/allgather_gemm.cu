@@ -2186,7 +2186,7 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 }
 
 // ---------------------------------------------------------------------------
-// Host: side streams per device (made on the first call, kept for the process).
+// Host: side streams per rank (made on its first call, kept for the process).
 // ---------------------------------------------------------------------------
 #define TSGEN_FUSED_TRY(expr)                           \
   do {                                                  \
@@ -2200,13 +2200,12 @@ struct Lanes {
   bool ready;
 };
 
-static cudaError_t lanes(Lanes** out) {
-  constexpr int MAX_DEVICES = 64;
-  static Lanes all[MAX_DEVICES];
-  int dev = 0;
-  TSGEN_FUSED_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
-  Lanes* l = &all[dev];
+// One set per rank this process drives, made on the rank's device at its first call: ranks
+// that share a GPU must not share side streams and events (each would wait on the other's).
+static cudaError_t lanes(int rank, Lanes** out) {
+  static Lanes all[MAX_WORLD];
+  if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
+  Lanes* l = &all[rank];
   if (!l->ready) {
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
@@ -2394,7 +2393,7 @@ extern "C" cudaError_t allgather_gemm_w2_launch(char* const* peers, char* const*
   allgather_gemm_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   Lanes* l;
-  TSGEN_FUSED_TRY(lanes(&l));
+  TSGEN_FUSED_TRY(lanes(rank, &l));
   TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
@@ -2466,7 +2465,7 @@ extern "C" cudaError_t allgather_gemm_w3_launch(char* const* peers, char* const*
   allgather_gemm_w3_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   Lanes* l;
-  TSGEN_FUSED_TRY(lanes(&l));
+  TSGEN_FUSED_TRY(lanes(rank, &l));
   TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
@@ -2538,7 +2537,7 @@ extern "C" cudaError_t allgather_gemm_w4_launch(char* const* peers, char* const*
   allgather_gemm_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   Lanes* l;
-  TSGEN_FUSED_TRY(lanes(&l));
+  TSGEN_FUSED_TRY(lanes(rank, &l));
   TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));

@@ -1944,7 +1944,7 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 }
 
 // ---------------------------------------------------------------------------
-// Host: side streams per device (made on the first call, kept for the process).
+// Host: side streams per rank (made on its first call, kept for the process).
 // ---------------------------------------------------------------------------
 #define TSGEN_GRID_TRY(expr)                            \
   do {                                                  \
@@ -1958,13 +1958,13 @@ struct Lanes {
   bool ready;
 };
 
-static cudaError_t lanes(Lanes** out) {
-  constexpr int MAX_DEVICES = 64;
-  static Lanes all[MAX_DEVICES];
-  int dev = 0;
-  TSGEN_GRID_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
-  Lanes* l = &all[dev];
+// One set per rank this process drives, made on the rank's device at its first call: ranks
+// that share a GPU must not share side streams and events (each would wait on the other's).
+static cudaError_t lanes(int rank, Lanes** out) {
+  constexpr int MAX_RANKS = 64;
+  static Lanes all[MAX_RANKS];
+  if (rank < 0 || rank >= MAX_RANKS) return cudaErrorInvalidValue;
+  Lanes* l = &all[rank];
   if (!l->ready) {
     int lo = 0, hi = 0;
     TSGEN_GRID_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
@@ -2120,7 +2120,7 @@ extern "C" cudaError_t cannon_w4_launch(char* const* peers, char* const* peers_h
   cannon_w4_sync<<<1, SYNC_THREADS, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, 0);
   TSGEN_GRID_TRY(cudaGetLastError());
   Lanes* l;
-  TSGEN_GRID_TRY(lanes(&l));
+  TSGEN_GRID_TRY(lanes(rank, &l));
   TSGEN_GRID_TRY(cudaEventRecord(l->fork, stream));
   for (int o = 0; o < 2; ++o) {
     TSGEN_GRID_TRY(cudaStreamWaitEvent(l->copy[o], l->fork, 0));

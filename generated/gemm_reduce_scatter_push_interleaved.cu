@@ -2188,7 +2188,7 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 }
 
 // ---------------------------------------------------------------------------
-// Host: side streams per device (made on the first call, kept for the process).
+// Host: side streams per rank (made on its first call, kept for the process).
 // ---------------------------------------------------------------------------
 #define TSGEN_FUSED_TRY(expr)                           \
   do {                                                  \
@@ -2202,13 +2202,12 @@ struct Lanes {
   bool ready;
 };
 
-static cudaError_t lanes(Lanes** out) {
-  constexpr int MAX_DEVICES = 64;
-  static Lanes all[MAX_DEVICES];
-  int dev = 0;
-  TSGEN_FUSED_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
-  Lanes* l = &all[dev];
+// One set per rank this process drives, made on the rank's device at its first call: ranks
+// that share a GPU must not share side streams and events (each would wait on the other's).
+static cudaError_t lanes(int rank, Lanes** out) {
+  static Lanes all[MAX_WORLD];
+  if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
+  Lanes* l = &all[rank];
   if (!l->ready) {
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));

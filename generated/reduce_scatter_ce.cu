@@ -1263,7 +1263,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
 #include <mutex>
 
 #define TSGEN_CE_MAX_STREAMS 32
-#define TSGEN_CE_MAX_DEVICES 64
+#define TSGEN_CE_MAX_RANKS 64
 
 // Return the first CUDA error of an expression from the enclosing launcher.
 #define TSGEN_CE_TRY(expr)                  \
@@ -1322,9 +1322,10 @@ static __device__ __forceinline__ void tsgen_ce_reduce(const tsgen_step& st, int
 // Host side: streams, and the copy of one step
 // ---------------------------------------------------------------------------
 
-// The side streams of one device (stream 0 of a plan is the caller's stream),
+// The side streams of one rank (stream 0 of a plan is the caller's stream),
 // with the events that fork them from it and join them back. Made on the
-// first call on each device and kept for the life of the process.
+// first call of each rank this process drives (ranks that share a GPU must not share
+// them) and kept for the life of the process.
 struct tsgen_ce_lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
@@ -1332,13 +1333,11 @@ struct tsgen_ce_lanes {
   bool ready;
 };
 
-static cudaError_t tsgen_ce_lanes_get(tsgen_ce_lanes** out) {
-  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_DEVICES];
+static cudaError_t tsgen_ce_lanes_get(int rank, tsgen_ce_lanes** out) {
+  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_RANKS];
   static std::mutex made;  // ranks launch from threads of their own
-  int dev = 0;
-  TSGEN_CE_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= TSGEN_CE_MAX_DEVICES) return cudaErrorInvalidDevice;
-  tsgen_ce_lanes* l = &lanes[dev];
+  if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
+  tsgen_ce_lanes* l = &lanes[rank];
   std::lock_guard<std::mutex> lock(made);
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
@@ -2546,7 +2545,7 @@ extern "C" cudaError_t reduce_scatter_ce_w2_launch(char* const* peers, char* con
   if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[3] = { stream, lanes->side[1], lanes->side[2] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 3));
@@ -2641,7 +2640,7 @@ extern "C" cudaError_t reduce_scatter_ce_w3_launch(char* const* peers, char* con
   if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[4] = { stream, lanes->side[1], lanes->side[2], lanes->side[3] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 4));
@@ -2783,7 +2782,7 @@ extern "C" cudaError_t reduce_scatter_ce_w4_launch(char* const* peers, char* con
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 5));
@@ -2990,7 +2989,7 @@ extern "C" cudaError_t reduce_scatter_ce_w8_launch(char* const* peers, char* con
   if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
+  TSGEN_CE_TRY(tsgen_ce_lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[9] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 9));

@@ -128,3 +128,23 @@ def together(items, fn, timeout: float = 60):
 def close_ranks(rendezvous):
     for rv in reversed(rendezvous):  # rank 0 (the server) last
         rv.close()
+
+
+@pytest.fixture(autouse=True)
+def _leave_with_a_dead_context(request):
+    """After a GPU test whose kernel trapped or faulted, this process's CUDA context is dead and
+    every later test in it would fail with the same sticky error: end the process, so that
+    pytest-xdist replaces the worker (the test is reported as crashed) and the rest run."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or gpu_count() == 0:
+        return
+    import cupy
+
+    try:
+        for d in range(cupy.cuda.runtime.getDeviceCount()):
+            with cupy.cuda.Device(d):
+                cupy.cuda.runtime.deviceSynchronize()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            print(f"\n{request.node.nodeid}: CUDA context lost ({e}); ending this worker", flush=True)
+            os._exit(3)

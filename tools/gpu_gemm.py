@@ -198,9 +198,10 @@ def guard_rows(manifest: Path, rows: int, n: int, k: int) -> int:
     a = cp.zeros(rows * k, dtype=cp.uint16)
     b = cp.zeros(k * n, dtype=cp.uint16)
     c = cp.full((rows + 130) * n, sentinel, dtype=cp.uint16)
+    calls = cp.zeros(2, dtype=cp.uint64)  # the launcher runs on the device that holds `calls`
     p = ctypes.c_void_p
-    err = launch(p(0), ctypes.c_int(0), p(0), ctypes.c_uint64(rows), p(a.data.ptr), p(b.data.ptr), p(c.data.ptr),
-                 p(cp.cuda.get_current_stream().ptr))
+    err = launch(p(0), ctypes.c_int(0), p(calls.data.ptr), ctypes.c_uint64(rows), p(a.data.ptr), p(b.data.ptr),
+                 p(c.data.ptr), p(cp.cuda.get_current_stream().ptr))
     if err != 0:
         raise RuntimeError(f"{kernel['launcher']} returned cudaError {err}")
     cp.cuda.runtime.deviceSynchronize()

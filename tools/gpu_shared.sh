@@ -16,4 +16,11 @@ python3 -m pytest -q -m gpu tests/ -n "${JOBS:-8}" -p no:cacheprovider --timeout
   --durations=10 -rs "$@" 2>&1 | tee "$OUT/pytest_shared.txt"
 code=${PIPESTATUS[0]}
 echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$OUT/device.txt"
+# The vendoring example (examples/vendor, no Python): W ranks on this machine's GPUs.
+if [ -z "${SKIP_VENDOR:-}" ]; then
+  cmake -S examples/vendor -B /tmp/vendor -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" >/dev/null \
+    && cmake --build /tmp/vendor >/dev/null || code=1
+  for w in 2 3 4; do /tmp/vendor/allgather_demo "$w" 1000003 20 >>"$OUT/vendor.txt" 2>&1 || code=1; done
+  cat "$OUT/vendor.txt"
+fi
 exit "$code"

@@ -205,48 +205,48 @@ def run_test(
             manifest = _mutated(manifest, mutate)
         module = world.load(manifest, arch=arch)
         tallies = {rank: RankTally() for rank in world.ranks}
-        with gpu_turn(world):  # alone on the GPU while it runs, where test processes share one
-            bufs = module.alloc(count)
-            try:
-                outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
-                poison_survives = family.poison_survives(spec)
-                for call in range(iters):
-                    rng = np.random.default_rng([seed, call])
-                    inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
-                    expected = family.reference(spec, gpus, count, inputs)
-                    tol = family.tolerance(spec, gpus, count, inputs)
-                    # With one process per GPU: no rank launches before every rank has loaded
-                    # its inputs and poisoned its outputs (a fast peer's puts would be poisoned
-                    # over), and none checks (or loads the next call) before every rank's kernel
-                    # is done (a slow peer may still be writing our outputs or reading our inputs).
-                    load_call(world, bufs, inputs, call)
-                    world.synchronize()
-                    world.barrier(f"call {call}: inputs loaded, outputs poisoned")
-                    if before_launch is not None:
-                        before_launch(call)
+        bufs = module.alloc(count)
+        try:
+            outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
+            poison_survives = family.poison_survives(spec)
+            for call in range(iters):
+                rng = np.random.default_rng([seed, call])
+                inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
+                expected = family.reference(spec, gpus, count, inputs)
+                tol = family.tolerance(spec, gpus, count, inputs)
+                # With one process per GPU: no rank launches before every rank has loaded
+                # its inputs and poisoned its outputs (a fast peer's puts would be poisoned
+                # over), and none checks (or loads the next call) before every rank's kernel
+                # is done (a slow peer may still be writing our outputs or reading our inputs).
+                load_call(world, bufs, inputs, call)
+                world.synchronize()
+                world.barrier(f"call {call}: inputs loaded, outputs poisoned")
+                if before_launch is not None:
+                    before_launch(call)
+                with gpu_turn(world):  # alone on the GPU while its kernels run, where tests share one
                     module.launch(bufs)
                     world.synchronize()
-                    world.barrier(f"call {call}: every kernel done")
-                    poison_call = call if poison_survives else None  # see OpFamily.poison_survives
-                    for rank in world.ranks:
-                        for s in outputs:
-                            got = as_bits(bufs.array(s.name, rank).get())
-                            want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
-                            bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
-                                                 None if tol is None else tol[s.name][rank],
-                                                 None if tol is None else spec.dtype,
-                                                 poison_call)
-                            t = tallies[rank]
-                            t.checked += got.size
-                            t.wrong += bad.size
-                            if bad.size and len(t.first) < 3:
-                                i = int(bad[0])
-                                t.first.append(
-                                    f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
-                                    f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
-                                )
-            finally:
-                bufs.free()
+                world.barrier(f"call {call}: every kernel done")
+                poison_call = call if poison_survives else None  # see OpFamily.poison_survives
+                for rank in world.ranks:
+                    for s in outputs:
+                        got = as_bits(bufs.array(s.name, rank).get())
+                        want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
+                        bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
+                                             None if tol is None else tol[s.name][rank],
+                                             None if tol is None else spec.dtype,
+                                             poison_call)
+                        t = tallies[rank]
+                        t.checked += got.size
+                        t.wrong += bad.size
+                        if bad.size and len(t.first) < 3:
+                            i = int(bad[0])
+                            t.first.append(
+                                f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
+                                f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
+                            )
+        finally:
+            bufs.free()
         gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first] for r, t in tallies.items()])
         tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
         root, shared = world.is_root, world.shared and len(set(world.backend.bus_ids))

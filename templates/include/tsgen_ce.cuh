@@ -21,7 +21,7 @@
 #include <mutex>
 
 #define TSGEN_CE_MAX_STREAMS 32
-#define TSGEN_CE_MAX_DEVICES 64
+#define TSGEN_CE_MAX_RANKS 64
 
 // Return the first CUDA error of an expression from the enclosing launcher.
 #define TSGEN_CE_TRY(expr)                  \
@@ -80,9 +80,10 @@ static __device__ __forceinline__ void tsgen_ce_reduce(const tsgen_step& st, int
 // Host side: streams, and the copy of one step
 // ---------------------------------------------------------------------------
 
-// The side streams of one device (stream 0 of a plan is the caller's stream),
+// The side streams of one rank (stream 0 of a plan is the caller's stream),
 // with the events that fork them from it and join them back. Made on the
-// first call on each device and kept for the life of the process.
+// first call of each rank this process drives (ranks that share a GPU must not share
+// them) and kept for the life of the process.
 struct tsgen_ce_lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
@@ -90,13 +91,11 @@ struct tsgen_ce_lanes {
   bool ready;
 };
 
-static cudaError_t tsgen_ce_lanes_get(tsgen_ce_lanes** out) {
-  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_DEVICES];
+static cudaError_t tsgen_ce_lanes_get(int rank, tsgen_ce_lanes** out) {
+  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_RANKS];
   static std::mutex made;  // ranks launch from threads of their own
-  int dev = 0;
-  TSGEN_CE_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= TSGEN_CE_MAX_DEVICES) return cudaErrorInvalidDevice;
-  tsgen_ce_lanes* l = &lanes[dev];
+  if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
+  tsgen_ce_lanes* l = &lanes[rank];
   std::lock_guard<std::mutex> lock(made);
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
