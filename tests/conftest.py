@@ -24,6 +24,7 @@ def gpu_count() -> int:
 if os.environ.get("TSGEN_SHARE_GPUS") == "1":
     # test processes (pytest -n N) compile in parallel and take turns on the shared GPU (harness.gpu_turn)
     os.environ.setdefault("TSGEN_GPU_LOCK", f"/tmp/tsgen-gpu-{os.getuid()}.lock")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before any context: see runtime.World
 
 
 def sharing() -> bool:

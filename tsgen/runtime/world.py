@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import RuntimeSetupError
 from .backends import Backend, cupy_or_error, make_backend
-from .placement import ranks_per_gpu, residency_problem, share_from_env
+from .placement import SHARED_CONNECTIONS, ranks_per_gpu, residency_problem, share_from_env
 
 ALIGN = 256  # every buffer starts on a 256-byte boundary of the heap
 
@@ -314,9 +314,15 @@ class World:
 
     def __init__(self, size: int | None = None, backend: Backend | str | None = "single",
                  share_gpus: bool | None = None):
-        self.cp = cupy_or_error()
         if share_gpus is None:
             share_gpus = share_from_env()
+        if share_gpus:
+            # Ranks sharing a GPU share its hardware work queues (8 by default); a spinning wait
+            # kernel at the head of one blocks every stream mapped behind it, and with several
+            # ranks' streams on one device that can be the very work it waits for. 32 queues
+            # (the most) before the first context is made; placement.SHARED_CONNECTIONS.
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(SHARED_CONNECTIONS))
+        self.cp = cupy_or_error()
         if backend is None or isinstance(backend, str):
             backend = make_backend(backend or "single", size, self.cp, share_gpus=share_gpus)
         if size is not None and backend.size != size:
