@@ -273,3 +273,14 @@ def test_shared_rows_carry_no_ratio():
     table = collective_table(rows)
     row = next(line for line in table.splitlines() if line.lstrip().startswith("1M"))
     assert row.endswith("shared GPU: not comparable") and "|" not in row
+
+
+def test_copy_engine_collectives_are_refused_on_a_shared_gpu():
+    from tsgen.harness import shared_gpu_variant
+
+    world = type("SharedWorld", (), {"shared": True, "colocated": 2})()
+    with pytest.raises(RuntimeSetupError, match="copy-engine transport does not run on a shared GPU.*p2p variant"):
+        shared_gpu_variant(load_spec(ROOT / "specs" / "allgather_ce.yaml"), world, print)
+    alone = type("OwnGpus", (), {"shared": False})()
+    loaded = load_spec(ROOT / "specs" / "allgather_ce.yaml")
+    assert shared_gpu_variant(loaded, alone, print) is loaded

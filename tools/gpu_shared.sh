@@ -9,7 +9,7 @@ source "$(dirname "$0")/device_env.sh"
 export TSGEN_SHARE_GPUS=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
-  nvcc --version | tail -n 2 | head -n 1; date -u +%FT%TZ; git rev-parse --short HEAD 2>/dev/null; } \
+  nvcc --version | tail -n 2 | head -n 1; date -u +%FT%TZ; } \
   | tee "$OUT/device.txt"
 start=$(date +%s)
 python3 -m pytest -q -m gpu tests/ -n "${JOBS:-8}" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
