@@ -81,13 +81,29 @@ VARIANTS.update({
     "hd128_full_kv4_bhsd": variant(128, False, 4, layout="bhsd"),
     "fp16_hd128_causal_kv32": variant(128, True, 32, dtype="float16"),
     "hd128_full_kv32_nopp": variant(128, False, 32, pingpong=False),
+    "hd128_full_kv32_n176": variant(128, False, 32, tile={"n": 176}),
+    "hd128_full_kv32_n176_nopp": variant(128, False, 32, tile={"n": 176}, pingpong=False),
+    "hd128_full_kv32_s3": variant(128, False, 32, stages=3),
+    "hd128_full_kv32_s3_nopp": variant(128, False, 32, stages=3, pingpong=False),
     "hd128_causal_kv32_nopp": variant(128, True, 32, pingpong=False),
+    "hd128_causal_kv32_n176": variant(128, True, 32, tile={"n": 176}),
+    "hd128_causal_kv32_n176_nopp": variant(128, True, 32, tile={"n": 176}, pingpong=False),
+    "hd128_causal_kv32_s3": variant(128, True, 32, stages=3),
+    "hd128_causal_kv32_s3_nopp": variant(128, True, 32, stages=3, pingpong=False),
+    "hd64_full_kv32_nopp": variant(64, False, 32, pingpong=False),
+    "hd64_full_kv32_n192s3": variant(64, False, 32, tile={"n": 192}, stages=3),
+    "hd64_full_kv32_n192s3_nopp": variant(64, False, 32, tile={"n": 192}, stages=3, pingpong=False),
+    "hd64_causal_kv32_nopp": variant(64, True, 32, pingpong=False),
+    "hd64_causal_kv32_n192s3": variant(64, True, 32, tile={"n": 192}, stages=3),
+    "hd64_causal_kv32_n192s3_nopp": variant(64, True, 32, tile={"n": 192}, stages=3, pingpong=False),
     "probe_waits": variant(128, True, 4, kv_waits=True),  # built with a 200 ms timeout
 })
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits", "hd64_full_kv32",
                   "hd64_causal_kv8", "fp16_hd128_causal_kv32", "hd128_full_kv4_bhsd", "hd128_causal_kv32_nopp"]
 BENCH_VARIANTS = [f"hd{d}_{c}_kv{kv}" for d in (128, 64) for c in ("full", "causal") for kv in (32, 8)]
-TUNE_VARIANTS = ["hd128_full_kv32_nopp", "hd128_causal_kv32_nopp"]  # benched at seq 8K only
+TUNE_VARIANTS = [n for n in VARIANTS if n.startswith(("hd128_full_kv32_", "hd128_causal_kv32_", "hd64_full_kv32_",
+                                                       "hd64_causal_kv32_"))]  # benched at TUNE_SEQS
+TUNE_SEQS = [8192, 16384]
 
 
 # ---------------------------------------------------------------------------
@@ -385,6 +401,26 @@ def timeout_probe(built: dict) -> dict:
         return {"pass": True, "error": str(e).splitlines()[0][:200], "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def one_shape(built: dict, seq: int = 8192, calls: int = 3) -> dict:
+    """`calls` calls at seq 8K, batch 2 (for ncu: --launch-skip 1 --launch-count 1)."""
+    import torch
+
+    op = Op(built)
+    dt = torch_dtype(torch, op.dtype)
+    batch = max(1, TOKENS // seq)
+    q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
+    k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+    v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for _ in range(calls):
+        op(q, k, v, o, lse, batch, seq, seq, s)
+    s.synchronize()
+    return {"pass": True, "seq": seq, "batch": batch}
+
+
 def runtime_check(spec: str) -> dict:
     """The runtime path: tsgen's harness (World, module.alloc / launch, NumPy float64 reference)."""
     from tsgen.harness import run_test
@@ -439,7 +475,7 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
 
     rows = []
     stream = torch.cuda.Stream()
-    seqs = [4096, 16384] if quick else SEQS
+    seqs = TUNE_SEQS if quick else SEQS
     for name, b in built.items():
         op = Op(b)
         dt = torch_dtype(torch, op.dtype)
@@ -501,21 +537,34 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
                              "causal": op.causal, "seq": seq, "impl": "tsgen", "ms": None,
                              "tflops": None, "error": f"{type(e).__name__}: {e}"[:200]})
             q = k = v = o = lse = ref = None
-    for name, b in tune.items():  # tuning variants: seq 8K only
-        op = Op(b)
-        dt = torch_dtype(torch, op.dtype)
-        seq, batch = 8192, 2
-        q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
-        k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-        v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-        o = torch.empty_like(q)
-        lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
-        t = median_ms(torch, stream, lambda: op(q, k, v, o, lse, batch, seq, seq, stream))
-        f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
-        rows.append({"variant": name, "head_dim": op.head_dim, "kv_heads": op.kv_heads, "causal": op.causal,
-                     "seq": seq, "batch": batch, "impl": "tsgen", "ms": t, "tflops": f / t / 1e9, "tune": True})
+    for name, b in [(n, b) for n, b in tune.items() for _ in TUNE_SEQS]:  # tuning variants: TUNE_SEQS only
+        seq = TUNE_SEQS[sum(1 for r in rows if r.get("tune") and r["variant"] == name)]
+        try:
+            op = Op(b)
+            dt = torch_dtype(torch, op.dtype)
+            batch = max(1, TOKENS // seq)
+            q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
+            k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+            v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+            o = torch.empty_like(q)
+            lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+            with torch.cuda.stream(stream):
+                ref = sdpa_call(torch, q, k, v, op.causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).float()
+                o.fill_(float("nan"))
+            t = median_ms(torch, stream, lambda: op(q, k, v, o, lse, batch, seq, seq, stream))
+            stream.synchronize()
+            err = float(torch.linalg.vector_norm(torch.nan_to_num(o.float(), nan=1e4) - ref) / torch.linalg.vector_norm(ref))
+            f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
+            rows.append({"variant": name, "head_dim": op.head_dim, "kv_heads": op.kv_heads, "causal": op.causal,
+                         "seq": seq, "batch": batch, "impl": "tsgen", "ms": t, "tflops": f / t / 1e9, "tune": True,
+                         "rel_err_vs_sdpa": err, "suspect": f / t / 1e9 > PEAK_TFLOPS or err > MAX_REL_ERR})
+            echo(f"  {name} seq {seq}: {f / t / 1e9:.0f} (rel err vs SDPA {err:.1e})")
+        except Exception as e:  # noqa: BLE001
+            rows.append({"variant": name, "seq": seq, "impl": "tsgen", "tune": True, "ms": None, "tflops": None,
+                         "error": f"{type(e).__name__}: {e}"[:200]})
+            echo(f"  {name} seq {seq}: {type(e).__name__}: {e}"[:300])
         print("BENCHROWS " + json.dumps(rows[-1:]), flush=True)
-        echo(f"  {name} seq {seq}: {f / t / 1e9:.0f}")
+        q = k = v = o = lse = ref = None
     props = torch.cuda.get_device_properties(0)
     return {"rows": rows, "device": props.name, "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version()}
@@ -589,6 +638,8 @@ def main() -> int:
                 result = check_variant(builds[name], args.quick)
             elif kind == "probe":
                 result = timeout_probe(builds[name])
+            elif kind == "one":  # a few calls of one shape (under ncu)
+                result = one_shape(builds[name])
             elif kind == "runtime":
                 result = runtime_check(str(ROOT / "specs" / f"{name}.yaml"))
             else:
@@ -704,7 +755,8 @@ def markdown(s: dict) -> str:
         lines += ["", "| variant | impl | seq | TFLOP/s |", "|---|---|---|---|"]
         for r in extra:
             lines.append(f"| {r['variant']} | {r['impl']} | {r['seq']} | "
-                         f"{'n/a' if r.get('tflops') is None else format(r['tflops'], '.0f')} |")
+                         f"{'n/a' if r.get('tflops') is None else format(r['tflops'], '.0f')}"
+                         f"{' (!)' if r.get('suspect') else ''} |")
     errors = [r for r in s["bench"] if r.get("error")]
     if errors:
         lines += ["", "Baselines that refused a shape: " + "; ".join(

@@ -46,7 +46,7 @@ from .collectives import from_f64, to_f64
 SMEM_LIMIT = 232448
 SMEM_ALIGN_SLACK = 1024  # the dynamic shared memory base is only 16-byte aligned
 # fp32 scores + fp32 outputs + 16-bit P registers one consumer thread can hold (of 240)
-MAX_ACCUMULATORS = 176
+MAX_ACCUMULATORS = 200
 
 
 class AttentionTile(StrictModel):
