@@ -99,11 +99,12 @@ VARIANTS.update({
     "probe_waits": variant(128, True, 4, kv_waits=True),  # built with a 200 ms timeout
 })
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits", "hd64_full_kv32",
-                  "hd64_causal_kv8", "fp16_hd128_causal_kv32", "hd128_full_kv4_bhsd", "hd128_causal_kv32_nopp"]
+                  "hd64_causal_kv8", "fp16_hd128_causal_kv32", "hd128_full_kv4_bhsd", "hd128_causal_kv32_nopp",
+                  "hd128_full_kv32_n176_nopp"]
 BENCH_VARIANTS = [f"hd{d}_{c}_kv{kv}" for d in (128, 64) for c in ("full", "causal") for kv in (32, 8)]
 TUNE_VARIANTS = [n for n in VARIANTS if n.startswith(("hd128_full_kv32_", "hd128_causal_kv32_", "hd64_full_kv32_",
                                                        "hd64_causal_kv32_"))]  # benched at TUNE_SEQS
-TUNE_SEQS = [8192, 16384]
+TUNE_SEQS = {128: SEQS, 64: [8192, 16384]}  # by head dim
 
 
 # ---------------------------------------------------------------------------
@@ -475,7 +476,7 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
 
     rows = []
     stream = torch.cuda.Stream()
-    seqs = TUNE_SEQS if quick else SEQS
+    seqs = [8192, 16384] if quick else SEQS
     for name, b in built.items():
         op = Op(b)
         dt = torch_dtype(torch, op.dtype)
@@ -537,8 +538,8 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
                              "causal": op.causal, "seq": seq, "impl": "tsgen", "ms": None,
                              "tflops": None, "error": f"{type(e).__name__}: {e}"[:200]})
             q = k = v = o = lse = ref = None
-    for name, b in [(n, b) for n, b in tune.items() for _ in TUNE_SEQS]:  # tuning variants: TUNE_SEQS only
-        seq = TUNE_SEQS[sum(1 for r in rows if r.get("tune") and r["variant"] == name)]
+    for name, b, seq in [(n, b, seq) for n, b in tune.items()
+                         for seq in TUNE_SEQS[json.loads(Path(b["manifest"]).read_text())["constants"]["HEAD_DIM"]]]:
         try:
             op = Op(b)
             dt = torch_dtype(torch, op.dtype)
@@ -750,7 +751,17 @@ def markdown(s: dict) -> str:
         flag = " (!)" if t and t.get("suspect") else ""
         lines.append(f"| {key[0]} | {key[1]} | {'yes' if key[2] else 'no'} | {key[3]} | {tf('tsgen')}{flag} | "
                      f"{tf('SDPA flash')} | {tf('SDPA cuDNN')} | {ratio} | {err} |")
-    extra = [r for r in s["bench"] if r.get("tune") or r["impl"] not in ("tsgen", "SDPA flash", "SDPA cuDNN")]
+    tune = [r for r in s["bench"] if r.get("tune")]
+    if tune:
+        seqs = sorted({r["seq"] for r in tune})
+        lines += ["", "Variants (TFLOP/s of tsgen; (!) above the peak or wrong against SDPA):", "",
+                  "| variant | " + " | ".join(str(q) for q in seqs) + " |", "|---" * (len(seqs) + 1) + "|"]
+        for name in dict.fromkeys(r["variant"] for r in tune):
+            got = {r["seq"]: r for r in tune if r["variant"] == name}
+            cells = [("n/a" if got[q].get("tflops") is None else f"{got[q]['tflops']:.0f}"
+                      + (" (!)" if got[q].get("suspect") else "")) if q in got else "" for q in seqs]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    extra = [r for r in s["bench"] if not r.get("tune") and r["impl"] not in ("tsgen", "SDPA flash", "SDPA cuDNN")]
     if extra:
         lines += ["", "| variant | impl | seq | TFLOP/s |", "|---|---|---|---|"]
         for r in extra:
@@ -759,8 +770,8 @@ def markdown(s: dict) -> str:
                          f"{' (!)' if r.get('suspect') else ''} |")
     errors = [r for r in s["bench"] if r.get("error")]
     if errors:
-        lines += ["", "Baselines that refused a shape: " + "; ".join(
-            f"{r['impl']} d{r['head_dim']} kv{r['kv_heads']} s{r['seq']}: {r['error']}" for r in errors[:6])]
+        lines += ["", "Errors (a baseline that refused a shape, or a failed launch): " + "; ".join(
+            f"{r['impl']} {r['variant']} s{r['seq']}: {r['error']}" for r in errors[:6])]
     lines += ["", "| correctness | case | calls | rel err | LSE err | NaN | -inf mismatch | guard | result |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, c in s["checks"].items():
