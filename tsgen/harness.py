@@ -242,7 +242,7 @@ def run_test(
                         want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
                         bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
                                              None if tol is None else tol[s.name][rank],
-                                             None if tol is None else spec.dtype,
+                                             None if tol is None else s.dtype,
                                              poison_call)
                         t = tallies[rank]
                         t.checked += got.size

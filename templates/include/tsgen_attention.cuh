@@ -1,0 +1,769 @@
+// tsgen_attention.cuh -- a warp-specialized Hopper (sm_90a) flash-attention forward:
+//   O = softmax(scale * Q K^T (+ causal mask)) V, and LSE = log(sum(exp(scale * Q K^T)))
+// per (query, head), 16-bit Q, K, V, O, fp32 accumulation and softmax, fp32 LSE.
+//
+// Hand-written; inlined into generated attention sources after tsgen_gemm.cuh, whose PTX
+// wrappers (mbarriers, TMA, wgmma fences and descriptors, setmaxnreg, pack2) it uses. The
+// op's template supplies a `Config` struct: the sizes as constexpr members, the element
+// type, and two wgmma instructions: `mma_qk` (S = Q K^T, both operands in shared memory)
+// and `mma_pv` (O += P V, P in registers).
+//
+// Tensors (row = one position of one sequence):
+//   Q, O   [batch, q_len, HEADS, HEAD_DIM]     (Config::BHSD: [batch, HEADS, q_len, HEAD_DIM])
+//   K, V   [batch, kv_len, KV_HEADS, HEAD_DIM] (BHSD: [batch, KV_HEADS, kv_len, HEAD_DIM])
+//   LSE    [batch, HEADS, q_len] fp32, natural log; -inf for a query that sees no key
+// Query head h reads KV head h / (HEADS / KV_HEADS) (grouped-query attention).
+//
+// Positions (the causal mask and sequence parallelism): query row r of a sequence sits
+// at global position q_offset + r for r < q_split, at q_offset2 + (r - q_split) after
+// (the two-chunk "zig-zag" layout of a rank that holds chunks i and 2P-1-i); key row j at
+// kv_offset + j. Causal: a query sees the keys at positions <= its own. A query that sees
+// no key gets O = 0 and LSE = -inf, so partial results over KV chunks merge exactly.
+//
+// Work: one tile = TILE_M (128) query rows of one head of one sequence. Tiles are
+// numbered head-major (all query tiles of head 0 of sequence 0, then head 1, ...: the CTAs
+// that run together read the same K and V from L2), and with CAUSAL the longest tiles
+// (last rows) of each head come first. CTA c takes tiles c, c + gridDim.x, ...: a plain
+// grid of one CTA per tile, or a persistent grid (the launcher's `blocks`).
+//
+// One CTA (384 threads):
+//   * warpgroup 0, the producer, keeps 40 registers (setmaxnreg.dec); one thread loads
+//     each tile's Q once (TMA, q_full / q_empty barriers) and its K and V blocks of TILE_N
+//     keys into rings of STAGES stages (k_full / k_empty, v_full / v_empty), in the order
+//     the consumers use them: K_0, then K_i and V_(i-1), then the last V. Blocks are
+//     walked from the last needed one down, so that masked (diagonal and tail) blocks come
+//     first. With KV_WAITS, before the first block of KV chunk c (kv_chunk rows each) it
+//     waits until kv_signal[c] >= kv_expected (acquire; a sequence-parallel producer of K
+//     and V raises it once the chunk is in place).
+//   * warpgroups 1 and 2, the consumers, take 232 registers and 64 query rows each. Per
+//     block i: S_i = Q K_i^T (wgmma, both operands from shared memory, fp32), then the
+//     online softmax in registers (exp2 with scale * log2(e) folded in, running max m and
+//     sum l per row, O rescaled when the max grows), P_i rounded to 16 bits in registers
+//     as the A operand of O += P_i V_i (wgmma, V read "N-major" through the transpose bit).
+//     Intra-warpgroup overlap (as FlashAttention-3): S_(i+1) and P_i V_i are issued
+//     together, and the softmax of S_(i+1) runs while P_i V_i is still in the tensor core.
+//     With PINGPONG the two consumer warpgroups take turns issuing their GEMMs (two named
+//     barriers), so one's softmax overlaps the other's GEMMs.
+//   * epilogue: O / l rounded to 16 bits into the warpgroup's own rows of the Q tile's
+//     shared memory (128B-swizzled), stored with TMA (rows >= q_len clipped); LSE from
+//     registers. Then q_empty: the producer may load the next tile's Q.
+//
+// Shared memory (1024-byte aligned, every tile 128B-swizzled in 64-column boxes):
+//   Q (HEAD_DIM / 64 boxes of TILE_M rows) | K stages | V stages | barriers
+#ifndef TSGEN_ATTENTION_CUH
+#define TSGEN_ATTENTION_CUH
+
+#include <math.h>
+
+namespace tsgen_attention {
+
+using tsgen_gemm::bulk_commit_group;
+using tsgen_gemm::bulk_wait_group_all;
+using tsgen_gemm::bulk_wait_group_read;
+using tsgen_gemm::fence_mbarrier_init_release_cluster;
+using tsgen_gemm::fence_operand;
+using tsgen_gemm::fence_proxy_async_global;
+using tsgen_gemm::mbar_arrive;
+using tsgen_gemm::mbar_arrive_expect_tx;
+using tsgen_gemm::mbar_init;
+using tsgen_gemm::mbar_wait;
+using tsgen_gemm::named_barrier_sync;
+using tsgen_gemm::pack2;
+using tsgen_gemm::prefetch_tensormap;
+using tsgen_gemm::setmaxnreg_dec;
+using tsgen_gemm::setmaxnreg_inc;
+using tsgen_gemm::smem_u32;
+using tsgen_gemm::st_shared_u32;
+using tsgen_gemm::sw128_descriptor;
+using tsgen_gemm::wgmma_commit_group;
+using tsgen_gemm::wgmma_fence;
+using tsgen_gemm::wgmma_wait_group;
+
+// ---------------------------------------------------------------------------
+// PTX wrappers beyond the GEMM's
+// ---------------------------------------------------------------------------
+
+// TMA load of one 4-D box (c0 = column, then the tensor's other dimensions in order).
+static __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                                   int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// TMA store of one 4-D box from shared memory; elements outside the tensor are not written.
+static __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2,
+                                                    int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(map),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+}
+
+// `threads` threads meet at named barrier `id`: this one arrives without waiting.
+static __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Approximate exp2, log2 and 1 / x (MUFU): no call to a slow path (a call in the kernel
+// makes ptxas give up the consumers' 232-register budget and serialize the wgmma).
+static __device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+static __device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Wait for phase `parity` of a pipeline barrier, with no timeout: the consumers' waits. A
+// trap anywhere in the consumers' code makes ptxas give up their 232-register budget (and
+// spill); the producer's waits keep the timeout (mbar_wait), and the producer waits at the
+// end until the consumers have released everything, so a stuck pipeline still traps.
+static __device__ __forceinline__ void mbar_wait_no_timeout(uint32_t bar, uint32_t parity) {
+  while (!tsgen_gemm::mbar_try_wait(bar, parity)) {
+  }
+}
+
+static __device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------------------
+// Sizes and shared-memory offsets derived from the Config
+// ---------------------------------------------------------------------------
+
+template <class C>
+struct Layout {
+  static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
+  static_assert(C::HEAD_DIM % 64 == 0 && C::HEAD_DIM <= 256, "head dim: 64-column boxes, wgmma N <= 256");
+  static_assert(C::TILE_M == 128, "2 consumer warpgroups x 64 query rows");
+  static_assert(C::TILE_N % 16 == 0 && C::TILE_N <= 256, "keys per block: k16 steps of P V, wgmma N <= 256");
+  static_assert(C::HEADS % C::KV_HEADS == 0, "KV heads divide the query heads");
+  static constexpr int THREADS = 384;
+  static constexpr int BOXES = C::HEAD_DIM / 64;  // 64-column (128-byte) boxes per row
+  static constexpr int Q_BOX = C::TILE_M * 128;
+  static constexpr int KV_BOX = C::TILE_N * 128;
+  static constexpr int Q_BYTES = BOXES * Q_BOX;
+  static constexpr int KV_STAGE = BOXES * KV_BOX;
+  static constexpr int S_ACC = C::TILE_N / 2;    // fp32 scores per thread (64 rows x TILE_N / 128)
+  static constexpr int O_ACC = C::HEAD_DIM / 2;  // fp32 outputs per thread
+  static constexpr int K16 = C::TILE_N / 16;     // k16 steps of P V
+  static constexpr int GROUP = C::HEADS / C::KV_HEADS;
+
+  static constexpr int Q_OFF = 0;
+  static constexpr int K_OFF = Q_OFF + Q_BYTES;
+  static constexpr int V_OFF = K_OFF + C::STAGES * KV_STAGE;
+  static constexpr int BAR_OFF = V_OFF + C::STAGES * KV_STAGE;
+  static constexpr int Q_FULL = BAR_OFF, Q_EMPTY = BAR_OFF + 8;
+  static constexpr int K_FULL = BAR_OFF + 16, K_EMPTY = K_FULL + 8 * C::STAGES;
+  static constexpr int V_FULL = K_EMPTY + 8 * C::STAGES, V_EMPTY = V_FULL + 8 * C::STAGES;
+  static constexpr int SMEM_BYTES = V_EMPTY + 8 * C::STAGES + 1024;  // + slack for aligning the base
+  static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/attention.py smem_bytes() disagrees with this layout");
+
+  // named barriers: 0 is __syncthreads'; PINGPONG turns; per-warpgroup epilogue
+  static constexpr uint32_t TURN = 1, EPILOGUE = 3;
+};
+
+// ---------------------------------------------------------------------------
+// The problem of one call (kernel parameter, by value)
+// ---------------------------------------------------------------------------
+
+struct Problem {
+  float* lse;                 // [batch, HEADS, q_len]
+  const uint64_t* kv_signal;  // KV_WAITS: one signal per KV chunk (nullptr: no waits)
+  uint64_t kv_expected;       // the value each signal must reach
+  uint32_t kv_chunk;          // KV rows per signal
+  uint32_t batch, q_len, kv_len;
+  int32_t q_offset, q_split, q_offset2, kv_offset;  // positions: see the top of this file
+  uint32_t m_tiles, tiles;                          // query tiles per head; tiles in all
+};
+
+// Global position of query row r.
+static __host__ __device__ __forceinline__ int64_t q_position(const Problem& p, int64_t r) {
+  return r < p.q_split ? p.q_offset + r : p.q_offset2 + (r - p.q_split);
+}
+
+struct Tile {
+  uint32_t m0, head, batch;
+  int32_t blocks;    // KV blocks this tile needs (0: no key is visible to any of its rows)
+  int64_t min_q;     // smallest position of the tile's rows (< q_len): causal masking
+};
+
+// Tile t: the same on the producer and the consumers (and on the host, for tests).
+template <class C>
+static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32_t t) {
+  Tile tile;
+  const uint32_t within = t % p.m_tiles, bh = t / p.m_tiles;
+  const uint32_t m = C::CAUSAL ? p.m_tiles - 1 - within : within;  // causal: longest tiles first
+  tile.m0 = m * C::TILE_M;
+  tile.head = bh % C::HEADS;
+  tile.batch = bh / C::HEADS;
+  const int32_t all = (int32_t)((p.kv_len + C::TILE_N - 1) / C::TILE_N);
+  const int64_t first = tile.m0;
+  const int64_t last = (tile.m0 + C::TILE_M < p.q_len ? tile.m0 + C::TILE_M : p.q_len) - 1;
+  // positions increase within each of the two segments
+  int64_t max_q = q_position(p, last), min_q = q_position(p, first);
+  if (first < p.q_split && last >= p.q_split) {
+    const int64_t end0 = q_position(p, p.q_split - 1), start1 = q_position(p, p.q_split);
+    max_q = max_q > end0 ? max_q : end0;
+    min_q = min_q < start1 ? min_q : start1;
+  }
+  tile.min_q = min_q;
+  if (!C::CAUSAL) {
+    tile.blocks = all;
+  } else {
+    const int64_t visible = max_q - p.kv_offset;  // the last key row any row of the tile sees
+    const int64_t need = visible < 0 ? 0 : visible / C::TILE_N + 1;
+    tile.blocks = need < all ? (int32_t)need : all;
+  }
+  return tile;
+}
+
+// KV block j of a tile needs the element-wise mask: it holds rows >= kv_len, or (causal)
+// keys past the tile's first query position.
+template <class C>
+static __host__ __device__ __forceinline__ bool block_masked(const Problem& p, const Tile& tile, int32_t j) {
+  const int64_t end = (int64_t)(j + 1) * C::TILE_N;
+  if (end > p.kv_len) return true;
+  return C::CAUSAL && p.kv_offset + end - 1 > tile.min_q;
+}
+
+// A running counter of KV blocks (over this CTA's tiles): its ring stage and phase.
+template <class C>
+struct Ring {
+  uint32_t stage, phase;
+  __device__ __forceinline__ explicit Ring(uint32_t count)
+      : stage(count % C::STAGES), phase((count / C::STAGES) & 1) {}
+};
+
+// ---------------------------------------------------------------------------
+// Producer: one thread issues every TMA load of this CTA.
+// ---------------------------------------------------------------------------
+
+// TMA coordinates of (column d, row s, head h, sequence b) in a [b, s, h, d] or [b, h, s, d] map.
+template <class C>
+static __device__ __forceinline__ void load_rows(uint32_t dst, const CUtensorMap* map, int d, int s, int h, int b,
+                                                 uint32_t bar) {
+  if constexpr (C::BHSD) {
+    tma_load_4d(dst, map, d, s, h, b, bar);
+  } else {
+    tma_load_4d(dst, map, d, h, s, b, bar);
+  }
+}
+
+// KV_WAITS: wait for every KV chunk that block j touches and that this tile has not waited
+// for yet (blocks are walked downwards: `waited` is the lowest chunk already waited for).
+template <class C>
+static __device__ __forceinline__ void wait_chunks(const Problem& p, int32_t j, uint32_t& waited) {
+  if constexpr (C::KV_WAITS) {
+    if (p.kv_signal == nullptr) return;
+    const uint32_t first = (uint32_t)j * C::TILE_N / p.kv_chunk;
+    const uint32_t end = ((uint32_t)j + 1) * C::TILE_N < p.kv_len ? ((uint32_t)j + 1) * C::TILE_N : p.kv_len;
+    const uint32_t last = (end - 1) / p.kv_chunk;
+    if (first >= waited) return;
+    for (uint32_t c = (last < waited ? last : waited - 1) + 1; c-- > first;) {
+      C::wait_signal(p.kv_signal + c, p.kv_expected, (int)c);
+    }
+    fence_proxy_async_global();  // the acquired data, visible to the TMA loads that follow
+    waited = first;
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const CUtensorMap* k_map,
+                                               const CUtensorMap* v_map, uint32_t smem, const Problem& p) {
+  using L = Layout<C>;
+  uint32_t count = 0, tiles = 0;  // KV blocks and tiles loaded so far
+  for (uint32_t t = blockIdx.x; t < p.tiles; t += gridDim.x, ++tiles) {
+    const Tile tile = tile_of<C>(p, t);
+    const int kvh = (int)(tile.head / L::GROUP), h = (int)tile.head, b = (int)tile.batch;
+    // Q: the consumers are done with the previous tile's Q (and the O stores staged in it)
+    mbar_wait(smem + L::Q_EMPTY, (tiles & 1) ^ 1);
+    mbar_arrive_expect_tx(smem + L::Q_FULL, L::Q_BYTES);
+#pragma unroll
+    for (int x = 0; x < L::BOXES; ++x)
+      load_rows<C>(smem + L::Q_OFF + x * L::Q_BOX, q_map, 64 * x, (int)tile.m0, h, b, smem + L::Q_FULL);
+    uint32_t waited = 0xFFFFFFFFu;
+    // K_0, then (K_i, V_(i-1)) for i = 1 .. blocks - 1, then V_(blocks-1); block i is KV block
+    // blocks - 1 - i (downwards).
+    for (int32_t i = 0; i <= tile.blocks; ++i) {
+      if (i < tile.blocks) {
+        const int32_t j = tile.blocks - 1 - i;
+        wait_chunks<C>(p, j, waited);
+        const Ring<C> r(count + i);
+        const uint32_t full = smem + L::K_FULL + 8 * r.stage;
+        mbar_wait(smem + L::K_EMPTY + 8 * r.stage, r.phase ^ 1);  // a fresh barrier passes parity 1
+        mbar_arrive_expect_tx(full, L::KV_STAGE);
+#pragma unroll
+        for (int x = 0; x < L::BOXES; ++x)
+          load_rows<C>(smem + L::K_OFF + r.stage * L::KV_STAGE + x * L::KV_BOX, k_map, 64 * x, j * C::TILE_N, kvh,
+                       b, full);
+      }
+      if (i > 0) {
+        const int32_t j = tile.blocks - i;
+        const Ring<C> r(count + i - 1);
+        const uint32_t full = smem + L::V_FULL + 8 * r.stage;
+        mbar_wait(smem + L::V_EMPTY + 8 * r.stage, r.phase ^ 1);
+        mbar_arrive_expect_tx(full, L::KV_STAGE);
+#pragma unroll
+        for (int x = 0; x < L::BOXES; ++x)
+          load_rows<C>(smem + L::V_OFF + r.stage * L::KV_STAGE + x * L::KV_BOX, v_map, 64 * x, j * C::TILE_N, kvh,
+                       b, full);
+      }
+    }
+    count += (uint32_t)tile.blocks;
+  }
+  // Tail: wait (with the timeout) until the consumers have released every stage and the last
+  // Q, so that a consumer stuck on a load that never lands makes the kernel trap, not hang.
+  if (tiles > 0) mbar_wait(smem + L::Q_EMPTY, (tiles - 1) & 1);
+  for (uint32_t c = count > C::STAGES ? count - C::STAGES : 0; c < count; ++c) {
+    const Ring<C> r(c);
+    mbar_wait(smem + L::K_EMPTY + 8 * r.stage, r.phase);
+    mbar_wait(smem + L::V_EMPTY + 8 * r.stage, r.phase);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Consumers
+// ---------------------------------------------------------------------------
+
+// Per thread of a consumer warpgroup: rows g = 16 * warp + lane / 4 and g + 8 of its 64;
+// score / output register 4q + {0, 1} is (row g, column 8q + 2 (lane % 4) + {0, 1}),
+// 4q + {2, 3} the same columns of row g + 8 (the wgmma accumulator layout).
+template <class C>
+struct Softmax {
+  float m[2];  // running max of the row's scores, in log2 units (scale * log2(e) * s)
+  float l[2];  // this thread's part of the running sum of exp2(scaled s - m)
+
+  __device__ __forceinline__ void reset() {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+  }
+
+  // Scores of one block -> unnormalized probabilities (in place); `scale` gets the factor
+  // the rows' earlier outputs must be multiplied by. MASK: scores of keys >= kv_len, or
+  // (causal) after the row's position, count as -inf. FIRST: nothing to rescale.
+  template <bool MASK, bool FIRST>
+  __device__ __forceinline__ void step(float (&s)[Layout<C>::S_ACC], float (&scale)[2], const Problem& p,
+                                       int32_t j, const int64_t (&q_pos)[2]) {
+    using L = Layout<C>;
+    const uint32_t lane = threadIdx.x % 32;
+    if constexpr (MASK) {
+      const int64_t key0 = (int64_t)j * C::TILE_N + 2 * (lane % 4);
+#pragma unroll
+      for (int i = 0; i < L::S_ACC; ++i) {
+        const int64_t key = key0 + 8 * (i / 4) + (i % 2);
+        const int row = (i / 2) % 2;
+        bool hidden = key >= (int64_t)p.kv_len;
+        if constexpr (C::CAUSAL) hidden |= p.kv_offset + key > q_pos[row];
+        if (hidden) s[i] = -INFINITY;
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < L::S_ACC; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
+    float use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 2));
+      const float m_new = FIRST ? mx[r] * C::SCALE_LOG2 : fmaxf(m[r], mx[r] * C::SCALE_LOG2);
+      use[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet: exp2(-inf) = 0
+      scale[r] = FIRST ? 0.f : exp2_approx(m[r] - use[r]);
+      m[r] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < L::S_ACC; ++i) {
+      const int r = (i / 2) % 2;
+      s[i] = exp2_approx(fmaf(s[i], C::SCALE_LOG2, -use[r]));
+      sum[r] += s[i];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = FIRST ? sum[r] : fmaf(l[r], scale[r], sum[r]);
+  }
+};
+
+// Probabilities (scores registers) -> the A fragments of P V: k16 step k holds columns
+// 16k .. 16k + 15, registers (row g, 2c), (row g + 8, 2c), (row g, 2c + 8), (row g + 8, 2c + 8).
+template <class C>
+static __device__ __forceinline__ void to_operand(const float (&s)[Layout<C>::S_ACC],
+                                                  uint32_t (&a)[Layout<C>::K16][4]) {
+#pragma unroll
+  for (int k = 0; k < Layout<C>::K16; ++k)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) a[k][x] = pack2<typename C::Element>(s[8 * k + 2 * x], s[8 * k + 2 * x + 1]);
+}
+
+template <class C>
+static __device__ __forceinline__ void rescale(float (&o)[Layout<C>::O_ACC], const float (&scale)[2]) {
+#pragma unroll
+  for (int i = 0; i < Layout<C>::O_ACC; ++i) o[i] *= scale[(i / 2) % 2];
+}
+
+// S = Q K^T for KV stage `stage`: HEAD_DIM / 16 wgmma, both operands K-major in shared memory.
+template <class C>
+static __device__ __forceinline__ void issue_qk(float (&s)[Layout<C>::S_ACC], uint32_t smem, uint32_t cw,
+                                                uint32_t stage) {
+  using L = Layout<C>;
+  const uint64_t q_desc = sw128_descriptor(smem + L::Q_OFF + cw * 64 * 128, 16, 1024);
+  const uint64_t k_desc = sw128_descriptor(smem + L::K_OFF + stage * L::KV_STAGE, 16, 1024);
+#pragma unroll
+  for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+    const uint32_t q_step = (k / 4) * L::Q_BOX + (k % 4) * 32, k_step = (k / 4) * L::KV_BOX + (k % 4) * 32;
+    C::mma_qk(s, q_desc + (q_step >> 4), k_desc + (k_step >> 4), k > 0);
+  }
+}
+
+// O (+)= P V for KV stage `stage`: TILE_N / 16 wgmma, V N-major (64-column boxes KV_BOX apart).
+template <class C>
+static __device__ __forceinline__ void issue_pv(float (&o)[Layout<C>::O_ACC], const uint32_t (&a)[Layout<C>::K16][4],
+                                                uint32_t smem, uint32_t stage, bool accumulate) {
+  using L = Layout<C>;
+  const uint64_t v_desc = sw128_descriptor(smem + L::V_OFF + stage * L::KV_STAGE, L::KV_BOX, 1024);
+#pragma unroll
+  for (int k = 0; k < L::K16; ++k) C::mma_pv(o, a[k], v_desc + ((k * 16 * 128) >> 4), accumulate || k > 0);
+}
+
+// PINGPONG: warpgroup cw waits for its turn to issue GEMMs, and hands the turn over.
+template <class C>
+static __device__ __forceinline__ void turn_wait(uint32_t cw) {
+  if constexpr (C::PINGPONG) named_barrier_sync(Layout<C>::TURN + cw, 256);
+}
+template <class C>
+static __device__ __forceinline__ void turn_pass(uint32_t cw) {
+  if constexpr (C::PINGPONG) named_barrier_arrive(Layout<C>::TURN + (cw ^ 1), 256);
+}
+
+template <class C>
+static __device__ __forceinline__ void fence_all(float* x, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) fence_operand(x[i]);
+}
+
+// O / l -> 16 bits -> this warpgroup's 64 rows of the Q tile (128B-swizzled boxes) -> TMA
+// store; LSE from registers.
+template <class C>
+static __device__ __forceinline__ void epilogue(float (&o)[Layout<C>::O_ACC], Softmax<C>& sm,
+                                                const CUtensorMap* o_map, uint32_t smem, uint32_t cw,
+                                                const Tile& tile, const Problem& p) {
+  using L = Layout<C>;
+  const uint32_t t = threadIdx.x % 128, lane = t % 32;
+  const uint32_t row = 16 * (t / 32) + lane / 4;  // and row + 8, of this warpgroup's 64
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = sm.l[r];
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+    inv[r] = l > 0.f ? rcp_approx(l) : 0.f;
+    const uint32_t q = tile.m0 + cw * 64 + row + 8 * r;
+    if (lane % 4 == 0 && q < p.q_len) {
+      const float lse = l > 0.f ? (sm.m[r] + log2_approx(l)) * 0.69314718055994530942f : -INFINITY;
+      p.lse[((uint64_t)tile.batch * C::HEADS + tile.head) * p.q_len + q] = lse;
+    }
+  }
+  // Every warp of the warpgroup is past its last wgmma reading this Q rows' shared memory.
+  named_barrier_sync(L::EPILOGUE + cw, 128);
+  const uint32_t base = smem + L::Q_OFF + cw * 64 * 128;
+  const uint32_t swizzle = lane / 4;  // = row % 8: 128B swizzle XORs the 16-byte unit with it
+#pragma unroll
+  for (int x = 0; x < L::BOXES; ++x) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const float* d = &o[4 * (8 * x + q)];
+      const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
+      const uint32_t box = base + x * L::Q_BOX;
+      st_shared_u32(box + row * 128 + col, pack2<typename C::Element>(d[0] * inv[0], d[1] * inv[0]));
+      st_shared_u32(box + (row + 8) * 128 + col, pack2<typename C::Element>(d[2] * inv[1], d[3] * inv[1]));
+    }
+  }
+  fence_proxy_async_shared_cta();  // our shared-memory writes, visible to the TMA engine
+  named_barrier_sync(L::EPILOGUE + cw, 128);
+  if (t == 0) {
+    const int s0 = (int)(tile.m0 + cw * 64);
+    if ((uint32_t)s0 < p.q_len) {
+#pragma unroll
+      for (int x = 0; x < L::BOXES; ++x) {
+        const uint32_t src = base + x * L::Q_BOX;
+        if constexpr (C::BHSD) {
+          tma_store_4d(o_map, src, 64 * x, s0, (int)tile.head, (int)tile.batch);
+        } else {
+          tma_store_4d(o_map, src, 64 * x, (int)tile.head, s0, (int)tile.batch);
+        }
+      }
+      bulk_commit_group();
+      bulk_wait_group_read<0>();  // the stores have read the shared memory: Q may be reloaded
+    }
+    mbar_arrive(smem + L::Q_EMPTY);
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_t smem, const Problem& p,
+                                               uint32_t cw) {
+  using L = Layout<C>;
+  const bool leader = threadIdx.x % 128 == 0;  // arrives on the ring's empty barriers
+  const uint32_t t = threadIdx.x % 128;
+  float s[L::S_ACC];
+  float o[L::O_ACC];
+  uint32_t a[L::K16][4];
+  Softmax<C> sm;
+  uint32_t count = 0, tiles = 0;
+  if (cw == 1) turn_pass<C>(cw);  // warpgroup 0 issues first
+  for (uint32_t tn = blockIdx.x; tn < p.tiles; tn += gridDim.x, ++tiles) {
+    const Tile tile = tile_of<C>(p, tn);
+    int64_t q_pos[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) q_pos[r] = q_position(p, tile.m0 + cw * 64 + 16 * (t / 32) + (t % 32) / 4 + 8 * r);
+    sm.reset();
+    mbar_wait_no_timeout(smem + L::Q_FULL, tiles & 1);
+    const int32_t n = tile.blocks;
+    if (n == 0) {
+#pragma unroll
+      for (int i = 0; i < L::O_ACC; ++i) o[i] = 0.f;
+    } else {
+      float scale[2];
+      // Block 0 (KV block n - 1): S only.
+      {
+        const Ring<C> r(count);
+        mbar_wait_no_timeout(smem + L::K_FULL + 8 * r.stage, r.phase);
+        turn_wait<C>(cw);
+        wgmma_fence();
+        issue_qk<C>(s, smem, cw, r.stage);
+        wgmma_commit_group();
+        turn_pass<C>(cw);
+        wgmma_wait_group<0>();
+        fence_all<C>(s, L::S_ACC);
+        if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * r.stage);
+        if (block_masked<C>(p, tile, n - 1)) {
+          sm.template step<true, true>(s, scale, p, n - 1, q_pos);
+        } else {
+          sm.template step<false, true>(s, scale, p, n - 1, q_pos);
+        }
+        to_operand<C>(s, a);
+      }
+      // Block i: S_i and P_(i-1) V_(i-1) together, softmax of S_i while P V runs.
+      for (int32_t i = 1; i < n; ++i) {
+        const int32_t j = n - 1 - i;
+        const Ring<C> rk(count + i), rv(count + i - 1);
+        mbar_wait_no_timeout(smem + L::K_FULL + 8 * rk.stage, rk.phase);
+        turn_wait<C>(cw);
+        wgmma_fence();
+        issue_qk<C>(s, smem, cw, rk.stage);
+        wgmma_commit_group();
+        mbar_wait_no_timeout(smem + L::V_FULL + 8 * rv.stage, rv.phase);
+        issue_pv<C>(o, a, smem, rv.stage, i > 1);
+        wgmma_commit_group();
+        turn_pass<C>(cw);
+        wgmma_wait_group<1>();  // S_i is done; P V may still run
+        fence_all<C>(s, L::S_ACC);
+        if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * rk.stage);
+        if (block_masked<C>(p, tile, j)) {
+          sm.template step<true, false>(s, scale, p, j, q_pos);
+        } else {
+          sm.template step<false, false>(s, scale, p, j, q_pos);
+        }
+        wgmma_wait_group<0>();
+        fence_all<C>(o, L::O_ACC);
+        if (leader) mbar_arrive(smem + L::V_EMPTY + 8 * rv.stage);
+        rescale<C>(o, scale);
+        to_operand<C>(s, a);
+      }
+      // The last P V.
+      {
+        const Ring<C> rv(count + n - 1);
+        mbar_wait_no_timeout(smem + L::V_FULL + 8 * rv.stage, rv.phase);
+        turn_wait<C>(cw);
+        wgmma_fence();
+        issue_pv<C>(o, a, smem, rv.stage, n > 1);
+        wgmma_commit_group();
+        turn_pass<C>(cw);
+        wgmma_wait_group<0>();
+        fence_all<C>(o, L::O_ACC);
+        if (leader) mbar_arrive(smem + L::V_EMPTY + 8 * rv.stage);
+      }
+    }
+    epilogue<C>(o, sm, o_map, smem, cw, tile, p);
+    count += (uint32_t)n;
+  }
+  if (cw == 0) turn_wait<C>(cw);  // takes warpgroup 1's last hand-over: the barriers end balanced
+  if (t == 0) bulk_wait_group_all();  // O is written before the CTA (and its shared memory) goes
+}
+
+// ---------------------------------------------------------------------------
+// The kernel body
+// ---------------------------------------------------------------------------
+
+template <class C>
+static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUtensorMap* k_map,
+                                           const CUtensorMap* v_map, const CUtensorMap* o_map, const Problem& p) {
+  using L = Layout<C>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  if (threadIdx.x == 0) {
+    mbar_init(smem + L::Q_FULL, 1);   // the producer's arrive.expect_tx (+ the TMA bytes)
+    mbar_init(smem + L::Q_EMPTY, 2);  // one arrival per consumer warpgroup
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(smem + L::K_FULL + 8 * s, 1);
+      mbar_init(smem + L::K_EMPTY + 8 * s, 2);
+      mbar_init(smem + L::V_FULL + 8 * s, 1);
+      mbar_init(smem + L::V_EMPTY + 8 * s, 2);
+    }
+    fence_mbarrier_init_release_cluster();  // visible to the TMA unit
+    prefetch_tensormap(q_map);
+    prefetch_tensormap(k_map);
+    prefetch_tensormap(v_map);
+    prefetch_tensormap(o_map);
+  }
+  __syncthreads();
+  const uint32_t warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
+    setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) produce<C>(q_map, k_map, v_map, smem, p);
+    return;  // the producer's code never joins the consumers' (ptxas allocates each its own registers)
+  } else {
+    setmaxnreg_inc<232>();
+    consume<C>(o_map, smem, p, warpgroup - 1);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side: TMA descriptors and the launch.
+// ---------------------------------------------------------------------------
+
+// Positions and lengths are 32-bit signed on the device (TMA coordinates too).
+constexpr uint64_t MAX_LEN = 1ull << 30;
+
+// A [batch, rows, heads, HEAD_DIM] tensor (bhsd: [batch, heads, rows, HEAD_DIM]) of 16-bit
+// values, read or written in boxes of `box_rows` rows x 64 columns of one head (128 bytes a
+// row: the swizzle span), 128B-swizzled in shared memory; rows past `rows` load as zeros
+// and are not stored.
+template <class C>
+static cudaError_t encode_heads(CUtensorMap* map, const void* base, uint64_t batch, uint64_t rows, uint64_t heads,
+                                uint32_t box_rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode;
+  const cudaError_t err = tsgen_gemm::tensor_map_encoder(&encode);
+  if (err != cudaSuccess) return err;
+  constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
+  const uint64_t row_bytes = (uint64_t)C::HEAD_DIM * 2;
+  cuuint64_t dims[4], strides[3];
+  cuuint32_t box[4];
+  if (C::BHSD) {
+    const cuuint64_t d[4] = {(cuuint64_t)C::HEAD_DIM, rows, heads, batch};
+    const cuuint64_t s[3] = {row_bytes, rows * row_bytes, heads * rows * row_bytes};
+    const cuuint32_t b[4] = {64, box_rows, 1, 1};
+    for (int i = 0; i < 4; ++i) dims[i] = d[i], box[i] = b[i];
+    for (int i = 0; i < 3; ++i) strides[i] = s[i];
+  } else {
+    const cuuint64_t d[4] = {(cuuint64_t)C::HEAD_DIM, heads, rows, batch};
+    const cuuint64_t s[3] = {row_bytes, heads * row_bytes, rows * heads * row_bytes};
+    const cuuint32_t b[4] = {64, 1, box_rows, 1};
+    for (int i = 0; i < 4; ++i) dims[i] = d[i], box[i] = b[i];
+    for (int i = 0; i < 3; ++i) strides[i] = s[i];
+  }
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, dtype, 4, const_cast<void*>(base), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+struct TensorMaps {
+  CUtensorMap q, k, v, o;
+};
+
+// The four descriptors; each host thread keeps the last set and reuses it while the
+// pointers and sizes stay the same (encoding takes microseconds).
+template <class C>
+static cudaError_t tensor_maps(const void* q, const void* k, const void* v, const void* o, uint32_t batch,
+                               uint32_t q_len, uint32_t kv_len, const TensorMaps** out) {
+  struct Last {
+    bool valid = false;
+    const void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+    uint32_t batch = 0, q_len = 0, kv_len = 0;
+    TensorMaps maps;
+  };
+  thread_local Last last;
+  if (!last.valid || last.q != q || last.k != k || last.v != v || last.o != o || last.batch != batch ||
+      last.q_len != q_len || last.kv_len != kv_len) {
+    last.valid = false;
+    const uint64_t kv_rows = kv_len > 0 ? kv_len : 1;  // no key: the maps are never used
+    cudaError_t err = encode_heads<C>(&last.maps.q, q, batch, q_len, C::HEADS, C::TILE_M);
+    if (err == cudaSuccess) err = encode_heads<C>(&last.maps.k, k, batch, kv_rows, C::KV_HEADS, C::TILE_N);
+    if (err == cudaSuccess) err = encode_heads<C>(&last.maps.v, v, batch, kv_rows, C::KV_HEADS, C::TILE_N);
+    if (err == cudaSuccess) err = encode_heads<C>(&last.maps.o, o, batch, q_len, C::HEADS, 64);
+    if (err != cudaSuccess) return err;
+    last.valid = true, last.q = q, last.k = k, last.v = v, last.o = o;
+    last.batch = batch, last.q_len = q_len, last.kv_len = kv_len;
+  }
+  *out = &last.maps;
+  return cudaSuccess;
+}
+
+// The shared-memory opt-in, once per device.
+template <class C>
+static cudaError_t prepare(const void* kernel) {
+  constexpr int MAX_DEVICES = 64;
+  static std::atomic<int> done[MAX_DEVICES];
+  int device;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < MAX_DEVICES && done[device].load()) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<C>::SMEM_BYTES);
+  if (err == cudaSuccess && device < MAX_DEVICES) done[device].store(1);
+  return err;
+}
+
+// One call. `blocks` = 0: one CTA per tile; else at most `blocks` CTAs walk the tiles.
+// Positions: see the top of this file (q_split >= q_len: one query segment). KV_WAITS
+// kernels wait on kv_signal[c] >= kv_expected before KV chunk c (kv_chunk rows) unless
+// kv_signal is null.
+template <class C, class Kernel>
+static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
+                          uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
+                          int64_t q_offset2, int64_t kv_offset, const uint64_t* kv_signal, uint64_t kv_chunk,
+                          uint64_t kv_expected, int blocks, cudaStream_t stream) {
+  using L = Layout<C>;
+  if (batch == 0 || q_len == 0) return cudaSuccess;
+  if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
+      o == nullptr || lse == nullptr)
+    return cudaErrorInvalidValue;
+  const int64_t limit = (int64_t)1 << 30;
+  if (q_offset < -limit || q_offset > limit || q_offset2 < -limit || q_offset2 > limit || kv_offset < -limit ||
+      kv_offset > limit)
+    return cudaErrorInvalidValue;
+  if (kv_signal != nullptr && (!C::KV_WAITS || kv_chunk == 0 || kv_chunk > MAX_LEN)) return cudaErrorInvalidValue;
+  Problem p;
+  p.lse = lse;
+  p.kv_signal = kv_signal;
+  p.kv_expected = kv_expected;
+  p.kv_chunk = (uint32_t)(kv_chunk > 0 ? kv_chunk : 1);
+  p.batch = (uint32_t)batch, p.q_len = (uint32_t)q_len, p.kv_len = (uint32_t)kv_len;
+  p.q_offset = (int32_t)q_offset, p.q_offset2 = (int32_t)q_offset2, p.kv_offset = (int32_t)kv_offset;
+  p.q_split = (int32_t)(q_split < 0 ? 0 : q_split > (int64_t)q_len ? (int64_t)q_len : q_split);
+  p.m_tiles = (uint32_t)((q_len + C::TILE_M - 1) / C::TILE_M);
+  const uint64_t tiles = (uint64_t)p.m_tiles * C::HEADS * batch;
+  if (tiles > 0x7FFFFFFFull) return cudaErrorInvalidValue;
+  p.tiles = (uint32_t)tiles;
+  const TensorMaps* maps;
+  cudaError_t err = tensor_maps<C>(q, k, v, o, (uint32_t)batch, (uint32_t)q_len, (uint32_t)kv_len, &maps);
+  if (err != cudaSuccess) return err;
+  err = prepare<C>(reinterpret_cast<const void*>(kernel));
+  if (err != cudaSuccess) return err;
+  const uint64_t grid = blocks > 0 && (uint64_t)blocks < tiles ? (uint64_t)blocks : tiles;
+  kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
+  return cudaGetLastError();
+}
+
+}  // namespace tsgen_attention
+
+#endif  // TSGEN_ATTENTION_CUH

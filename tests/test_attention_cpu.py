@@ -1,0 +1,432 @@
+"""The `attention` op on the CPU: spec errors, rendering and the manifest, the NumPy
+reference, the sm_90a build (registers, spills, wgmma serialization, SASS, the launcher
+library), and the tile / KV-block walk (causal skipping, masking, offsets, zig-zag) of the
+header's own tile_of / block_masked compiled as host code. Needs nvcc (and cuobjdump for
+SASS) for the build checks, no GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT
+from tsgen.errors import SpecError, ToolchainError
+from tsgen.ops import get_family
+from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_positions, smem_bytes, to_bshd,
+                                 zigzag)
+from tsgen.ops.collectives import to_f64
+from tsgen.render import render
+from tsgen.spec import load_spec
+from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
+
+SPEC = ROOT / "specs" / "attention_hd128.yaml"
+SHIPPED = ["attention_hd128", "attention_hd128_causal_gqa", "attention_hd64_causal", "attention_sp"]
+HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
+ATT = "name: a\nop: attention\nworld_sizes: [1]\n"
+
+
+def _missing(find) -> str | None:
+    try:
+        find()
+        return None
+    except ToolchainError as e:
+        return str(e)
+
+
+NO_NVCC = _missing(find_nvcc)
+NO_SASS = NO_NVCC or _missing(find_cuobjdump)
+needs_nvcc = pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc not found: {NO_NVCC}")
+needs_sass = pytest.mark.skipif(NO_SASS is not None, reason=f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
+    yield
+    mp.undo()
+
+
+def variant(tmp: Path, name: str, **changes) -> Path:
+    """specs/attention_hd128.yaml with some fields changed (nested dicts merge)."""
+    data = yaml.safe_load(SPEC.read_text())
+    data["name"] = name
+
+    def merge(into: dict, new: dict) -> None:
+        for key, value in new.items():
+            if isinstance(value, dict):
+                merge(into.setdefault(key, {}), value)
+            else:
+                into[key] = value
+
+    merge(data, changes)
+    path = tmp / "specs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(HEAD + yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def rendered_source(spec_path: Path, out: Path) -> Path:
+    r = render(load_spec(spec_path), base=spec_path.parent.parent)
+    for name, text in r.files().items():
+        (out / name).write_text(text)
+    return out / f"{r.name}.cu"
+
+
+# ---------------------------------------------------------------------------
+# Spec
+# ---------------------------------------------------------------------------
+
+BAD = [
+    ("head_dim_256", ATT + "params:\n  head_dim: 256\n", ["6:3: params.head_dim: Input should be 64 or 128"]),
+    ("head_dim_96", ATT + "params:\n  head_dim: 96\n", ["6:3: params.head_dim: Input should be 64 or 128"]),
+    ("kv_heads_divide", ATT + "params:\n  heads: 32\n  kv_heads: 5\n",
+     ["7:3: params.kv_heads: 5 KV heads do not divide 32 query heads"]),
+    ("kv_heads_more", ATT + "params:\n  kv_heads: 64\n", ["6:3: params.kv_heads: 64 KV heads do not divide 32 query heads"]),
+    ("shared_memory", ATT + "params:\n  stages: 4\n",
+     [f"6:3: params.stages: 4 stages of K and V blocks of 128 x 128 (+ the 128-row Q tile) need 296080 bytes of "
+      f"shared memory; sm_90 has {SMEM_LIMIT} per block: use fewer stages or a smaller tile.n"]),
+    ("registers", ATT + "params:\n  tile: {n: 192}\n",
+     ["6:10: params.tile.n: head_dim 128 with blocks of 192 keys needs 208 accumulator registers per consumer thread "
+      "(S 96, O 64, P 48); at most 200 fit: use a smaller tile.n"]),
+    ("tile_m", ATT + "params:\n  tile: {m: 64}\n", ["6:10: params.tile.m: Input should be 128"]),
+    ("scale", ATT + "params:\n  softmax_scale: 0\n", ["6:3: params.softmax_scale: Input should be greater than 0"]),
+    ("dtype", ATT + "dtype: float32\n", ["5:1: dtype: Input should be 'bfloat16' or 'float16'"]),
+    ("world_size", "name: a\nop: attention\nworld_sizes: [2]\n", ["4:15: world_sizes[0]: Input should be 1"]),
+    ("threads", ATT + "launch:\n  threads: 256\n", ["6:3: launch.threads: Input should be 384"]),
+]
+
+
+@pytest.mark.parametrize("text,expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_spec(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(HEAD + text)
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    assert e.value.problems == [f"{path}:{line}" for line in expected]
+
+
+def test_shipped_specs():
+    for name in SHIPPED:
+        spec = load_spec(ROOT / "specs" / f"{name}.yaml").model
+        assert smem_bytes(spec) <= SMEM_LIMIT and spec.test.count % spec.params.tile.m != 0, name
+    spec = load_spec(SPEC).model
+    p = spec.params
+    assert (p.head_dim, p.heads, p.kv_heads, p.causal, p.tile.m, p.tile.n, p.stages) == (128, 32, 32, False, 128, 128, 2)
+    # Q tile + 2 x (K + V) stages + 10 barriers + alignment slack
+    assert smem_bytes(spec) == 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 10 + 1024
+    sp = load_spec(ROOT / "specs" / "attention_sp.yaml").model
+    assert sp.params.kv_waits and sp.params.causal and sp.params.heads // sp.params.kv_heads == 8
+
+
+# ---------------------------------------------------------------------------
+# Plan, manifest, rendering
+# ---------------------------------------------------------------------------
+
+
+def test_plan_and_manifest():
+    loaded = load_spec(SPEC)
+    family = get_family("attention")
+    assert family.launched_from_host(loaded.model)
+    r = render(loaded, base=ROOT)
+    assert r.source == render(loaded, base=ROOT).source, "rendering is deterministic"
+    for name in SHIPPED:
+        rr = render(load_spec(ROOT / "specs" / f"{name}.yaml"), base=ROOT)
+        assert rr.files() == {n: (ROOT / "generated" / n).read_text() for n in rr.files()}, "generated/ is stale"
+    m = json.loads(r.manifest)
+    assert m["host_launch"] and m["world_sizes"] == [1] and m["count_unit"] == "rows"
+    per = 32 * 128
+    assert [(b["name"], b["dtype"], b["role"], b["elems"]["per_count"]) for b in m["buffers"]] == [
+        ("calls", "uint64", "signal", 0), ("q", "bfloat16", "input", per), ("k", "bfloat16", "input", per),
+        ("v", "bfloat16", "input", per), ("o", "bfloat16", "output", per), ("lse", "float32", "output", 32)]
+    (k,) = m["kernels"]
+    assert [a["name"] for a in k["launcher_args"]] == ["peers", "rank", "calls", "count", "q", "k", "v", "o", "lse"]
+    assert k["shared_bytes"] == m["constants"]["SMEM_BYTES"] == smem_bytes(loaded.model)
+    assert k["block"] == [384, 1, 1]
+    assert "attention_hd128_w1_kernel(const __grid_constant__ CUtensorMap q_map" in r.source
+    assert 'extern "C" cudaError_t attention_hd128_w1_forward(const void* q' in r.source
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in r.source
+    assert " %64, %65, p, 1, 1, 0, 0;" in r.source, "Q K^T: both operands K-major"
+    assert " {%64, %65, %66, %67}, %68, p, 1, 1, 1;" in r.source, "P V: A in registers, V transposed"
+    assert f"SCALE_LOG2 = {1 / math.sqrt(128) * math.log2(math.e)!r}f" in r.source
+
+
+def test_float16_and_scale_render(tmp_path):
+    path = variant(tmp_path, "a16", dtype="float16", params={"softmax_scale": 0.5, "head_dim": 64})
+    source = render(load_spec(path), base=tmp_path).source
+    assert "m64n64k16.f32.f16.f16" in source and "using Element = __half;" in source
+    assert f"SCALE_LOG2 = {0.5 * math.log2(math.e)!r}f" in source
+
+
+# ---------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------
+
+
+def by_hand(q, k, v, scale, causal, qpos, kpos):
+    b, sq, h, d = q.shape
+    g = h // k.shape[2]
+    o = np.zeros(q.shape)
+    lse = np.full((b, h, sq), -np.inf)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(sq):
+                keys = [j for j in range(k.shape[1]) if not causal or kpos[j] <= qpos[i]]
+                if not keys:
+                    continue
+                s = np.array([scale * float(q[bi, i, hi] @ k[bi, j, hi // g]) for j in keys])
+                w = np.exp(s - s.max())
+                o[bi, i, hi] = sum(wj * v[bi, j, hi // g] for wj, j in zip(w, keys)) / w.sum()
+                lse[bi, hi, i] = s.max() + math.log(w.sum())
+    return o, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_by_hand(causal):
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 9, 4, 8)), rng.standard_normal((2, 11, 2, 8)), rng.standard_normal((2, 11, 2, 8))
+    qpos = query_positions(9, 5, 4, 20)  # a zig-zag-like split: 5..8, then 20..24
+    kpos = 3 + np.arange(11)  # keys at 3..13: rows 20.. see all, row 5 sees 3..5
+    o, lse = attention_reference(q, k, v, 0.3, causal, qpos, kpos)
+    want_o, want_lse = by_hand(q, k, v, 0.3, causal, qpos, kpos)
+    np.testing.assert_allclose(o, want_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+    # a query that sees no key: O = 0, LSE = -inf
+    o, lse = attention_reference(q, k, v, 0.3, True, query_positions(9), 100 + np.arange(11))
+    assert (o == 0).all() and np.isneginf(lse).all()
+
+
+def test_positions_and_flops():
+    assert list(query_positions(6, 10, 3, 40)) == [10, 11, 12, 40, 41, 42]
+    z = zigzag(4, 1, 300)
+    assert list(query_positions(600, **z)[[0, 299, 300, 599]]) == [300, 599, 1800, 2099]
+    assert flops(2, 8192, 8192, 32, 128, False) == 4 * 2 * 32 * 8192**2 * 128
+    assert flops(2, 8192, 8192, 32, 128, True) == flops(2, 8192, 8192, 32, 128, False) / 2
+
+
+def test_family_reference_and_tolerance(tmp_path):
+    path = variant(tmp_path, "tiny", params={"heads": 4, "kv_heads": 2, "head_dim": 64, "causal": True, "batch": 2})
+    spec = load_spec(path).model
+    family = get_family("attention")
+    count = 5
+    inputs = family.make_inputs(spec, 1, count, np.random.default_rng(1), pattern=False)
+    ref = family.reference(spec, 1, count, inputs)
+    q = to_bshd(to_f64(inputs["q"][0], "bfloat16"), 2, count, 4, 64, "bshd")
+    k = to_bshd(to_f64(inputs["k"][0], "bfloat16"), 2, count, 2, 64, "bshd")
+    v = to_bshd(to_f64(inputs["v"][0], "bfloat16"), 2, count, 2, 64, "bshd")
+    want_o, want_lse = by_hand(q, k, v, 1 / 8, True, np.arange(count), np.arange(count))
+    np.testing.assert_allclose(to_f64(ref["o"][0], "bfloat16"), want_o.reshape(-1), rtol=2**-8, atol=1e-6)
+    np.testing.assert_allclose(ref["lse"][0], want_lse.reshape(-1), rtol=1e-6)
+    tol = family.tolerance(spec, 1, count, inputs)
+    assert tol["o"][0].shape == ref["o"][0].shape and (tol["lse"][0] >= 1e-3).all()
+
+
+# ---------------------------------------------------------------------------
+# Build: sm_90a cubin and the launchers' shared library
+# ---------------------------------------------------------------------------
+
+
+def ptxas_problems(output: Path) -> list[str]:
+    text = Path(str(output) + ".ptxas.txt").read_text()
+    return [line for line in text.splitlines() if re.search(r"C75(08|10|12|20)", line)]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", SHIPPED)
+def test_compiles_without_spills(cache, name):
+    for mode in ("cubin", "shared"):
+        res = compile_source(ROOT / "generated" / f"{name}.cu", mode=mode)
+        entry = res.report[f"{name}_w1_kernel"]
+        # setmaxnreg (producer 40, consumers 232 registers) balances at 384 x 168
+        assert entry["registers"] == 168, entry
+        assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+        assert ptxas_problems(res.output) == [], "no serialized wgmma, no ignored setmaxnreg"
+
+
+@needs_nvcc
+def test_launcher_library(cache):
+    lib = compile_source(ROOT / "generated" / "attention_sp.cu", mode="shared").output
+    nm, readelf = shutil.which("nm"), shutil.which("readelf")
+    if nm is None or readelf is None:
+        pytest.skip("nm / readelf not found")
+    symbols = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    for sym in ("attention_sp_w1_launch", "attention_sp_w1_forward"):
+        assert re.search(rf" T {sym}$", symbols, re.M), sym
+    needed = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    assert "libcuda.so" not in needed
+
+
+@needs_sass
+@pytest.mark.parametrize("name,head_dim", [("attention_hd128", 128), ("attention_hd64_causal", 64)])
+def test_sass(cache, name, head_dim):
+    sass = dump_sass(compile_source(ROOT / "generated" / f"{name}.cu").output)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    names = [o for o, _ in ops]
+    hgmma = [o + rest for o, rest in ops if o.startswith("HGMMA")]
+    qk = [h for h in hgmma if "tnspB" not in h]
+    pv = [h for h in hgmma if "tnspB" in h]
+    # S = Q K^T: head_dim / 16 wgmma per block, twice (the first block and the main loop);
+    # P V: 8 (blocks of 128 keys) in the loop and after it, A from registers
+    assert len(qk) == 2 * head_dim // 16 and all(h.startswith("HGMMA.64x128x16.F32.BF16") for h in qk), hgmma
+    assert len(pv) == 2 * 8 and all(h.startswith(f"HGMMA.64x{head_dim}x16.F32.BF16 R") for h in pv), pv
+    waits = [o + rest for o, rest in ops if o == "WARPGROUP.DEPBAR"]
+    assert len(waits) <= 4, f"the wgmma of one block are batched, not serialized: {waits}"
+    for op in ("UTMALDG.4D", "UTMASTG.4D", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+               "USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "MUFU.EX2"):
+        assert op in names, op
+    pingpong = load_spec(ROOT / "specs" / f"{name}.yaml").model.params.pingpong
+    assert ("BAR.ARV" in names) == pingpong, "the ping-pong hands turns over with bar.arrive"
+    assert not [o for o in names if o.startswith(("LDL", "STL"))], "no local memory"
+    assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("changes", [
+    {"dtype": "float16"},
+    {"params": {"layout": "bhsd", "kv_heads": 4}},
+    {"params": {"pingpong": False, "causal": True}},
+    {"params": {"head_dim": 64, "kv_waits": True, "kv_wait_scope": "gpu"}},
+    {"params": {"tile": {"n": 176}}},
+], ids=["f16", "bhsd_gqa8", "no_pingpong_causal", "hd64_waits", "blocks_176"])
+def test_variants_compile(cache, tmp_path, changes):
+    res = compile_source(rendered_source(variant(tmp_path, "v", **changes), tmp_path))
+    entry = res.report["v_w1_kernel"]
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+    assert ptxas_problems(res.output) == []
+
+
+@needs_nvcc
+def test_printing_wait_diagnostic_serializes(cache, tmp_path):
+    """Why kv_wait_diagnostic is off by default: its printf is a call, and ptxas then
+    serializes every wgmma of the kernel (C7510)."""
+    res = compile_source(rendered_source(variant(tmp_path, "d", params={"kv_waits": True,
+                                                                       "kv_wait_diagnostic": True}), tmp_path))
+    assert any("C7510" in line for line in ptxas_problems(res.output))
+
+
+# ---------------------------------------------------------------------------
+# The tile / block walk (tile_of, block_masked compiled for the host)
+# ---------------------------------------------------------------------------
+
+WALK = r"""
+#include "SOURCE"
+#include <cstdlib>
+// Every tile of a problem: "T m0 head batch blocks", then "B j masked" per KV block.
+int main(int argc, char** argv) {
+  using C = MODULE::Config;
+  tsgen_attention::Problem p = {};
+  p.batch = atoi(argv[1]); p.q_len = atoi(argv[2]); p.kv_len = atoi(argv[3]);
+  p.q_offset = atoi(argv[4]); p.q_split = atoi(argv[5]); p.q_offset2 = atoi(argv[6]); p.kv_offset = atoi(argv[7]);
+  p.m_tiles = (p.q_len + C::TILE_M - 1) / C::TILE_M;
+  p.tiles = p.m_tiles * C::HEADS * p.batch;
+  for (uint32_t t = 0; t < p.tiles; ++t) {
+    const tsgen_attention::Tile tile = tsgen_attention::tile_of<C>(p, t);
+    printf("T %u %u %u %d\n", tile.m0, tile.head, tile.batch, tile.blocks);
+    for (int j = 0; j < tile.blocks; ++j) printf("B %d %d\n", j, (int)tsgen_attention::block_masked<C>(p, tile, j));
+  }
+}
+"""
+
+
+def walker(source: Path, module: str, tmp: Path) -> Path:
+    main = tmp / f"walk_{module}.cu"
+    main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", module))
+    exe = tmp / f"walk_{module}"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-w", "-o", str(exe), str(main)],
+                   check=True, capture_output=True)
+    return exe
+
+
+def walk(exe: Path, *args) -> list:
+    out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout
+    tiles = []
+    for line in out.splitlines():
+        f = line.split()
+        if f[0] == "T":
+            tiles.append([int(f[1]), int(f[2]), int(f[3]), int(f[4]), []])
+        else:
+            tiles[-1][4].append(int(f[2]))
+    return tiles
+
+
+PROBLEMS = [  # batch, q_len, kv_len, q_offset, q_split (None: q_len), q_offset2, kv_offset
+    (2, 77, 77, 0, None, 0, 0), (1, 1000, 1000, 0, None, 0, 0), (1, 4097, 4097, 0, None, 0, 0),
+    (1, 77, 1000, 0, None, 0, 0), (1, 1000, 77, 0, None, 0, 0), (1, 300, 4097, 3797, None, 0, 0),
+    (1, 1000, 1000, 500, None, 0, 700), (1, 600, 2400, 300, 300, 1800, 0), (1, 1024, 2048, 0, 512, 1536, 0),
+    (1, 512, 4096, 768, 256, 3072, 0), (1, 1000, 1000, 0, None, 0, 5000), (1, 1000, 0, 0, None, 0, 0),
+]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("causal", [False, True])
+def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal):
+    name = "w"
+    path = variant(tmp_path, name, params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
+    exe = walker(rendered_source(path, tmp_path), name, tmp_path)
+    M, N = 128, 176
+    for b, sq, skv, qo, split, qo2, ko in PROBLEMS:
+        split = sq if split is None else split
+        tiles = walk(exe, b, sq, skv, qo, split, qo2, ko)
+        assert sorted(t[:3] for t in tiles) == sorted([m0, h, bi] for m0 in range(0, sq, M) for h in range(2)
+                                                      for bi in range(b)), "every tile once"
+        if causal:  # longest tiles first within each head
+            assert [t[0] for t in tiles[: -(-sq // M)]] == sorted(range(0, sq, M), reverse=True)
+        qp, kp = query_positions(sq, qo, split, qo2), ko + np.arange(skv)
+        for m0, _, _, blocks, masked in tiles:
+            rows = qp[m0:min(m0 + M, sq)]
+            vis = (kp[None, :] <= rows[:, None]) if causal else np.ones((len(rows), skv), bool)
+            cols = np.nonzero(vis.any(axis=0))[0]
+            need = cols.max() // N + 1 if len(cols) else 0
+            assert blocks == need, ("the blocks loaded are exactly the ones with a visible key", m0, blocks, need)
+            for j in range(blocks):
+                blk = np.zeros((len(rows), N), bool)
+                lo, hi = j * N, min((j + 1) * N, skv)
+                blk[:, : hi - lo] = vis[:, lo:hi]
+                assert masked[j] == (not blk.all()), ("masked exactly where a key is hidden", m0, j)
+
+
+# ---------------------------------------------------------------------------
+# tools/gpu_attention.py: the parts that need no GPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "tools" / "gpu_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_tool_variants_are_valid_specs(tmp_path, tool):
+    for name in tool.VARIANTS:
+        load_spec(tool.variant_spec(tmp_path, name))
+    assert set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS) | set(tool.TUNE_VARIANTS) <= set(tool.VARIANTS)
+
+
+def test_gpu_tool_report(tool):
+    row = {"variant": "v", "head_dim": 128, "kv_heads": 32, "causal": False, "seq": 8192, "batch": 2}
+    summary = {
+        "device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "cudnn": 91900, "date": "2026-11-23 15:19 UTC",
+        "command": "python tools/gpu_attention.py out", "all_checks_pass": False, "seconds": 61.0,
+        "bench": [{**row, "impl": "tsgen", "ms": 3.3, "tflops": 660.0, "rel_err_vs_sdpa": 1e-3, "suspect": False},
+                  {**row, "impl": "SDPA flash", "ms": 6.6, "tflops": 330.0},
+                  {**row, "impl": "SDPA cuDNN", "ms": 3.2, "tflops": 680.0}],
+        "checks": {"a": {"pass": True, "rows": [{"case": "seq 77", "calls": 1, "rel_err": 2e-3, "lse_err": 1e-7,
+                                                  "nan": 0, "lse_inf_mismatch": 0, "guard_written": 0, "pass": True}]},
+                   "b": {"pass": False, "crashed": ["CUDA error: unspecified launch failure"]}},
+    }
+    text = tool.markdown(summary)
+    assert "| 128 | 32 | no | 8192 | 660 | 330 | 680 | 0.97 | 1.0e-03 |" in text
+    assert "| a | seq 77 | 1 | 2.0e-03 | 1.0e-07 | 0 | 0 | 0 | PASS |" in text
+    assert "CRASHED: CUDA error: unspecified launch failure" in text and "All checks: FAIL" in text

@@ -1,0 +1,798 @@
+"""The `attention` op on one GPU: correctness, then tsgen against torch SDPA (flash and cuDNN).
+
+Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks]
+       (on the lent machines: bash tools/gpu_attention.sh, which sets up the environment)
+
+1. Build: every spec variant below is rendered from specs/attention_hd128.yaml and compiled
+   (host-launcher shared libraries, in parallel) before anything runs.
+2. Correctness, one child process per variant (a trapping kernel ends its CUDA context):
+   each case draws fresh random Q, K, V (torch, on the GPU), poisons O and LSE with NaN
+   (and a sentinel after their ends) before every call, calls <kernel>_forward on a
+   stream of its own, and compares with a float32 torch reference on the upcast inputs
+   (TF32 off; the causal mask from the same global positions): ||O - ref|| / ||ref|| <=
+   1e-2, |LSE - ref| <= 1e-3 max(1, |ref|) (-inf exactly where a query sees no key), no
+   NaN, sentinels intact. Cases: lengths 1, 77, 1000, 4097 (batch 2), Q and KV lengths
+   that differ, causal with offsets (bottom-right aligned, shifted, KV starting after
+   some queries), zig-zag query layouts, GQA ratios 1, 4, 8, both layouts, fp16, a
+   persistent grid, 20 back-to-back calls; the KV-wait variant also runs with K and V
+   poisoned until a second stream copies each chunk in (copy engine, after a delay) and
+   raises its signal: the kernel must have waited. Also the runtime path (tsgen's harness,
+   float64 NumPy reference) and a timeout probe (a signal never raised must trap).
+3. Bench, one child: 16K tokens (batch = 16384 / seq), seq 1K .. 32K, 32 query heads over
+   32 and 8 KV heads, head dim 64 and 128, causal (half the FLOPs counted) and not:
+   tsgen, torch SDPA with the flash backend and with the cuDNN backend, on one stream,
+   events recorded on it, median of ITERS calls after warm-up; each tsgen output of the
+   timed calls is compared with SDPA's; TFLOP/s above the dense bf16 peak are errors.
+
+Writes OUT_DIR/attention.json and OUT_DIR/attention.md (device, date, command) and prints
+the tables last. Exit code 0: every check passed; 1: a check failed or a child crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import ctypes
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+for _k, _v in {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}.items():
+    os.environ[_k] = _v  # never NVLink multicast
+
+SPEC = ROOT / "specs" / "attention_hd128.yaml"
+MAX_REL_ERR = 1e-2
+MAX_LSE_ERR = 1e-3
+PEAK_TFLOPS = 990.0  # dense bf16 of an H100 / H200 SXM: anything above is a measurement error
+ITERS, WARMUP = 10, 3
+TOKENS = 16384
+SEQS = [1024, 2048, 4096, 8192, 16384, 32768]
+CHECK_TIMEOUT_S, BENCH_TIMEOUT_S = 60, 120
+
+
+def variant(head_dim=128, causal=False, kv_heads=32, **extra) -> dict:
+    """Ping-pong on for causal, off otherwise (run 2: off is 4-13% faster non-causal at seq 4K-16K,
+    on is 1-26% faster causal at seq <= 4K), unless `extra` says otherwise."""
+    changes = {"params": {"head_dim": head_dim, "causal": causal, "kv_heads": kv_heads, "pingpong": causal}}
+    for key, value in extra.items():
+        if key in ("dtype",):
+            changes[key] = value
+        else:
+            changes["params"][key] = value
+    return changes
+
+
+# name -> changes to specs/attention_hd128.yaml
+VARIANTS = {
+    f"hd{d}_{'causal' if c else 'full'}_kv{kv}": variant(d, c, kv)
+    for d in (64, 128) for c in (False, True) for kv in (32, 8)
+}
+VARIANTS.update({
+    "hd128_causal_kv4_waits": variant(128, True, 4, kv_waits=True),
+    "hd128_full_kv4_bhsd": variant(128, False, 4, layout="bhsd"),
+    "fp16_hd128_causal_kv32": variant(128, True, 32, dtype="float16"),
+    "hd128_full_kv32_pp": variant(128, False, 32, pingpong=True),
+    "hd128_full_kv32_n176": variant(128, False, 32, tile={"n": 176}),
+    "hd128_full_kv32_n176_pp": variant(128, False, 32, tile={"n": 176}, pingpong=True),
+    "hd128_full_kv32_s3": variant(128, False, 32, stages=3),
+    "hd128_full_kv32_s3_pp": variant(128, False, 32, stages=3, pingpong=True),
+    "hd128_causal_kv32_nopp": variant(128, True, 32, pingpong=False),
+    "hd128_causal_kv32_n176": variant(128, True, 32, tile={"n": 176}),
+    "hd128_causal_kv32_n176_nopp": variant(128, True, 32, tile={"n": 176}, pingpong=False),
+    "hd128_causal_kv32_s3": variant(128, True, 32, stages=3),
+    "hd128_causal_kv32_s3_nopp": variant(128, True, 32, stages=3, pingpong=False),
+    "hd64_full_kv32_pp": variant(64, False, 32, pingpong=True),
+    "hd64_full_kv32_n192s3": variant(64, False, 32, tile={"n": 192}, stages=3),
+    "hd64_full_kv32_n192s3_pp": variant(64, False, 32, tile={"n": 192}, stages=3, pingpong=True),
+    "hd64_causal_kv32_nopp": variant(64, True, 32, pingpong=False),
+    "hd64_causal_kv32_n192s3": variant(64, True, 32, tile={"n": 192}, stages=3),
+    "hd64_causal_kv32_n192s3_nopp": variant(64, True, 32, tile={"n": 192}, stages=3, pingpong=False),
+    "probe_waits": variant(128, True, 4, kv_waits=True),  # built with a 200 ms timeout
+})
+CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits", "hd64_full_kv32",
+                  "hd64_causal_kv8", "fp16_hd128_causal_kv32", "hd128_full_kv4_bhsd", "hd128_causal_kv32_nopp",
+                  "hd128_full_kv32_n176"]
+BENCH_VARIANTS = [f"hd{d}_{c}_kv{kv}" for d in (128, 64) for c in ("full", "causal") for kv in (32, 8)]
+TUNE_VARIANTS = [n for n in VARIANTS if n.startswith(("hd128_full_kv32_", "hd128_causal_kv32_", "hd64_full_kv32_",
+                                                       "hd64_causal_kv32_"))]  # benched at TUNE_SEQS
+TUNE_SEQS = {128: SEQS, 64: [8192, 16384]}  # by head dim
+
+
+# ---------------------------------------------------------------------------
+# Specs and modules
+# ---------------------------------------------------------------------------
+
+
+def variant_spec(out: Path, name: str, timeout_ms: int | None = 3000) -> Path:
+    data = yaml.safe_load(SPEC.read_text())
+    data["name"] = f"att_{name}"
+
+    def merge(into: dict, new: dict) -> None:
+        for key, value in new.items():
+            if isinstance(value, dict):
+                merge(into.setdefault(key, {}), value)
+            else:
+                into[key] = value
+
+    merge(data, VARIANTS[name])
+    if timeout_ms is not None:
+        data.setdefault("sync", {})["timeout_ms"] = timeout_ms
+    path = out / "build" / "specs" / f"{data['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
+    """Render and compile variant `name`: {"manifest", "library", "spec"}."""
+    from tsgen.render import render, write_if_different
+    from tsgen.spec import load_spec
+    from tsgen.toolchain import compile_source
+
+    path = variant_spec(out, name, timeout_ms)
+    rendered = render(load_spec(path), base=path.parent.parent)
+    gen = out / "build" / "generated"
+    for file, text in rendered.files().items():
+        write_if_different(gen / file, text)
+    lib = compile_source(gen / f"{rendered.name}.cu", mode="shared").output
+    return {"manifest": str(gen / f"{rendered.name}.json"), "library": str(lib), "spec": str(path)}
+
+
+class Op:
+    """One compiled variant, called through <kernel>_forward with torch tensors."""
+
+    def __init__(self, built: dict):
+        self.manifest = json.loads(Path(built["manifest"]).read_text())
+        c = self.manifest["constants"]
+        self.head_dim, self.heads, self.kv_heads = c["HEAD_DIM"], c["HEADS"], c["KV_HEADS"]
+        self.causal, self.bhsd, self.waits = bool(c["CAUSAL"]), bool(c["BHSD"]), bool(c["KV_WAITS"])
+        self.dtype = self.manifest["buffers"][1]["dtype"]
+        spec = yaml.safe_load(Path(built["spec"]).read_text())
+        scale = spec["params"].get("softmax_scale")
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
+        lib = ctypes.CDLL(built["library"])
+        self.fn = getattr(lib, self.manifest["kernels"][0]["name"] + "_forward")
+        self.fn.restype = ctypes.c_int
+        u64, i64, vp = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+        self.fn.argtypes = [vp, vp, vp, vp, vp, u64, u64, u64, i64, i64, i64, i64, vp, u64, u64, ctypes.c_int, vp]
+
+    def __call__(self, q, k, v, o, lse, batch, q_len, kv_len, stream, q_offset=0, q_split=None, q_offset2=0,
+                 kv_offset=0, signal=None, kv_chunk=0, expected=0, blocks=0):
+        err = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), batch, q_len, kv_len,
+                      q_offset, q_len if q_split is None else q_split, q_offset2, kv_offset,
+                      None if signal is None else signal.data_ptr(), kv_chunk, expected, blocks, stream.cuda_stream)
+        if err != 0:
+            raise RuntimeError(f"{self.manifest['name']}_forward returned cudaError {err}")
+
+
+def torch_dtype(torch, name: str):
+    return torch.bfloat16 if name == "bfloat16" else torch.float16
+
+
+# ---------------------------------------------------------------------------
+# Child: correctness of one variant
+# ---------------------------------------------------------------------------
+
+
+def positions(torch, n: int, offset: int = 0, split: int | None = None, offset2: int = 0):
+    r = torch.arange(n, device="cuda", dtype=torch.int64)
+    s = n if split is None else min(max(split, 0), n)
+    return torch.where(r < s, offset + r, offset2 + (r - s))
+
+
+def reference(torch, q, k, v, scale, causal, qpos, kpos):
+    """q [B, Sq, H, D], k, v [B, Skv, Hkv, D] -> O [B, Sq, H, D] and LSE [B, H, Sq], float32."""
+    B, Sq, H, D = q.shape
+    g = H // k.shape[2]
+    o = torch.empty(B, Sq, H, D, device="cuda", dtype=torch.float32)
+    lse = torch.empty(B, H, Sq, device="cuda", dtype=torch.float32)
+    visible = (kpos[None, :] <= qpos[:, None]) if causal else None
+    for b in range(B):
+        for h0 in range(0, H, 8):  # 8 heads at a time: S of 8 x 4097^2 floats
+            hs = slice(h0, min(h0 + 8, H))
+            qb = q[b, :, hs].float().transpose(0, 1)  # [h, Sq, D]
+            kb = k[b].float().repeat_interleave(g, dim=1)[:, hs].transpose(0, 1)
+            vb = v[b].float().repeat_interleave(g, dim=1)[:, hs].transpose(0, 1)
+            s = torch.matmul(qb, kb.transpose(1, 2)) * scale
+            if visible is not None:
+                s = s.masked_fill(~visible[None], float("-inf"))
+            l = torch.logsumexp(s, dim=2)  # -inf where no key is visible
+            p = torch.exp(s - torch.where(torch.isinf(l), torch.zeros_like(l), l)[..., None])
+            o[b, :, hs] = torch.matmul(p, vb).transpose(0, 1)
+            lse[b, hs] = l
+    return o, lse
+
+
+def compare(torch, o, lse, ro, rlse, o_guard, lse_guard) -> dict:
+    of = o.float()
+    nan = int(torch.isnan(of).sum()) + int(torch.isnan(lse).sum())
+    denom = float(torch.linalg.vector_norm(ro))
+    err = float(torch.linalg.vector_norm(torch.nan_to_num(of, nan=0.0) - ro)) / max(denom, 1e-30)
+    ninf_ref, ninf_got = torch.isneginf(rlse), torch.isneginf(lse)
+    inf_mismatch = int((ninf_ref != ninf_got).sum())
+    fin = ~ninf_ref & ~ninf_got & ~torch.isnan(lse)
+    lse_err = float(((lse - rlse).abs() / rlse.abs().clamp(min=1.0))[fin].max()) if bool(fin.any()) else 0.0
+    return {"rel_err": err, "lse_err": lse_err, "nan": nan, "lse_inf_mismatch": inf_mismatch,
+            "guard_written": int(o_guard) + int(lse_guard)}
+
+
+def run_case(torch, op: Op, case: dict, gen) -> dict:
+    """One case, `calls` back-to-back calls (fresh inputs, poisoned outputs each time)."""
+    B, sq, skv = case["batch"], case["q_len"], case["kv_len"]
+    H, Hkv, D = op.heads, op.kv_heads, op.head_dim
+    dt = torch_dtype(torch, op.dtype)
+    stream = torch.cuda.Stream()
+    GUARD = 4096
+    worst = {"rel_err": 0.0, "lse_err": 0.0, "nan": 0, "lse_inf_mismatch": 0, "guard_written": 0}
+    qpos = positions(torch, sq, case.get("q_offset", 0), case.get("q_split"), case.get("q_offset2", 0))
+    kpos = positions(torch, skv, case.get("kv_offset", 0))
+    for call in range(case.get("calls", 1)):
+        q = torch.randn(B, sq, H, D, device="cuda", generator=gen).to(dt)
+        k = torch.randn(B, skv, Hkv, D, device="cuda", generator=gen).to(dt)
+        v = torch.randn(B, skv, Hkv, D, device="cuda", generator=gen).to(dt)
+        o_buf = torch.full((B * sq * H * D + GUARD,), 1024.0, device="cuda", dtype=dt)
+        l_buf = torch.full((B * H * sq + GUARD,), 1024.0, device="cuda", dtype=torch.float32)
+        o_buf[: B * sq * H * D] = float("nan")
+        l_buf[: B * H * sq] = float("nan")
+        # the kernel's layout: bshd as allocated; bhsd: the same values transposed in memory
+        qk = [x if not op.bhsd else x.transpose(1, 2).contiguous() for x in (q, k, v)]
+        o_view = o_buf[: B * sq * H * D]
+        signal = None
+        if op.waits and case.get("signals"):
+            chunk = case["kv_chunk"]
+            signal = torch.full(((skv + chunk - 1) // chunk,), case["expected"] + case.get("extra", 0),
+                                device="cuda", dtype=torch.int64)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            op(qk[0], qk[1], qk[2], o_view, l_buf, B, sq, skv, stream, case.get("q_offset", 0), case.get("q_split"),
+               case.get("q_offset2", 0), case.get("kv_offset", 0), signal, case.get("kv_chunk", 0),
+               case.get("expected", 0), case.get("blocks", 0))
+        stream.synchronize()
+        o = o_view.view(B, H, sq, D).transpose(1, 2) if op.bhsd else o_view.view(B, sq, H, D)
+        lse = l_buf[: B * H * sq].view(B, H, sq)
+        ro, rlse = reference(torch, q, k, v, op.scale, op.causal, qpos, kpos)
+        r = compare(torch, o, lse, ro, rlse, (o_buf[-GUARD:] != 1024.0).sum(), (l_buf[-GUARD:] != 1024.0).sum())
+        for key in worst:
+            worst[key] = max(worst[key], r[key])
+    worst["pass"] = (worst["rel_err"] <= MAX_REL_ERR and worst["lse_err"] <= MAX_LSE_ERR and worst["nan"] == 0
+                     and worst["lse_inf_mismatch"] == 0 and worst["guard_written"] == 0)
+    return worst
+
+
+def run_wait_case(torch, op: Op, gen, calls: int = 2) -> dict:
+    """K and V start poisoned; a second stream copies each KV chunk in (copy engine, after a
+    ~2 ms dummy copy) and then raises its signal. A kernel that did not wait reads NaN."""
+    B, sq, skv, chunk, expected = 1, 1000, 4096, 512, 7
+    H, Hkv, D = op.heads, op.kv_heads, op.head_dim
+    dt = torch_dtype(torch, op.dtype)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    worst = {"rel_err": 0.0, "lse_err": 0.0, "nan": 0, "lse_inf_mismatch": 0, "guard_written": 0}
+    big_src = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
+    big_dst = torch.empty_like(big_src)
+    raised = torch.full((skv // chunk,), expected, device="cuda", dtype=torch.int64)
+    qpos = positions(torch, sq, skv - sq)  # bottom-right: the last 1000 positions
+    kpos = positions(torch, skv)
+    for call in range(calls):
+        q = torch.randn(B, sq, H, D, device="cuda", generator=gen).to(dt)
+        k_src = torch.randn(B, skv, Hkv, D, device="cuda", generator=gen).to(dt)
+        v_src = torch.randn(B, skv, Hkv, D, device="cuda", generator=gen).to(dt)
+        k = torch.full_like(k_src, float("nan"))
+        v = torch.full_like(v_src, float("nan"))
+        o = torch.full((B, sq, H, D), float("nan"), device="cuda", dtype=dt)
+        lse = torch.full((B, H, sq), float("nan"), device="cuda", dtype=torch.float32)
+        signal = torch.zeros(skv // chunk, device="cuda", dtype=torch.int64)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(a):
+            # 64 persistent CTAs: SMs stay free, should a copy below need one
+            op(q, k, v, o, lse, B, sq, skv, a, skv - sq, None, 0, 0, signal, chunk, expected, blocks=64)
+        with torch.cuda.stream(b):
+            big_dst.copy_(big_src)  # ~1 ms of copy engine before the first chunk lands
+            for c in reversed(range(skv // chunk)):
+                k[0, c * chunk:(c + 1) * chunk].copy_(k_src[0, c * chunk:(c + 1) * chunk])
+                v[0, c * chunk:(c + 1) * chunk].copy_(v_src[0, c * chunk:(c + 1) * chunk])
+                signal[c:c + 1].copy_(raised[c:c + 1])
+        torch.cuda.synchronize()
+        ro, rlse = reference(torch, q, k_src, v_src, op.scale, op.causal, qpos, kpos)
+        r = compare(torch, o, lse, ro, rlse, 0, 0)
+        for key in worst:
+            worst[key] = max(worst[key], r[key])
+    worst["pass"] = (worst["rel_err"] <= MAX_REL_ERR and worst["lse_err"] <= MAX_LSE_ERR and worst["nan"] == 0
+                     and worst["lse_inf_mismatch"] == 0)
+    return worst
+
+
+def cases_for(op: Op, quick: bool) -> list[dict]:
+    cases = []
+    lengths = [1, 77, 1000, 4097] if not quick else [77, 4097]
+    for n in lengths:
+        cases.append({"name": f"seq {n}", "batch": 2, "q_len": n, "kv_len": n})
+    cases.append({"name": "q 77 / kv 1000", "batch": 2, "q_len": 77, "kv_len": 1000})
+    cases.append({"name": "q 1000 / kv 77", "batch": 2, "q_len": 1000, "kv_len": 77})
+    cases.append({"name": "seq 1000 x 20 calls", "batch": 1, "q_len": 1000, "kv_len": 1000, "calls": 20})
+    cases.append({"name": "seq 4097 persistent 132", "batch": 2, "q_len": 4097, "kv_len": 4097, "blocks": 132})
+    if op.causal:
+        cases += [
+            {"name": "q 300 at 3797 / kv 4097 (bottom-right)", "batch": 1, "q_len": 300, "kv_len": 4097,
+             "q_offset": 3797},
+            {"name": "q 1000 at 500 / kv 1000 at 700 (rows see no key)", "batch": 2, "q_len": 1000,
+             "kv_len": 1000, "q_offset": 500, "kv_offset": 700},
+            {"name": "q 640 at 1280 / kv 2048 at 0", "batch": 1, "q_len": 640, "kv_len": 2048, "q_offset": 1280},
+            {"name": "zig-zag P=4 rank 1, chunk 300", "batch": 2, "q_len": 600, "kv_len": 2400,
+             "q_offset": 300, "q_split": 300, "q_offset2": 1800},
+            {"name": "zig-zag P=2 rank 0, chunk 512", "batch": 1, "q_len": 1024, "kv_len": 2048,
+             "q_offset": 0, "q_split": 512, "q_offset2": 1536},
+            {"name": "zig-zag P=8 rank 3, chunk 256, persistent 100", "batch": 1, "q_len": 512, "kv_len": 4096,
+             "q_offset": 768, "q_split": 256, "q_offset2": 3072, "blocks": 100},
+        ]
+    if op.waits:
+        cases += [
+            {"name": "signals raised (== expected), chunk 512", "batch": 1, "q_len": 1000, "kv_len": 4096,
+             "q_offset": 3096, "signals": True, "kv_chunk": 512, "expected": 5},
+            {"name": "signals raised (> expected), chunk 300", "batch": 2, "q_len": 600, "kv_len": 2400,
+             "q_offset": 300, "q_split": 300, "q_offset2": 1800, "signals": True, "kv_chunk": 300, "expected": 5,
+             "extra": 3},
+        ]
+    return cases
+
+
+def check_variant(built: dict, quick: bool, echo=print) -> dict:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    op = Op(built)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1234)
+    rows, ok = [], True
+    for case in cases_for(op, quick):
+        t0 = time.perf_counter()
+        try:
+            r = run_case(torch, op, case, gen)
+        except Exception as e:  # noqa: BLE001 -- a launch error (a trap ends the child instead)
+            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
+                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        r.update(case=case["name"], calls=case.get("calls", 1), seconds=round(time.perf_counter() - t0, 2))
+        rows.append(r)
+        ok &= r["pass"]
+        echo(f"  {case['name']}: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, lse err "
+             f"{r['lse_err']:.1e}, nan {r['nan']}, -inf mismatch {r['lse_inf_mismatch']}, guard {r['guard_written']}"
+             + (f" {r['error']}" if "error" in r else ""), flush=True)
+    if op.waits:
+        t0 = time.perf_counter()
+        try:
+            r = run_wait_case(torch, op, gen)
+        except Exception as e:  # noqa: BLE001
+            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
+                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        r.update(case="K, V poisoned until a second stream copies each chunk and raises its signal", calls=2,
+                 seconds=round(time.perf_counter() - t0, 2))
+        rows.append(r)
+        ok &= r["pass"]
+        echo(f"  waits: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}")
+    return {"pass": ok, "rows": rows}
+
+
+def timeout_probe(built: dict) -> dict:
+    """A signal that is never raised: the kernel must trap after its 200 ms timeout."""
+    import torch
+
+    op = Op(built)
+    dt = torch_dtype(torch, op.dtype)
+    q = torch.randn(1, 256, op.heads, op.head_dim, device="cuda").to(dt)
+    k = torch.randn(1, 1024, op.kv_heads, op.head_dim, device="cuda").to(dt)
+    o = torch.empty_like(q)
+    lse = torch.empty(1, op.heads, 256, device="cuda")
+    signal = torch.zeros(2, device="cuda", dtype=torch.int64)
+    s = torch.cuda.Stream()
+    t0 = time.perf_counter()
+    with torch.cuda.stream(s):
+        op(q, k, k, o, lse, 1, 256, 1024, s, 768, None, 0, 0, signal, 512, 1)
+    try:
+        s.synchronize()
+        return {"pass": False, "error": "returned without an error", "seconds": time.perf_counter() - t0}
+    except Exception as e:  # noqa: BLE001 -- the trap surfaces as a CUDA error
+        return {"pass": True, "error": str(e).splitlines()[0][:200], "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def one_shape(built: dict, seq: int = 8192, calls: int = 3) -> dict:
+    """`calls` calls at seq 8K, batch 2 (for ncu: --launch-skip 1 --launch-count 1)."""
+    import torch
+
+    op = Op(built)
+    dt = torch_dtype(torch, op.dtype)
+    batch = max(1, TOKENS // seq)
+    q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
+    k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+    v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for _ in range(calls):
+        op(q, k, v, o, lse, batch, seq, seq, s)
+    s.synchronize()
+    return {"pass": True, "seq": seq, "batch": batch}
+
+
+def runtime_check(spec: str) -> dict:
+    """The runtime path: tsgen's harness (World, module.alloc / launch, NumPy float64 reference)."""
+    from tsgen.harness import run_test
+
+    lines = []
+    ok = run_test(spec, gpus=1, count=1000, iters=3, echo=lines.append)
+    return {"pass": bool(ok), "log": lines}
+
+
+# ---------------------------------------------------------------------------
+# Child: timing
+# ---------------------------------------------------------------------------
+
+
+def median_ms(torch, stream, fn, iters: int = ITERS, warmup: int = WARMUP) -> float:
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:  # recorded on `stream`, the one every timed call runs on
+            start.record(stream)
+            fn()
+            end.record(stream)
+    events[-1][1].synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def sdpa_call(torch, q, k, v, causal: bool, backend, expand: bool = False):
+    """torch SDPA on [B, H, S, D] views of the [B, S, H, D] tensors (equal work); grouped-query
+    through enable_gqa, or (expand) K and V repeated to every query head."""
+    from torch.nn.attention import sdpa_kernel
+    import torch.nn.functional as F
+
+    g = q.shape[2] // k.shape[2]
+    if expand and g > 1:
+        k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+
+    def call():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+
+    return call
+
+
+def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print) -> dict:
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from tsgen.ops.attention import flops
+
+    rows = []
+    stream = torch.cuda.Stream()
+    seqs = [8192, 16384] if quick else SEQS
+    for name, b in built.items():
+        op = Op(b)
+        dt = torch_dtype(torch, op.dtype)
+        for seq in seqs:
+            try:
+                batch = max(1, TOKENS // seq)
+                f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
+                q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
+                k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+                v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+                o = torch.empty_like(q)
+                lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+                base = {"variant": name, "head_dim": op.head_dim, "kv_heads": op.kv_heads, "causal": op.causal,
+                        "seq": seq, "batch": batch}
+                torch.cuda.synchronize()
+                impls = [("tsgen", lambda: op(q, k, v, o, lse, batch, seq, seq, stream))]
+                if op.head_dim == 128 and seq in (8192, 16384):
+                    impls.append(("tsgen persistent 132",
+                                  lambda: op(q, k, v, o, lse, batch, seq, seq, stream, blocks=132)))
+                ref = None
+                for label, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
+                    error = None
+                    for expand in (False, True):  # enable_gqa first; K, V repeated if the backend refuses
+                        if expand and op.heads == op.kv_heads:
+                            break
+                        try:
+                            call = sdpa_call(torch, q, k, v, op.causal, backend, expand)
+                            with torch.cuda.stream(stream):
+                                out = call()
+                            t = median_ms(torch, stream, call)
+                            if ref is None:
+                                ref = out.transpose(1, 2).float()
+                            rows.append({**base, "impl": label, "ms": t, "tflops": f / t / 1e9,
+                                         **({"note": "K, V repeated per query head"} if expand else {})})
+                            error = None
+                            break
+                        except Exception as e:  # noqa: BLE001 -- a backend that refuses the shape
+                            error = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+                    if error is not None:
+                        rows.append({**base, "impl": label, "ms": None, "tflops": None, "error": error})
+                for label, fn in impls:
+                    with torch.cuda.stream(stream):
+                        o.fill_(float("nan"))
+                    t = median_ms(torch, stream, fn)
+                    stream.synchronize()
+                    row = {**base, "impl": label, "ms": t, "tflops": f / t / 1e9}
+                    if ref is not None:  # the timed output, against SDPA's
+                        row["rel_err_vs_sdpa"] = float(torch.linalg.vector_norm(torch.nan_to_num(o.float(), nan=1e4) - ref)
+                                                       / torch.linalg.vector_norm(ref))
+                    row["suspect"] = row["tflops"] > PEAK_TFLOPS or row.get("rel_err_vs_sdpa", 0) > MAX_REL_ERR
+                    rows.append(row)
+                show = [r for r in rows if r["variant"] == name and r["seq"] == seq]
+                print("BENCHROWS " + json.dumps(show), flush=True)  # kept by the parent should a later shape crash
+                echo(f"  {name} seq {seq}: " + ", ".join(
+                    f"{r['impl']} {r['tflops']:.0f}" if r.get("tflops") else f"{r['impl']} n/a" for r in show))
+            except Exception as e:  # noqa: BLE001 -- a launch error; the next shape still runs
+                print(f"  {name} seq {seq}: {type(e).__name__}: {e}"[:300], flush=True)
+                rows.append({"variant": name, "head_dim": op.head_dim, "kv_heads": op.kv_heads,
+                             "causal": op.causal, "seq": seq, "impl": "tsgen", "ms": None,
+                             "tflops": None, "error": f"{type(e).__name__}: {e}"[:200]})
+            q = k = v = o = lse = ref = None
+    for name, b, seq in [(n, b, seq) for n, b in tune.items()
+                         for seq in TUNE_SEQS[json.loads(Path(b["manifest"]).read_text())["constants"]["HEAD_DIM"]]]:
+        try:
+            op = Op(b)
+            dt = torch_dtype(torch, op.dtype)
+            batch = max(1, TOKENS // seq)
+            q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
+            k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+            v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+            o = torch.empty_like(q)
+            lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+            torch.cuda.synchronize()  # the inputs, made on the default stream, before `stream` reads them
+            with torch.cuda.stream(stream):
+                ref = sdpa_call(torch, q, k, v, op.causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).float()
+                o.fill_(float("nan"))
+            t = median_ms(torch, stream, lambda: op(q, k, v, o, lse, batch, seq, seq, stream))
+            stream.synchronize()
+            err = float(torch.linalg.vector_norm(torch.nan_to_num(o.float(), nan=1e4) - ref) / torch.linalg.vector_norm(ref))
+            f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
+            rows.append({"variant": name, "head_dim": op.head_dim, "kv_heads": op.kv_heads, "causal": op.causal,
+                         "seq": seq, "batch": batch, "impl": "tsgen", "ms": t, "tflops": f / t / 1e9, "tune": True,
+                         "rel_err_vs_sdpa": err, "suspect": f / t / 1e9 > PEAK_TFLOPS or err > MAX_REL_ERR})
+            echo(f"  {name} seq {seq}: {f / t / 1e9:.0f} (rel err vs SDPA {err:.1e})")
+        except Exception as e:  # noqa: BLE001
+            rows.append({"variant": name, "seq": seq, "impl": "tsgen", "tune": True, "ms": None, "tflops": None,
+                         "error": f"{type(e).__name__}: {e}"[:200]})
+            echo(f"  {name} seq {seq}: {type(e).__name__}: {e}"[:300])
+        print("BENCHROWS " + json.dumps(rows[-1:]), flush=True)
+        q = k = v = o = lse = ref = None
+    props = torch.cuda.get_device_properties(0)
+    return {"rows": rows, "device": props.name, "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version()}
+
+
+# ---------------------------------------------------------------------------
+# Parent
+# ---------------------------------------------------------------------------
+
+
+def child(args: list[str], timeout: float) -> tuple[dict[str, dict], str]:
+    """Run this script as a child; ({name: result} of the RESULT lines it printed, its output)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5, timeout))
+        stdout, text = proc.stdout, proc.stdout + proc.stderr + f"\n(exit code {proc.returncode})"
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= says
+        parts = [x if isinstance(x, bytes) else x.encode() for x in (e.stdout or b"", e.stderr or b"")]
+        stdout = parts[0].decode(errors="replace")
+        text = b"".join(parts).decode(errors="replace") + f"\ntimed out after {timeout:.0f} s"
+    results = {}
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            name, _, body = line[len("RESULT "):].partition(" ")
+            results[name] = json.loads(body)
+    return results, text
+
+
+def run_children(out: Path, kind: str, names: list[str], deadline: float, extra: list[str]) -> dict[str, dict]:
+    """Every name in one child, in order; a child that dies (a trapping kernel ends its CUDA
+    context) marks the name it was on as crashed and a new child takes the rest."""
+    results, left = {}, list(names)
+    while left:
+        budget = deadline - time.perf_counter()
+        if budget < 10:
+            for n in left:
+                results[n] = {"pass": False, "crashed": ["skipped: out of time"]}
+            break
+        t0 = time.perf_counter()
+        got, text = child([str(out), *extra, "--child", kind, ",".join(left)], budget)
+        print(f"{kind} {','.join(left)} ({time.perf_counter() - t0:.0f} s):")
+        print("\n".join("  " + l for l in text.strip().splitlines()[-60:] if not l.startswith("RESULT ")))
+        results.update(got)
+        done = [n for n in left if n in got]
+        rest = [n for n in left if n not in got]
+        if rest:
+            results[rest[0]] = {"pass": False, "crashed": text.strip().splitlines()[-20:]}
+            rest = rest[1:]
+        left = rest
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--deadline", type=float, default=220, help="seconds for the whole run")
+    ap.add_argument("--bench-seconds", type=float, default=90, help="seconds kept for the bench")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        kind, arg = args.child
+        builds = json.loads((out / "build" / "builds.json").read_text())
+        for name in arg.split(","):
+            if kind == "check":
+                print(f"== {name}", flush=True)
+                result = check_variant(builds[name], args.quick)
+            elif kind == "probe":
+                result = timeout_probe(builds[name])
+            elif kind == "one":  # a few calls of one shape (under ncu)
+                result = one_shape(builds[name])
+            elif kind == "runtime":
+                result = runtime_check(str(ROOT / "specs" / f"{name}.yaml"))
+            else:
+                continue
+            print(f"RESULT {name} " + json.dumps(result), flush=True)
+        if kind == "bench":
+            names = arg.split(",")
+            result = bench({n: builds[n] for n in names if n in BENCH_VARIANTS},
+                           {n: builds[n] for n in names if n in TUNE_VARIANTS}, args.quick)
+            print("RESULT bench " + json.dumps(result), flush=True)
+        return 0
+
+    started = time.perf_counter()
+    deadline = started + args.deadline
+    command = " ".join(["python", "tools/gpu_attention.py", *sys.argv[1:]])
+    names = sorted(set(CHECK_VARIANTS + BENCH_VARIANTS + TUNE_VARIANTS + ["probe_waits"]))
+    builds, build_errors = {}, {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
+        futures = {pool.submit(build, out, n, 200 if n == "probe_waits" else 3000): n for n in names}
+        for fut in concurrent.futures.as_completed(futures):
+            n = futures[fut]
+            try:
+                builds[n] = fut.result()
+            except Exception as e:  # noqa: BLE001
+                build_errors[n] = str(e)[-2000:]
+    (out / "build" / "builds.json").write_text(json.dumps(builds, indent=1))
+    print(f"built {len(builds)} variants in {time.perf_counter() - started:.0f} s; errors: {list(build_errors)}")
+    for n, e in build_errors.items():
+        print(f"  {n}: {e[-600:]}")
+    all_ok = not build_errors
+    quick = ["--quick"] if args.quick else []
+    checks = {}
+    if not args.no_checks:
+        check_deadline = deadline - (0 if args.no_bench else args.bench_seconds)
+        names = [n for n in CHECK_VARIANTS if n in builds]
+        checks.update(run_children(out, "check", names, check_deadline - 25, quick))
+        checks.update(run_children(out, "runtime", ["attention_hd128_causal_gqa"], check_deadline - 12, []))
+        if "probe_waits" in builds:
+            probe = run_children(out, "probe", ["probe_waits"], check_deadline, [])
+            checks["timeout_probe"] = probe["probe_waits"]
+        for n in CHECK_VARIANTS:
+            checks.setdefault(n, {"pass": False, "crashed": ["not built"]})
+        all_ok &= all(c.get("pass") for c in checks.values())
+    timing = {"rows": [], "device": "?"}
+    if not args.no_bench:
+        names = [n for n in BENCH_VARIANTS + TUNE_VARIANTS if n in builds]
+        t0 = time.perf_counter()
+        got, text = child([str(out), *quick, "--child", "bench", ",".join(names)], deadline - time.perf_counter())
+        print(f"bench ({time.perf_counter() - t0:.0f} s):")
+        print("\n".join("  " + l for l in text.strip().splitlines()[-60:]
+                        if not l.startswith(("RESULT ", "BENCHROWS "))))
+        if "bench" in got:
+            timing = got["bench"]
+        else:  # the rows timed before it crashed or ran out of time
+            all_ok = False
+            timing["crashed"] = text.strip().splitlines()[-20:]
+            timing["rows"] = [r for l in text.splitlines() if l.startswith("BENCHROWS ")
+                              for r in json.loads(l[len("BENCHROWS "):])]
+    summary = {
+        "device": timing.get("device", "?"),
+        "torch": timing.get("torch"),
+        "cudnn": timing.get("cudnn"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "checks": checks,
+        "bench": timing.get("rows", []),
+        "bench_crashed": timing.get("crashed"),
+        "build_errors": build_errors,
+        "all_checks_pass": all_ok,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "attention.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = markdown(summary)
+    (out / "attention.md").write_text(text)
+    print()
+    print(text)
+    return 0 if all_ok else 1
+
+
+def markdown(s: dict) -> str:
+    lines = [
+        "# attention: tsgen vs torch SDPA (flash, cuDNN), forward",
+        "",
+        f"Device: {s['device']}; torch {s.get('torch')}, cuDNN {s.get('cudnn')}; {s['date']}; `{s['command']}`.",
+        f"TFLOP/s = 4 b h s^2 d / t (causal: half); {TOKENS} tokens (batch = {TOKENS} / seq, at least 1), "
+        f"32 query heads; median of {ITERS} calls after {WARMUP} warm-up, CUDA events on the kernels' stream.",
+        "",
+        "| d | kv heads | causal | seq | tsgen | SDPA flash | SDPA cuDNN | tsgen / best | rel err vs SDPA |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [r for r in s["bench"] if not r.get("tune")]
+    keys = []
+    for r in rows:
+        key = (r["head_dim"], r["kv_heads"], r["causal"], r["seq"])
+        if key not in keys:
+            keys.append(key)
+    for key in keys:
+        got = {r["impl"]: r for r in rows if (r["head_dim"], r["kv_heads"], r["causal"], r["seq"]) == key}
+
+        def tf(name):
+            r = got.get(name)
+            return f"{r['tflops']:.0f}" if r and r.get("tflops") else "n/a"
+
+        t = got.get("tsgen")
+        best = max([got[n]["tflops"] for n in ("SDPA flash", "SDPA cuDNN") if got.get(n, {}).get("tflops")] or [0])
+        ratio = f"{t['tflops'] / best:.2f}" if t and t.get("tflops") and best else ""
+        err = f"{t['rel_err_vs_sdpa']:.1e}" if t and "rel_err_vs_sdpa" in t else ""
+        flag = " (!)" if t and t.get("suspect") else ""
+        lines.append(f"| {key[0]} | {key[1]} | {'yes' if key[2] else 'no'} | {key[3]} | {tf('tsgen')}{flag} | "
+                     f"{tf('SDPA flash')} | {tf('SDPA cuDNN')} | {ratio} | {err} |")
+    tune = [r for r in s["bench"] if r.get("tune")]
+    if tune:
+        seqs = sorted({r["seq"] for r in tune})
+        lines += ["", "Variants (TFLOP/s of tsgen; (!) above the peak or wrong against SDPA):", "",
+                  "| variant | " + " | ".join(str(q) for q in seqs) + " |", "|---" * (len(seqs) + 1) + "|"]
+        for name in dict.fromkeys(r["variant"] for r in tune):
+            got = {r["seq"]: r for r in tune if r["variant"] == name}
+            cells = [("n/a" if got[q].get("tflops") is None else f"{got[q]['tflops']:.0f}"
+                      + (" (!)" if got[q].get("suspect") else "")) if q in got else "" for q in seqs]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    extra = [r for r in s["bench"] if not r.get("tune") and r["impl"] not in ("tsgen", "SDPA flash", "SDPA cuDNN")]
+    if extra:
+        lines += ["", "| variant | impl | seq | TFLOP/s |", "|---|---|---|---|"]
+        for r in extra:
+            lines.append(f"| {r['variant']} | {r['impl']} | {r['seq']} | "
+                         f"{'n/a' if r.get('tflops') is None else format(r['tflops'], '.0f')}"
+                         f"{' (!)' if r.get('suspect') else ''} |")
+    errors = [r for r in s["bench"] if r.get("error")]
+    if errors:
+        lines += ["", "Errors (a baseline that refused a shape, or a failed launch): " + "; ".join(
+            f"{r['impl']} {r['variant']} s{r['seq']}: {r['error']}" for r in errors[:6])]
+    lines += ["", "| correctness | case | calls | rel err | LSE err | NaN | -inf mismatch | guard | result |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in s["checks"].items():
+        if "crashed" in c:
+            why = next((x for x in reversed(c["crashed"]) if "rror" in x or "timed out" in x),
+                       c["crashed"][-1] if c["crashed"] else "")
+            lines.append(f"| {name} | | | | | | | | CRASHED: {why.strip()[:120]} |")
+        elif "rows" in c:
+            for r in c["rows"]:
+                lines.append(f"| {name} | {r['case']} | {r['calls']} | {r['rel_err']:.1e} | {r['lse_err']:.1e} | "
+                             f"{r['nan']} | {r['lse_inf_mismatch']} | {r['guard_written']} | "
+                             f"{'PASS' if r['pass'] else 'FAIL'} |")
+        else:
+            detail = c.get("error") or "; ".join(c.get("log", [])[-2:])
+            lines.append(f"| {name} | {detail[:140]} | | | | | | | {'PASS' if c['pass'] else 'FAIL'} |")
+    lines += ["", f"All checks: {'PASS' if s['all_checks_pass'] else 'FAIL'} ({s['seconds']} s)", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""attention: a flash-attention forward on one Hopper GPU (sm_90a), FlashAttention-3 style.
+
+    O = softmax(scale * Q K^T  [+ causal mask]) V,   LSE = log(sum_j exp(scale * q . k_j))
+
+Layout [batch, seq, heads, head_dim] for Q, K, V and O (params.layout "bhsd":
+[batch, heads, seq, head_dim]); LSE is fp32 [batch, heads, q_len], natural log, -inf for a
+query that sees no key (its O row is 0), so partial results over KV chunks merge exactly.
+Grouped-query attention: query head h reads KV head h // (heads // kv_heads).
+
+Positions (the causal mask, sequence parallelism): query row r sits at global position
+q_offset + r for r < q_split and q_offset2 + (r - q_split) after it (a rank's two
+"zig-zag" chunks i and 2P-1-i); key row j at kv_offset + j; causal: a query sees the keys
+at positions <= its own. With params.kv_waits the producer waits, before loading KV chunk c
+(kv_chunk rows), until kv_signal[c] >= kv_expected (acquire, tsgen's timeout diagnostic).
+
+Two host entry points (TMA descriptors are encoded on the host, so the runtime calls the
+launcher, `host_launch`):
+  <kernel>_launch(peers, rank, calls, count, q, k, v, o, lse, stream): tsgen's calling
+      convention: count = sequence length (q_len = kv_len = count), params.batch sequences,
+      positions from 0, no waits. The runtime, `tsgen test` and the harness use it.
+  <kernel>_forward(q, k, v, o, lse, batch, q_len, kv_len, q_offset, q_split, q_offset2,
+      kv_offset, kv_signal, kv_chunk, kv_expected, blocks, stream): everything at run time.
+
+The kernel (templates/include/tsgen_attention.cuh): a producer warpgroup loads Q once per
+128-row tile and K / V blocks into mbarrier rings with TMA (128B-swizzled); two consumer
+warpgroups (64 query rows each) compute S = Q K^T with wgmma, the online softmax in fp32
+registers (exp2, scale * log2 e folded in), and O += P V with P in registers; S of the next
+block is issued with P V of the current one (intra-warpgroup overlap) and the two
+warpgroups take turns at the tensor cores (ping-pong). Causal: only blocks that cross the
+diagonal are masked, blocks past it are never loaded. O leaves through TMA stores.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BeforeValidator, Field
+
+from ..spec import SpecBase, StrictModel, _as_list
+from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
+from .collectives import from_f64, to_f64
+
+# sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+SMEM_LIMIT = 232448
+SMEM_ALIGN_SLACK = 1024  # the dynamic shared memory base is only 16-byte aligned
+# fp32 scores + fp32 outputs + 16-bit P registers one consumer thread can hold (of 240)
+MAX_ACCUMULATORS = 200
+
+
+class AttentionTile(StrictModel):
+    """CTA tile: tile.m query rows (64 per consumer warpgroup) against blocks of tile.n keys."""
+
+    m: Literal[128] = Field(128, description="query rows per CTA tile: 2 consumer warpgroups x 64 rows")
+    n: int = Field(128, ge=64, le=192, multiple_of=16,
+                   description="keys per KV block (the N of S = Q K^T, the K of O += P V)")
+
+
+class AttentionParams(StrictModel):
+    head_dim: Literal[64, 128] = Field(128, description="Q, K, V and O columns per head")
+    heads: int = Field(32, ge=1, le=1024, description="query heads")
+    kv_heads: int = Field(32, ge=1, le=1024, description="K and V heads; divides heads (grouped-query attention)")
+    batch: int = Field(1, ge=1, le=1 << 20,
+                       description="sequences per call of the runtime's entry (<kernel>_launch, whose count is "
+                       "the sequence length); <kernel>_forward takes the batch at run time")
+    causal: bool = Field(False, description="a query sees only keys at positions <= its own")
+    softmax_scale: float | None = Field(None, gt=0, description="scale of Q K^T; default 1 / sqrt(head_dim)")
+    layout: Literal["bshd", "bhsd"] = Field(
+        "bshd", description="bshd: [batch, seq, heads, head_dim]; bhsd: [batch, heads, seq, head_dim]")
+    tile: AttentionTile = AttentionTile()
+    stages: int = Field(2, ge=1, le=8, description="K and V blocks in flight (each its own ring)")
+    pingpong: bool = Field(True, description="the two consumer warpgroups take turns issuing their GEMMs "
+                           "(one's softmax overlaps the other's matrix products)")
+    kv_waits: bool = Field(False, description="compile in the per-KV-chunk waits of sequence parallelism")
+    kv_wait_scope: Literal["gpu", "sys"] = Field(
+        "sys", description="scope of the waits' acquire loads: sys when peers raise the signals")
+    kv_wait_diagnostic: bool = Field(
+        False, description="a wait that times out prints who waited for what (tsgen_sync.cuh) before it traps; "
+        "the printf is a function call, which makes ptxas serialize every wgmma: for debugging hangs only")
+
+
+class AttentionLaunch(StrictModel):
+    blocks: int = Field(0, ge=0, le=1 << 20,
+                        description="0: one CTA per tile (a plain grid); N: at most N CTAs, each walking "
+                        "tiles blockIdx.x, + N, ... (persistent)")
+    threads: Literal[384] = Field(384, description="one producer + two consumer warpgroups")
+
+
+class AttentionSpec(SpecBase):
+    """Spec of op `attention`: flash-attention forward, O and LSE."""
+
+    op: Literal["attention"]
+    world_sizes: Annotated[
+        list[Literal[1]], BeforeValidator(_as_list), Field(min_length=1, max_length=1)
+    ] = Field(description="attention runs on one GPU: [1]")
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Q, K, V and O element type")
+    params: AttentionParams = AttentionParams()
+    launch: AttentionLaunch = AttentionLaunch()
+
+
+def scale_of(spec: AttentionSpec) -> float:
+    p = spec.params
+    return p.softmax_scale if p.softmax_scale is not None else 1.0 / math.sqrt(p.head_dim)
+
+
+def smem_bytes(spec: AttentionSpec) -> int:
+    """Q tile + K and V stages + barriers + alignment slack (tsgen_attention::Layout asserts it)."""
+    p = spec.params
+    q = p.tile.m * p.head_dim * 2
+    kv = p.tile.n * p.head_dim * 2
+    barriers = 8 * (2 + 4 * p.stages)
+    return q + 2 * p.stages * kv + barriers + SMEM_ALIGN_SLACK
+
+
+def accumulators(spec: AttentionSpec) -> int:
+    """Registers a consumer thread holds across the main loop: S (fp32), O (fp32), P (16-bit pairs)."""
+    p = spec.params
+    return p.tile.n // 2 + p.head_dim // 2 + p.tile.n // 4
+
+
+class AttentionFamily(OpFamily):
+    kind = "attention"
+    Spec = AttentionSpec
+    template = "attention.cu.j2"
+    count_unit = "rows"  # sequence positions (q_len = kv_len) through <kernel>_launch
+    host_launch = True  # TMA descriptors are encoded on the host
+    summary = (
+        "flash-attention forward on one Hopper GPU: TMA + mbarrier pipeline, producer and two consumer "
+        "warpgroups, wgmma for Q K^T and P V, online softmax, causal tile skipping, GQA, O and LSE"
+    )
+
+    def check(self, spec):
+        p = spec.params
+        problems = []
+        if p.kv_heads > p.heads or p.heads % p.kv_heads:
+            problems.append((("params", "kv_heads"),
+                             f"{p.kv_heads} KV heads do not divide {p.heads} query heads"))
+        acc = accumulators(spec)
+        if acc > MAX_ACCUMULATORS:
+            problems.append((("params", "tile", "n"),
+                             f"head_dim {p.head_dim} with blocks of {p.tile.n} keys needs {acc} accumulator "
+                             f"registers per consumer thread (S {p.tile.n // 2}, O {p.head_dim // 2}, "
+                             f"P {p.tile.n // 4}); at most {MAX_ACCUMULATORS} fit: use a smaller tile.n"))
+        need = smem_bytes(spec)
+        if need > SMEM_LIMIT:
+            problems.append((("params", "stages"),
+                             f"{p.stages} stages of K and V blocks of {p.tile.n} x {p.head_dim} (+ the "
+                             f"{p.tile.m}-row Q tile) need {need} bytes of shared memory; sm_90 has "
+                             f"{SMEM_LIMIT} per block: use fewer stages or a smaller tile.n"))
+        return problems
+
+    def buffers(self, spec):
+        p = spec.params
+        return (
+            Buffer("q", spec.dtype, "input", per_count=p.batch * p.heads * p.head_dim),
+            Buffer("k", spec.dtype, "input", per_count=p.batch * p.kv_heads * p.head_dim),
+            Buffer("v", spec.dtype, "input", per_count=p.batch * p.kv_heads * p.head_dim),
+            Buffer("o", spec.dtype, "output", per_count=p.batch * p.heads * p.head_dim),
+            Buffer("lse", "float32", "output", per_count=p.batch * p.heads),
+        )
+
+    def constants(self, spec):
+        p = spec.params
+        return {
+            "HEAD_DIM": p.head_dim,
+            "HEADS": p.heads,
+            "KV_HEADS": p.kv_heads,
+            "BATCH": p.batch,
+            "TILE_M": p.tile.m,
+            "TILE_N": p.tile.n,
+            "STAGES": p.stages,
+            "CAUSAL": int(p.causal),
+            "PINGPONG": int(p.pingpong),
+            "KV_WAITS": int(p.kv_waits),
+            "BHSD": int(p.layout == "bhsd"),
+            "THREADS": spec.launch.threads,
+            "BLOCKS": spec.launch.blocks,
+            "SMEM_BYTES": smem_bytes(spec),
+        }
+
+    def template_vars(self, spec):
+        scale = scale_of(spec)
+        return {"softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
+
+    def plan(self, spec):
+        buffers = (CALLS,) + self.buffers(spec)
+        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
+            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS
+        )
+        kernels = tuple(
+            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
+                   smem=smem_bytes(spec), args=args)
+            for w in spec.world_sizes
+        )
+        return Plan(self, spec, buffers, kernels, self.constants(spec))
+
+    # -- reference ----------------------------------------------------------
+    def make_inputs(self, spec, world, count, rng, pattern):
+        """Normal random Q, K and V (a pattern would make every score alike; random data it is)."""
+        out = {}
+        for b in self.buffers(spec):
+            if b.role == "input":
+                out[b.name] = [from_f64(rng.standard_normal(b.elems(count)), spec.dtype)]
+        return out
+
+    def _shaped(self, spec, count, inputs):
+        p = spec.params
+        q = to_f64(inputs["q"][0], spec.dtype)
+        k = to_f64(inputs["k"][0], spec.dtype)
+        v = to_f64(inputs["v"][0], spec.dtype)
+        return (to_bshd(q, p.batch, count, p.heads, p.head_dim, p.layout),
+                to_bshd(k, p.batch, count, p.kv_heads, p.head_dim, p.layout),
+                to_bshd(v, p.batch, count, p.kv_heads, p.head_dim, p.layout))
+
+    def reference(self, spec, world, count, inputs):
+        p = spec.params
+        q, k, v = self._shaped(spec, count, inputs)
+        o, lse = attention_reference(q, k, v, scale_of(spec), p.causal)
+        return {"o": [from_f64(from_bshd(o, p.layout).reshape(-1), spec.dtype)],
+                "lse": [lse.reshape(-1).astype(np.float32)]}
+
+    def tolerance(self, spec, world, count, inputs):
+        """O: a unit in the last place of the 16-bit output plus the rounding of P to 16 bits
+        (relative 2^-8 / 2^-11 of each term, at most max|v| in all); LSE: 1e-3 relative (absolute
+        below 1)."""
+        p = spec.params
+        q, k, v = self._shaped(spec, count, inputs)
+        o, lse = attention_reference(q, k, v, scale_of(spec), p.causal)
+        ulp = 2.0**-7 if spec.dtype == "bfloat16" else 2.0**-10
+        o = from_bshd(o, p.layout).reshape(-1)
+        return {"o": [ulp * np.abs(o) + 2 * ulp * np.abs(v).max(initial=0)],
+                "lse": [1e-3 * np.maximum(1.0, np.abs(lse.reshape(-1)))]}
+
+
+# ---------------------------------------------------------------------------
+# NumPy reference (float64), shared with the tests and the GPU script
+# ---------------------------------------------------------------------------
+
+
+def to_bshd(x: np.ndarray, batch: int, seq: int, heads: int, dim: int, layout: str) -> np.ndarray:
+    """Flat values in `layout` -> [batch, seq, heads, dim]."""
+    if layout == "bshd":
+        return x.reshape(batch, seq, heads, dim)
+    return x.reshape(batch, heads, seq, dim).transpose(0, 2, 1, 3)
+
+
+def from_bshd(x: np.ndarray, layout: str) -> np.ndarray:
+    return x if layout == "bshd" else x.transpose(0, 2, 1, 3)
+
+
+def query_positions(q_len: int, q_offset: int = 0, q_split: int | None = None, q_offset2: int = 0) -> np.ndarray:
+    """Global position of each query row: q_offset + r before q_split, q_offset2 + (r - q_split) after."""
+    r = np.arange(q_len, dtype=np.int64)
+    split = q_len if q_split is None else min(max(q_split, 0), q_len)
+    return np.where(r < split, q_offset + r, q_offset2 + (r - split))
+
+
+def zigzag(world: int, rank: int, chunk: int) -> dict:
+    """The query positions of `rank` in the zig-zag layout: chunks rank and 2 world - 1 - rank."""
+    return {"q_offset": rank * chunk, "q_split": chunk, "q_offset2": (2 * world - 1 - rank) * chunk}
+
+
+def attention_reference(q, k, v, scale: float, causal: bool, q_pos=None, k_pos=None):
+    """q [b, sq, h, d], k and v [b, skv, hkv, d] (float64) -> O [b, sq, h, d], LSE [b, h, sq].
+    q_pos / k_pos: global positions of the rows (default 0, 1, ...). A query with no visible
+    key gets O = 0 and LSE = -inf."""
+    b, sq, h, d = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    qp = np.arange(sq) if q_pos is None else np.asarray(q_pos)
+    kp = np.arange(skv) if k_pos is None else np.asarray(k_pos)
+    visible = (kp[None, :] <= qp[:, None]) if causal else np.ones((sq, skv), dtype=bool)
+    o = np.zeros((b, sq, h, d))
+    lse = np.full((b, h, sq), -np.inf)
+    for bi in range(b):
+        for hi in range(h):
+            s = scale * (q[bi, :, hi, :] @ k[bi, :, hi // group, :].T)
+            s = np.where(visible, s, -np.inf)
+            m = s.max(axis=1, initial=-np.inf)
+            some = np.isfinite(m)
+            e = np.exp(s - np.where(some, m, 0)[:, None])
+            total = e.sum(axis=1)
+            o[bi, :, hi, :] = np.where(some[:, None], (e @ v[bi, :, hi // group, :]) / np.where(some, total, 1)[:, None],
+                                       0.0)
+            lse[bi, hi, :] = np.where(some, m + np.log(np.where(some, total, 1)), -np.inf)
+    return o, lse
+
+
+def flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: int, causal: bool) -> float:
+    """4 * b * h * sq * skv * d (two matrix products), halved for causal (the issue's convention)."""
+    f = 4.0 * batch * heads * q_len * kv_len * head_dim
+    return f / 2 if causal else f
+
+
+FAMILIES: list[OpFamily] = [AttentionFamily()]
