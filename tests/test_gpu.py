@@ -51,7 +51,7 @@ def _is_nvshmem(spec_path):
 
 
 COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_to_all_v", "all_reduce", "broadcast"}
-COMPUTE_OPS = {"gemm"}  # one GPU; tests/test_gemm_gpu.py
+COMPUTE_OPS = {"gemm", "attention"}  # one GPU: tests/test_gemm_gpu.py, tools/gpu_attention.py
 PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in COMPUTE_OPS and not _is_nvshmem(s)]
 
 
@@ -65,7 +65,7 @@ FUSED_OPS = {"allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"}  # at t
 def _cases(specs):
     """(spec, world) at each shipped world size of 2, 3, 4, and at 8 (a variant) for ops of any world size."""
     return [(s, w) for s in specs for w in (2, 3, 4, 8)
-            if w in _worlds(s) or (w == 8 and _op(s) not in FUSED_OPS)]
+            if w in _worlds(s) or (w == 8 and _op(s) not in FUSED_OPS and max(_worlds(s)) > 1)]
 
 
 def _skip_copy_engine_when_shared(spec_path, world):
@@ -229,3 +229,14 @@ def test_collective_negative_control_wrong_chunk_offset():
     record("negative_control", {"spec": "allgather (plan table)", "removed": "rank 1's put offset 1 -> 0",
                                 "pass": ok, "lines": lines})
     assert not ok, "broken plan passed:\n" + "\n".join(lines)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if _op(s) == "attention"], ids=lambda p: p.stem)
+def test_attention_through_the_harness(spec):
+    """The attention op through `tsgen test`'s path on one GPU (tools/gpu_attention.py runs the
+    full case list: lengths, offsets, zig-zag, GQA, waits, and the bench)."""
+    need_gpus(1)
+    lines = []
+    ok = run_test(spec, 1, echo=lines.append)
+    record("correctness", {"spec": spec.stem, "world": 1, "pass": ok, "lines": lines})
+    assert ok, "\n".join(lines)

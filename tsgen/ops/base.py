@@ -185,6 +185,8 @@ class OpFamily:
         """Spec fields to change (nested, for harness.spec_variant) so that `colocated` ranks'
         grids are all resident at once on one GPU of `sms` SMs; {} when the spec fits as it is.
         The bound is one block per SM, whatever the kernel's occupancy. Pure."""
+        if colocated == 1:
+            return {}
         blocks = fit_blocks(spec.launch.blocks, colocated, sms)
         return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
 
