@@ -104,11 +104,6 @@ def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -
     return variant
 
 
-def with_overrides(loaded: LoadedSpec, **update) -> LoadedSpec:
-    """The spec with some top-level fields replaced (spec_variant)."""
-    return spec_variant(loaded, update)
-
-
 def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
     """Render the spec into the cache (so tests always match the spec); manifest path.
     `skew`: render the test-only rank skew with this seed (render's `skew`)."""
