@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -68,11 +69,12 @@ def main() -> None:
 @click.option("--prune", is_flag=True, help="delete generated files no spec produces any more")
 @click.option("--compile", "do_compile", is_flag=True, help="also compile each source with nvcc (cached)")
 @click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture for --compile")
+@JOBS_OPTION
 @_reports_errors
-def build(paths, out_dir, check, prune, do_compile, arch):
-    """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json."""
+def build(paths, out_dir, check, prune, do_compile, arch, jobs):
+    """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json;
+    --compile: then compile them, --jobs at a time."""
     from .build import build as run_build
-    from .toolchain import compile_source
 
     paths = list(paths) or [Path("specs")]
     result = run_build(paths, out_dir, check=check, prune=prune)
@@ -86,16 +88,38 @@ def build(paths, out_dir, check, prune, do_compile, arch):
         for p in result.orphans:
             click.echo(f"tsgen: {'removed' if prune else 'orphan (no spec produces it)'}: {p}")
     if do_compile:
-        for r in result.rendered:
-            # what the runtime loads: a cubin, or the library with the host launcher
-            mode = "shared" if r.plan.family.launched_from_host(r.plan.spec) else "cubin"
-            res = compile_source(out_dir / f"{r.name}.cu", arch=arch, mode=mode,
-                                 link=r.plan.family.device_libs(r.plan.spec))
-            worst = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.own_report.values()),
-                        default=0)
+        _compile_all([out_dir / f"{r.name}.cu" for r in result.rendered], arch, jobs)
+
+
+def _compile_all(sources: list[Path], arch: str, jobs: int) -> None:
+    """Compile each source as the runtime loads it, `jobs` at a time: a line per source
+    in order (output file in the cache, registers, spills), then the totals."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .toolchain import cache_dir, compile_module
+
+    def timed(source: Path):
+        start = time.monotonic()
+        return compile_module(source, arch), time.monotonic() - start
+
+    start, cached = time.monotonic(), 0
+    n = len(sources)
+    click.echo(f"tsgen: compiling {n} source(s) for {arch}, {jobs} at a time; outputs in {cache_dir()}")
+    pool = ThreadPoolExecutor(jobs)  # the work is in nvcc processes
+    try:
+        futures = [pool.submit(timed, s) for s in sources]
+        for i, (source, future) in enumerate(zip(sources, futures), 1):
+            res, seconds = future.result()
+            cached += res.cached
+            spills = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.own_report.values()),
+                         default=0)
             regs = max((v.get("registers", 0) for v in res.own_report.values()), default=0)
-            click.echo(f"  {r.name}.cu -> {res.output} ({'cached' if res.cached else 'compiled'}; "
-                       f"max {regs} registers, {worst} spill bytes)")
+            state = "cached" if res.cached else f"compiled in {seconds:.1f} s"
+            click.echo(f"[{i:{len(str(n))}}/{n}] {source.name} -> {res.output.name} ({state}; "
+                       f"max {regs} registers, {spills} spill bytes)")
+    finally:
+        pool.shutdown(cancel_futures=True)
+    click.echo(f"tsgen: {n} source(s): {n - cached} compiled, {cached} cached, in {time.monotonic() - start:.1f} s")
 
 
 @main.command("list")
