@@ -35,7 +35,8 @@ NO_NVCC = _have(find_nvcc)
 NO_CUOBJDUMP = _have(find_cuobjdump)
 NO_NVSHMEM = _have(lambda: find_device_lib("nvshmem"))
 needs_nvcc = compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
-needs_sass = compile_test((NO_NVCC or NO_CUOBJDUMP) and f"SASS checks need nvcc and cuobjdump: {NO_NVCC or NO_CUOBJDUMP}")
+needs_sass = compile_test((NO_NVCC or NO_CUOBJDUMP)
+                          and f"SASS checks need nvcc and cuobjdump: {NO_NVCC or NO_CUOBJDUMP}")
 
 
 def _manifest(source: Path) -> dict:

@@ -48,8 +48,8 @@ def _missing(find) -> str | None:
 
 NO_NVCC = _missing(find_nvcc)
 NO_WHEEL = _missing(lambda: find_device_lib("nvshmem"))
-needs_link = compile_test((NO_NVCC or NO_WHEEL)
-                          and f"compiling the nvshmem transport needs nvcc and the NVSHMEM wheel: {NO_NVCC or NO_WHEEL}")
+needs_link = compile_test(
+    (NO_NVCC or NO_WHEEL) and f"compiling the nvshmem transport needs nvcc and the NVSHMEM wheel: {NO_NVCC or NO_WHEEL}")
 
 
 def _write(tmp_path, text: str):
