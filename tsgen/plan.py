@@ -153,10 +153,16 @@ def default_schedules(world: int) -> int:
     return 100 if world <= 4 else 24
 
 
+# The fixed sweeps: the priority order of the actors, as a sort key on (rank, block),
+# block -1 standing for the rank between two calls.
+_SWEEPS = {"rank_first": lambda rb: rb, "rank_last": lambda rb: (-rb[0], rb[1]),
+           "block_reverse": lambda rb: (-rb[1], rb[0])}
+
+
 def schedule_orders(schedules: int) -> list[str]:
     """How each schedule of a verification picks the next block to move: `schedules`
-    random ones (schedule i draws from its own seed), then three fixed sweeps."""
-    return ["random"] * schedules + ["rank_first", "rank_last", "block_reverse"]
+    random ones (schedule i draws from its own seed), then the three fixed sweeps."""
+    return ["random"] * schedules + list(_SWEEPS)
 
 
 class _Values:
@@ -234,18 +240,14 @@ class _Tables:
         # per block actor, its shares in order: (g, (share, shares))
         self.shares = [[(first_step[r] + sh.step, (sh.share, sh.shares)) for sh in shares]
                        for r, rp in enumerate(plan.ranks) for shares in rp.blocks]
-        nblocks, actors = plan.nblocks, plan.world * plan.nblocks + plan.world
-        where = [divmod(a, nblocks) if a < plan.world * nblocks else (a - plan.world * nblocks, -1)
-                 for a in range(actors)]
-        keys = {"rank_first": lambda x: x, "rank_last": lambda x: (-x[0], x[1]),
-                "block_reverse": lambda x: (-x[1], x[0])}
-        # per fixed order, each actor's place in it
-        self.sweep_rank: dict[str, list[int]] = {}
-        for order, key in keys.items():
+        blocks, actors = plan.world * plan.nblocks, plan.world * plan.nblocks + plan.world
+        rank_block = [divmod(a, plan.nblocks) if a < blocks else (a - blocks, -1) for a in range(actors)]
+        self.sweep_place: dict[str, list[int]] = {}  # per fixed sweep, each actor's place in its order
+        for order, key in _SWEEPS.items():
             place = [0] * actors
-            for i, a in enumerate(sorted(range(actors), key=lambda a: key(where[a]))):
+            for i, a in enumerate(sorted(range(actors), key=lambda a: key(rank_block[a]))):
                 place[a] = i
-            self.sweep_rank[order] = place
+            self.sweep_place[order] = place
 
     def _signal(self, rank: int, name: str, index: int) -> int:
         key = (rank, name, index)
@@ -467,7 +469,7 @@ class _Sim:
         """Sweep the actors in a fixed priority order: each in turn moves as far as it can
         before the next one moves (a rank starting a call moves once); repeat while
         anything moved."""
-        place = self.t.sweep_rank[order]
+        place = self.t.sweep_place[order]
         moved = True
         while moved and not self.errors:
             moved = False
