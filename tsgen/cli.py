@@ -43,8 +43,8 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-JOBS_OPTION = click.option("-j", "--jobs", type=click.IntRange(min=1), default=_cpus, show_default="the CPUs",
-                           help="work on this many at a time")
+def _jobs_option(help: str):
+    return click.option("-j", "--jobs", type=click.IntRange(min=1), default=_cpus, show_default="the CPUs", help=help)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,7 +69,7 @@ def main() -> None:
 @click.option("--prune", is_flag=True, help="delete generated files no spec produces any more")
 @click.option("--compile", "do_compile", is_flag=True, help="also compile each source with nvcc (cached)")
 @click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture for --compile")
-@JOBS_OPTION
+@_jobs_option("--compile: sources compiled at a time")
 @_reports_errors
 def build(paths, out_dir, check, prune, do_compile, arch, jobs):
     """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json;
@@ -191,7 +191,7 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout):
 @click.option("--world", "worlds", default="2..8", show_default=True, help="world sizes: 2..8, or 2,3,4")
 @click.option("--schedules", type=int, default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
 @click.option("--seed", type=int, default=0, show_default=True)
-@JOBS_OPTION
+@_jobs_option("processes verifying at once")
 @_reports_errors
 def verify(paths, worlds, schedules, seed, jobs):
     """Execute collective plans on the CPU under many interleavings of ranks and blocks.
