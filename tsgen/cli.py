@@ -43,8 +43,8 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _jobs_option(help: str):
-    return click.option("-j", "--jobs", type=click.IntRange(min=1), default=_cpus, show_default="the CPUs", help=help)
+def _jobs_option(what: str):
+    return click.option("-j", "--jobs", type=click.IntRange(min=1), default=_cpus, show_default="the CPUs", help=what)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
