@@ -53,6 +53,29 @@ def _chdir_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
+# Compiling: tests use the compile cache `tsgen build --compile` fills (TSGEN_CACHE_DIR, else
+# ~/.cache/tsgen), so the sources it compiled are not compiled again; a test that must see a
+# compile happen uses `own_cache`.
+
+
+def compile_test(missing: str | None):
+    """Decorator for a test that runs nvcc: marks it `compile`, and skips it with `missing`
+    as the reason when that says a tool is missing (None: nothing is)."""
+
+    def mark(test):
+        return pytest.mark.compile(pytest.mark.skipif(missing is not None, reason=str(missing))(test))
+
+    return mark
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """An empty compile cache of this test's own."""
+    d = tmp_path / "tsgen-cache"
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(d))
+    return d
+
+
 class CliResult:
     def __init__(self, code: int, stdout: str, stderr: str):
         self.code, self.stdout, self.stderr = code, stdout, stderr

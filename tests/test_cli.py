@@ -79,7 +79,7 @@ def test_build_writes_and_reports(tmp_path):
 def test_test_without_cupy(no_cupy_env):
     p = tsgen("test", "specs/put_block.yaml", "--gpus", "2", env=no_cupy_env)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.startswith("tsgen: running kernels needs CuPy: `pip install tsgen[cuda13]`"), p.stderr
+    assert p.stderr.startswith("tsgen: running kernels needs CuPy: `pip install 'tsgen-cuda[cuda13]'`"), p.stderr
     assert "Traceback" not in p.stderr
 
 

@@ -1,7 +1,8 @@
-"""Every generated source compiles for sm_90a without spills; the SASS of a
-few kernels has the memory ordering it is meant to; nvcc errors and a
-missing toolchain are reported clearly. Needs nvcc (and cuobjdump for SASS),
-no GPU."""
+"""Every generated source compiles for sm_90a without spills, as the runtime loads it
+(what `tsgen build --compile` compiled: these find it in the compile cache); the SASS
+of a few kernels has the memory ordering it is meant to; nvcc errors and a missing
+toolchain are reported clearly. Needs nvcc (and cuobjdump for SASS, the NVSHMEM
+wheel for the device-linked sources), no GPU."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, compile_test, run_cli
 from tsgen import toolchain
 from tsgen.errors import ToolchainError
-from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc
+from tsgen.toolchain import (cache_dir, compile_module, compile_source, dump_sass, find_cuobjdump, find_device_lib,
+                             find_nvcc)
 
 GENERATED = sorted((ROOT / "generated").glob("*.cu"))
 
@@ -31,21 +33,10 @@ def _have(find) -> str | None:
 
 NO_NVCC = _have(find_nvcc)
 NO_CUOBJDUMP = _have(find_cuobjdump)
-needs_nvcc = pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc not found: {NO_NVCC}")
-needs_sass = pytest.mark.skipif(
-    NO_NVCC is not None or NO_CUOBJDUMP is not None,
-    reason=f"SASS checks need nvcc and cuobjdump: {NO_NVCC or NO_CUOBJDUMP}",
-)
-
-
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    """One compile cache for the whole session, away from the user's."""
-    mp = pytest.MonkeyPatch()
-    d = tmp_path_factory.mktemp("tsgen-cache")
-    mp.setenv("TSGEN_CACHE_DIR", str(d))
-    yield d
-    mp.undo()
+NO_NVSHMEM = _have(lambda: find_device_lib("nvshmem"))
+needs_nvcc = compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
+needs_sass = compile_test((NO_NVCC or NO_CUOBJDUMP)
+                          and f"SASS checks need nvcc and cuobjdump: {NO_NVCC or NO_CUOBJDUMP}")
 
 
 def _manifest(source: Path) -> dict:
@@ -54,13 +45,13 @@ def _manifest(source: Path) -> dict:
 
 @needs_nvcc
 @pytest.mark.parametrize("source", GENERATED, ids=lambda p: p.stem)
-def test_generated_source_compiles_without_spills(cache, source):
-    if _manifest(source).get("device_libs"):
-        pytest.skip("device-linked (-rdc + libnvshmem_device): compiled by tests/test_nvshmem_cpu.py")
-    res = compile_source(source, arch="sm_90a")
-    assert res.output.parent == cache
-    assert res.output.read_bytes()[:4] == b"\x7fELF"
+def test_generated_source_compiles_without_spills(source):
     manifest = _manifest(source)
+    if manifest.get("device_libs") and NO_NVSHMEM:
+        pytest.skip(f"device-linked against {manifest['device_libs']}: {NO_NVSHMEM}")
+    res = compile_module(source, arch="sm_90a")
+    assert res.output.parent == cache_dir()
+    assert res.output.read_bytes()[:4] == b"\x7fELF"
     kernels = [k["name"] for k in manifest["kernels"]]
     if manifest["host_launch"]:  # device kernels are <name>_sync, <name>_reduce, ... around the launcher
         kernels = [r for r in res.report if any(r.startswith(k + "_") for k in kernels) and "registers" in res.report[r]]
@@ -69,14 +60,15 @@ def test_generated_source_compiles_without_spills(cache, source):
         entry = res.report[name]
         assert entry["registers"] > 0, (name, entry)
         assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (name, entry)
-    for name, entry in res.report.items():  # non-inlined helpers too
+    for name, entry in res.own_report.items():  # non-inlined helpers too (a device library's are its own)
         assert entry.get("spill_stores", 0) == 0 and entry.get("spill_loads", 0) == 0, (name, entry)
 
 
 @needs_nvcc
-def test_compile_is_cached(cache):
+def test_compile_is_cached(own_cache):
     source = ROOT / "generated" / "put_warp.cu"
     first = compile_source(source)
+    assert not first.cached and first.output.parent == own_cache
     second = compile_source(source)
     assert second.cached and second.output == first.output
     assert second.report == first.report
@@ -85,7 +77,7 @@ def test_compile_is_cached(cache):
 
 
 @needs_nvcc
-def test_host_launcher_object(cache):
+def test_host_launcher_object():
     source = ROOT / "generated" / "put_block.cu"
     res = compile_source(source, mode="obj")
     assert res.output.suffix == ".o" and res.output.stat().st_size > 0
@@ -100,12 +92,20 @@ def test_host_launcher_object(cache):
 
 
 @needs_nvcc
-def test_cli_build_compile(tmp_path, cache):
-    r = run_cli("build", "specs/put_block.yaml", "-o", tmp_path / "out", "--compile")
+def test_cli_build_compile(tmp_path, own_cache):
+    """A line per source, in the order of the specs whatever order they finish in, then the totals."""
+    r = run_cli("build", "specs/put_block.yaml", "specs/barrier_all.yaml", "-o", tmp_path / "out", "--compile",
+                "--jobs", "2")
     assert r.code == 0, r
     lines = r.stdout.splitlines()
-    assert re.fullmatch(r"  put_block\.cu -> \S+\.cubin \((compiled|cached); max \d+ registers, 0 spill bytes\)",
-                        lines[-1]), lines
+    assert lines[1] == f"tsgen: compiling 2 source(s) for sm_90a, 2 at a time; outputs in {own_cache}", lines
+    for i, name in enumerate(["put_block", "barrier_all"]):
+        assert re.fullmatch(rf"\[{i + 1}/2\] {name}\.cu -> {name}-[0-9a-f]{{24}}\.cubin \(compiled in \d+\.\d s; "
+                            r"max \d+ registers, 0 spill bytes\)", lines[2 + i]), lines
+    assert re.fullmatch(r"tsgen: 2 source\(s\): 2 compiled, 0 cached, in \d+\.\d s", lines[4]), lines
+    again = run_cli("build", "specs/put_block.yaml", "-o", tmp_path / "out", "--compile")
+    assert re.fullmatch(r"\[1/1\] put_block\.cu -> \S+\.cubin \(cached; max \d+ registers, 0 spill bytes\)",
+                        again.stdout.splitlines()[2]), again
     r = run_cli("build", "specs/put_block.yaml", "-o", tmp_path / "out", "--compile", "--arch", "sm90")
     assert r.code == 2, r
     assert "arch 'sm90' is not of the form sm_90a / sm_90 / sm_100a" in r.stderr
@@ -135,7 +135,7 @@ def opcodes(insns: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sass(cache):
+def sass():
     if NO_NVCC or NO_CUOBJDUMP:
         pytest.skip(f"SASS checks need nvcc and cuobjdump: {NO_NVCC or NO_CUOBJDUMP}")
     memo: dict[str, dict[str, list[str]]] = {}
@@ -245,7 +245,7 @@ def test_sass_remote_load_acquire(sass):
 
 
 @needs_nvcc
-def test_nvcc_error_names_file_line_and_spec(tmp_path, cache):
+def test_nvcc_error_names_file_line_and_spec(tmp_path, own_cache):
     bad = tmp_path / "broken.cu"
     bad.write_text(
         "// Generated by tsgen 0.1.0 from specs/fake.yaml\n"
@@ -258,7 +258,7 @@ def test_nvcc_error_names_file_line_and_spec(tmp_path, cache):
     assert msg.startswith(f"nvcc failed on {bad} (rendered from spec specs/fake.yaml):")
     assert re.search(re.escape(str(bad)) + r"\(3\): error", msg), msg
     assert e.value.exit_code == 2
-    assert not [p for p in cache.iterdir() if "broken" in p.name], "a failed compile leaves nothing in the cache"
+    assert not [p for p in own_cache.iterdir() if "broken" in p.name], "a failed compile leaves nothing in the cache"
 
 
 def test_missing_nvcc(tmp_path, monkeypatch):
@@ -298,7 +298,7 @@ def test_cuda_home_is_searched(tmp_path, monkeypatch):
 @needs_nvcc
 @pytest.mark.parametrize("name,kernels", [("exp_bulk_put", {"put_v4", "put_bulk"}),
                                           ("exp_sync_latency", {"empty", "epoch", "hops", "hops_fenced"})])
-def test_experiment_kernels_compile(cache, name, kernels):
+def test_experiment_kernels_compile(name, kernels):
     """The device experiments' kernels (tools/exp_*.cu, NOTES sessions 4-5) build for sm_90a:
     the device run should not be the first to find a typo in their PTX."""
     report = compile_source(ROOT / "tools" / f"{name}.cu").report

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, compile_test
 
 from tsgen.ops import get_family
 from tsgen.plan import SignalRef, stream_program, verify
@@ -116,10 +116,9 @@ except Exception as e:  # noqa: BLE001
     NO_NVCC = str(e)
 
 
-@pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc not found: {NO_NVCC}")
+@compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
 @pytest.mark.parametrize("spec", CE_SPECS, ids=lambda p: p.stem)
-def test_shared_library_exports_the_launchers(spec, tmp_path, monkeypatch):
-    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path))
+def test_shared_library_exports_the_launchers(spec):
     name = load_spec(spec).model.name
     res = compile_source(ROOT / "generated" / f"{name}.cu", mode="shared")
     lib = ctypes.CDLL(str(res.output))  # loads without a GPU: the CUDA runtime starts lazily

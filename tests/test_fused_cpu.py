@@ -23,14 +23,6 @@ from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 SPECS = [ROOT / "specs" / "allgather_gemm.yaml", ROOT / "specs" / "allgather_gemm_plain.yaml"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
-    yield
-    mp.undo()
-
-
 def variant(tmp, name, **changes):
     data = yaml.safe_load(SPECS[0].read_text())
     data["name"] = name
@@ -95,7 +87,7 @@ def test_reference_tiny():
 @needs_nvcc
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("mode", ["cubin", "shared"])
-def test_compiles_without_spills(cache, tmp_path, path, mode):
+def test_compiles_without_spills(tmp_path, path, mode):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
@@ -108,7 +100,7 @@ def test_compiles_without_spills(cache, tmp_path, path, mode):
 
 
 @needs_sass
-def test_sass(cache, tmp_path):
+def test_sass(tmp_path):
     r = render(load_spec(SPECS[0]), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)

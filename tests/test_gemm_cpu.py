@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, compile_test
 from tsgen.errors import SpecError, ToolchainError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
@@ -38,17 +38,8 @@ def _missing(find) -> str | None:
 
 NO_NVCC = _missing(find_nvcc)
 NO_SASS = NO_NVCC or _missing(find_cuobjdump)
-needs_nvcc = pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc not found: {NO_NVCC}")
-needs_sass = pytest.mark.skipif(NO_SASS is not None, reason=f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A compile cache of this module's own, away from the user's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
-    yield
-    mp.undo()
+needs_nvcc = compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
+needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
 
 
 def variant(tmp: Path, name: str, **changes) -> Path:
@@ -209,7 +200,7 @@ def test_reference_on_a_tiny_case(tmp_path, dtype):
 
 @needs_nvcc
 @pytest.mark.parametrize("mode", ["cubin", "shared"])
-def test_compiles_without_spills(cache, mode):
+def test_compiles_without_spills(mode):
     res = compile_source(ROOT / "generated" / "gemm_bf16.cu", mode=mode)
     entry = res.report["gemm_bf16_w1_kernel"]
     # setmaxnreg (producer 40, consumers 232 registers) balances only at 384 x 168
@@ -220,7 +211,7 @@ def test_compiles_without_spills(cache, mode):
 
 
 @needs_nvcc
-def test_launcher_library(cache):
+def test_launcher_library():
     lib = compile_source(ROOT / "generated" / "gemm_bf16.cu", mode="shared").output
     nm, readelf = shutil.which("nm"), shutil.which("readelf")
     if nm is None or readelf is None:
@@ -233,7 +224,7 @@ def test_launcher_library(cache):
 
 
 @needs_sass
-def test_sass(cache):
+def test_sass():
     sass = dump_sass(compile_source(ROOT / "generated" / "gemm_bf16.cu").output)
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
     names = [o for o, _ in ops]
@@ -254,7 +245,7 @@ def test_sass(cache):
     {"params": {"tile": {"m": 256, "n": 128}}},
     {"params": {"tile": {"m": 128, "n": 128}, "stages": 6}, "launch": {"threads": 256}},
 ], ids=["f16", "no_cluster", "cluster_n", "tile_256x128", "one_consumer"])
-def test_variants_compile(cache, tmp_path, changes):
+def test_variants_compile(tmp_path, changes):
     source = rendered_source(variant(tmp_path, "v", **changes), tmp_path)
     entry = compile_source(source).report["v_w1_kernel"]
     assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry

@@ -29,14 +29,6 @@ OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "
            "gemm_reduce_scatter_push_add": "push add"}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
-    yield
-    mp.undo()
-
-
 def variant(tmp, name, **changes):
     data = yaml.safe_load(SPECS[0].read_text())
     data["name"] = name
@@ -166,7 +158,7 @@ def test_reference_pattern_exact():
 @needs_nvcc
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("mode", ["cubin", "shared"])
-def test_compiles_without_spills(cache, tmp_path, path, mode):
+def test_compiles_without_spills(tmp_path, path, mode):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
@@ -182,7 +174,7 @@ def test_compiles_without_spills(cache, tmp_path, path, mode):
 
 @needs_sass
 @pytest.mark.parametrize("path", [SPECS[0], SPECS[2], SPECS[5]], ids=lambda p: p.stem)
-def test_sass(cache, tmp_path, path):
+def test_sass(tmp_path, path):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)

@@ -29,14 +29,6 @@ OPS = ["cannon", "summa"]
 SPECS = [ROOT / "specs" / f"{op}.yaml" for op in OPS]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
-    yield
-    mp.undo()
-
-
 def variant(tmp, name, op="cannon", **changes):
     data = yaml.safe_load((ROOT / "specs" / f"{op}.yaml").read_text())
     data["name"] = name
@@ -191,7 +183,7 @@ def test_reference_tiny(tmp_path, op):
 @needs_nvcc
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("mode", ["cubin", "shared"])
-def test_compiles_without_spills(cache, tmp_path, path, mode):
+def test_compiles_without_spills(tmp_path, path, mode):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
@@ -204,7 +196,7 @@ def test_compiles_without_spills(cache, tmp_path, path, mode):
 
 @needs_sass
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
-def test_sass(cache, tmp_path, path):
+def test_sass(tmp_path, path):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)

@@ -141,6 +141,8 @@ class Machine:
         self.mappings: dict[int, int] = {}  # mapped address -> base
         self.violations: list[str] = []
         self.fail_open: set[tuple[int, int]] = set()  # (importing gpu, exporting gpu)
+        self.fail_after = 0  # a failing open waits (10 s at most) until this many mappings are open
+        self.opened = threading.Condition(self.lock)
         self.dead: set[int] = set()  # GPUs whose context is lost
 
     def runtime(self, gpus: list[int]):
@@ -214,10 +216,12 @@ class FakeRuntime:
             if a["gpu"] == self._gpu():
                 raise FakeError("cudaErrorInvalidContext: a handle cannot be opened in the process that made it")
             if (self._gpu(), a["gpu"]) in self.m.fail_open:
+                self.m.opened.wait_for(lambda: len(self.m.mappings) >= self.m.fail_after, timeout=10)
                 raise FakeError("cudaErrorMapBufferObjectFailed: mapping of buffer object failed")
             mapped, self.m.next = self.m.next, self.m.next + a["nbytes"] + 0x1000
             self.m.mappings[mapped] = base
             a["maps"] += 1
+            self.m.opened.notify_all()
         return mapped
 
     def ipcCloseMemHandle(self, ptr):
@@ -465,6 +469,9 @@ def test_a_failure_inside_a_world_is_reported_as_is_and_everything_is_freed(monk
 
     machine = Machine()
     machine.fail_open.add((2, 3))
+    # rank 2 fails once the others have mapped every heap (and rank 2 those of ranks 0 and
+    # 1): they are waiting then, whatever the load on the machine running this
+    machine.fail_after = 3 * 3 + 2
     cp = fake_cupy(machine, [0, 1, 2, 3])
     monkeypatch.setattr(world_mod, "cupy_or_error", lambda: cp)
     manifest = json.loads((ROOT / "generated" / "allgather.json").read_text())

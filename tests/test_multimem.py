@@ -33,6 +33,7 @@ def _ptx(nvcc, name, tmp_path):
     return out.read_text()
 
 
+@pytest.mark.compile
 def test_all_reduce_multimem_instructions(toolchain, tmp_path):
     from tsgen.toolchain import compile_source, dump_sass
 
@@ -45,12 +46,14 @@ def test_all_reduce_multimem_instructions(toolchain, tmp_path):
     assert "REDG.E.ADD.STRONG.SYS" in sass  # the multimem.red barrier
 
 
+@pytest.mark.compile
 def test_allgather_multimem_instructions(toolchain, tmp_path):
     ptx = _ptx(toolchain[0], "allgather_multimem", tmp_path)
     assert "multimem.st.relaxed.sys.global.v4.f32" in ptx
     assert "multimem.red.release.sys.global.add.u32" in ptx
 
 
+@pytest.mark.compile
 def test_non_multimem_sources_have_no_multimem_code(toolchain, tmp_path):
     ptx = _ptx(toolchain[0], "all_reduce_two_shot", tmp_path)
     assert "multimem." not in ptx

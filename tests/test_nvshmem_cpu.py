@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, compile_test, run_cli
 from tsgen import toolchain
 from tsgen.errors import SpecError, ToolchainError
 from tsgen.spec import load_spec
@@ -47,18 +48,8 @@ def _missing(find) -> str | None:
 
 NO_NVCC = _missing(find_nvcc)
 NO_WHEEL = _missing(lambda: find_device_lib("nvshmem"))
-needs_link = pytest.mark.skipif(
-    NO_NVCC is not None or NO_WHEEL is not None,
-    reason=f"compiling the nvshmem transport needs nvcc and the NVSHMEM wheel: {NO_NVCC or NO_WHEEL}",
-)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-nvshmem-cache")))
-    yield
-    mp.undo()
+needs_link = compile_test(
+    (NO_NVCC or NO_WHEEL) and f"compiling the nvshmem transport needs nvcc and the NVSHMEM wheel: {NO_NVCC or NO_WHEEL}")
 
 
 def _write(tmp_path, text: str):
@@ -113,6 +104,7 @@ def test_p2p_specs_do_not_change():
         assert "nvshmem" not in (ROOT / "generated" / f"{name}.cu").read_text()
 
 
+@pytest.mark.plans
 def test_nvshmem_plans_verify():
     """Same plans as p2p: `tsgen verify` runs them on the CPU."""
     r = run_cli("verify", *(f"specs/{n}.yaml" for n in NVSHMEM_SPECS), "--world", "2..8")
@@ -182,7 +174,7 @@ def test_nvshmem_home_is_found(monkeypatch, tmp_path):
 
 @needs_link
 @pytest.mark.parametrize("name", NVSHMEM_SPECS)
-def test_nvshmem_source_device_links(cache, name):
+def test_nvshmem_source_device_links(name):
     source = ROOT / "generated" / f"{name}.cu"
     manifest = json.loads(source.with_suffix(".json").read_text())
     res = compile_source(source, arch="sm_90a", link=tuple(manifest["device_libs"]))
@@ -211,9 +203,35 @@ def test_nvshmem_source_device_links(cache, name):
 
 
 @needs_link
-def test_nvshmem_source_needs_the_link(cache):
+def test_nvshmem_source_needs_the_link():
     """Negative control: without the device library the source does not build."""
     with pytest.raises(ToolchainError, match="nvshmem.h"):
         compile_source(ROOT / "generated" / "allgather_nvshmem.cu", arch="sm_90a")
     with pytest.raises(ToolchainError, match="load as cubins"):
         compile_source(ROOT / "generated" / "allgather_nvshmem.cu", mode="shared", link=("nvshmem",))
+
+
+@needs_link
+def test_cache_key_holds_the_headers_not_their_path(tmp_path, monkeypatch, own_cache):
+    """The same NVSHMEM headers under another path (a new venv) hit the cache; an edited
+    header does not."""
+    real = find_device_lib("nvshmem")
+    source = tmp_path / "k.cu"
+    source.write_text('extern "C" __global__ void k(int* p) { *p = 1; }\n')
+
+    def compile_against(name: str, edit: bool = False):
+        home = tmp_path / name
+        shutil.copytree(real.include, home / "include")
+        (home / "lib").mkdir()
+        (home / "lib" / real.archive.name).symlink_to(real.archive)
+        if edit:
+            with open(home / "include" / "nvshmem.h", "a") as f:
+                f.write("// edited\n")
+        monkeypatch.setenv("NVSHMEM_HOME", str(home))
+        assert find_device_lib("nvshmem").include == home / "include"
+        return compile_source(source, link=("nvshmem",))
+
+    first = compile_against("a")
+    moved = compile_against("b")
+    assert not first.cached and moved.cached and moved.output == first.output
+    assert not compile_against("c", edit=True).cached

@@ -1,7 +1,8 @@
 """Plans and their CPU verifier: every shipped collective verifies at world sizes
-2..8, and broken plans (a signal, a wait or a chunk offset changed) fail, so the
-verifier is load-bearing. The full run is `tsgen verify specs` (in .ci/run).
-Straight-line code of small plans makes exactly the share calls the verified tables list."""
+2..8 (the plan sweep, marked `plans`: what `tsgen verify specs --world 2..8` runs, one
+plan per test), and broken plans (a signal, a wait or a chunk offset changed) fail, so
+the verifier is load-bearing. Straight-line code of small plans makes exactly the share
+calls the verified tables list."""
 
 import dataclasses
 import re
@@ -11,9 +12,10 @@ import pytest
 from conftest import ROOT, SPECS
 
 from tsgen.ops import get_family
-from tsgen.plan import SignalRef, c_tables, straight_line_groups, verify
+from tsgen.plan import SignalRef, c_tables, default_schedules, straight_line_groups, verify
 from tsgen.render import render
 from tsgen.spec import load_spec
+from tsgen.verify_plans import job_plan, plan_jobs
 
 COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")
                and not get_family(load_spec(s).model.op).is_multimem(load_spec(s).model)]
@@ -30,10 +32,39 @@ def test_some_collectives_ship():
         "allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"}
 
 
-@pytest.mark.parametrize("w", [2, 3, 5, 8])
-@pytest.mark.parametrize("spec", COLLECTIVES, ids=lambda p: p.stem)
-def test_shipped_plans_verify(spec, w):
-    assert verify(_plan(spec, w), schedules=4) == []
+@pytest.mark.plans
+@pytest.mark.parametrize("job", [j for j in plan_jobs([ROOT / "specs"], range(2, 9)) if j.world],
+                         ids=lambda j: f"{j.name}-{j.world}")
+def test_shipped_plans_verify(job):
+    if job.skip:
+        pytest.skip(job.skip)
+    assert verify(job_plan(job.path, job.world), schedules=job.schedules) == []
+
+
+def test_the_plan_sweep_is_every_collective_at_every_world_size():
+    jobs = plan_jobs([ROOT / "specs"], range(2, 9))
+    multimem = "multimem variant: no plan to verify, compiled only"
+    assert [(j.name, j.skip) for j in jobs if j.world is None] == [
+        ("all_reduce_multimem", multimem), ("allgather_multimem", multimem)]
+    assert sorted({j.path for j in jobs if j.world}) == COLLECTIVES
+    assert all(j.schedules == default_schedules(j.world) for j in jobs if j.world)
+
+
+def test_schedules_stand_alone():
+    """Schedule i is the same in a short run and a long one, and chunks of schedules find
+    what one run finds: the problems of the first schedule that has any."""
+    plan = _plan("specs/allgather.yaml", 3)
+    i = _first_copy(plan, 1)
+    st = plan.ranks[1].steps[i]
+    plan.ranks[1].steps[i] = dataclasses.replace(st, dst=(st.dst[0], dataclasses.replace(st.dst[1], unit=0)))
+    whole = verify(plan, schedules=10)
+    assert whole and whole[0].startswith("[random schedule 0] ")
+    assert verify(plan, schedules=10, trials=range(1, 13)) and verify(plan, schedules=4, trials=[0]) == whole
+
+    def sweeps(n):  # what the three fixed sweeps find, without the "[order schedule i]" prefix
+        return [p.split("] ", 1)[1] for p in verify(plan, schedules=n, trials=range(n, n + 3))]
+
+    assert sweeps(10) == sweeps(2) != []
 
 
 def _first_copy(plan, rank):
@@ -110,6 +141,19 @@ def test_verify_cli_exit_codes(tmp_path):
     assert "allgather world 3: ok" in ok.stdout
     bad = run_cli("verify", "specs/allgather.yaml", "--world", "9")
     assert bad.code == 2
+
+
+def test_verify_cli_jobs_keep_the_order():
+    """Chunks of schedules run in a pool of processes; the lines come in the order of the
+    specs and world sizes asked for, the same as from one process."""
+    from conftest import run_cli
+
+    args = ("verify", "specs/broadcast.yaml", "specs/allgather.yaml", "--world", "3,2", "--schedules", "9")
+    pooled, alone = run_cli(*args, "--jobs", "3"), run_cli(*args, "--jobs", "1")
+    assert pooled.code == alone.code == 0, pooled
+    assert pooled.stdout == alone.stdout
+    assert pooled.stdout.splitlines() == [f"{name} world {w}: ok (12 schedules x 2 calls)" for name in
+                                          ("broadcast", "allgather") for w in (3, 2)] + ["tsgen: 4 plans verified"]
 
 
 @pytest.mark.parametrize("spec,w,mask_of", [

@@ -371,6 +371,7 @@ def test_every_helper_has_a_sass_expectation():
         expectation(h)  # raises with a message naming the helper
 
 
+@pytest.mark.compile
 def test_ptxas_assembles_everything(build):
     proc, cubin = build
     assert proc.returncode == 0, f"nvcc/ptxas failed:\n{proc.stderr}"
@@ -380,10 +381,12 @@ def test_ptxas_assembles_everything(build):
     assert not noise, "ptxas/nvcc reported:\n" + "\n".join(noise)
 
 
+@pytest.mark.compile
 def test_one_kernel_per_helper(sass):
     assert sorted(sass) == sorted(f"k_{h}" for h in HELPERS)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("helper", HELPERS)
 def test_sass(sass, helper):
     instructions = sass[f"k_{helper}"]
@@ -392,6 +395,7 @@ def test_sass(sass, helper):
         "\n  ".join(instructions)
 
 
+@pytest.mark.compile
 def test_header_builds_for_host_and_pre_sm90(tmp_path):
     """Generated sources are full .cu files: the header must also pass the host
     compiler (-Wall -Wextra, silent) and an sm_80 device pass, where
@@ -427,6 +431,7 @@ BAD_FORMS = {
 }
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("form", sorted(BAD_FORMS))
 def test_bad_form_is_rejected(tmp_path, form):
     ptx, reason = BAD_FORMS[form]

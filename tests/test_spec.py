@@ -332,6 +332,7 @@ def test_description_stays_in_comments(tmp_path, monkeypatch):
     assert "evil>" not in manifest
 
 
+@pytest.mark.compile
 def test_description_source_compiles(tmp_path, monkeypatch):
     from tsgen.toolchain import compile_source, find_nvcc
 

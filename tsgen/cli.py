@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -37,6 +38,15 @@ def _reports_errors(fn):
     return wrapper
 
 
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _jobs_option(what: str):
+    return click.option("-j", "--jobs", type=click.IntRange(min=1), default=_cpus, show_default="the CPUs", help=what)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tsgen")
 def main() -> None:
@@ -59,11 +69,12 @@ def main() -> None:
 @click.option("--prune", is_flag=True, help="delete generated files no spec produces any more")
 @click.option("--compile", "do_compile", is_flag=True, help="also compile each source with nvcc (cached)")
 @click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture for --compile")
+@_jobs_option("--compile: sources compiled at a time")
 @_reports_errors
-def build(paths, out_dir, check, prune, do_compile, arch):
-    """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json."""
+def build(paths, out_dir, check, prune, do_compile, arch, jobs):
+    """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json;
+    --compile: then compile them, --jobs at a time."""
     from .build import build as run_build
-    from .toolchain import compile_source
 
     paths = list(paths) or [Path("specs")]
     result = run_build(paths, out_dir, check=check, prune=prune)
@@ -77,16 +88,38 @@ def build(paths, out_dir, check, prune, do_compile, arch):
         for p in result.orphans:
             click.echo(f"tsgen: {'removed' if prune else 'orphan (no spec produces it)'}: {p}")
     if do_compile:
-        for r in result.rendered:
-            # what the runtime loads: a cubin, or the library with the host launcher
-            mode = "shared" if r.plan.family.launched_from_host(r.plan.spec) else "cubin"
-            res = compile_source(out_dir / f"{r.name}.cu", arch=arch, mode=mode,
-                                 link=r.plan.family.device_libs(r.plan.spec))
-            worst = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.own_report.values()),
-                        default=0)
+        _compile_all([out_dir / f"{r.name}.cu" for r in result.rendered], arch, jobs)
+
+
+def _compile_all(sources: list[Path], arch: str, jobs: int) -> None:
+    """Compile each source as the runtime loads it, `jobs` at a time: a line per source
+    in order (output file in the cache, registers, spills), then the totals."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .toolchain import cache_dir, compile_module
+
+    def timed(source: Path):
+        start = time.monotonic()
+        return compile_module(source, arch), time.monotonic() - start
+
+    start, cached = time.monotonic(), 0
+    n = len(sources)
+    click.echo(f"tsgen: compiling {n} source(s) for {arch}, {jobs} at a time; outputs in {cache_dir()}")
+    pool = ThreadPoolExecutor(jobs)  # the work is in nvcc processes
+    try:
+        futures = [pool.submit(timed, s) for s in sources]
+        for i, (source, future) in enumerate(zip(sources, futures), 1):
+            res, seconds = future.result()
+            cached += res.cached
+            spills = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.own_report.values()),
+                         default=0)
             regs = max((v.get("registers", 0) for v in res.own_report.values()), default=0)
-            click.echo(f"  {r.name}.cu -> {res.output} ({'cached' if res.cached else 'compiled'}; "
-                       f"max {regs} registers, {worst} spill bytes)")
+            state = "cached" if res.cached else f"compiled in {seconds:.1f} s"
+            click.echo(f"[{i:{len(str(n))}}/{n}] {source.name} -> {res.output.name} ({state}; "
+                       f"max {regs} registers, {spills} spill bytes)")
+    finally:
+        pool.shutdown(cancel_futures=True)
+    click.echo(f"tsgen: {n} source(s): {n - cached} compiled, {cached} cached, in {time.monotonic() - start:.1f} s")
 
 
 @main.command("list")
@@ -166,17 +199,17 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout, share_gpu
 @click.option("--world", "worlds", default="2..8", show_default=True, help="world sizes: 2..8, or 2,3,4")
 @click.option("--schedules", type=int, default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
 @click.option("--seed", type=int, default=0, show_default=True)
+@_jobs_option("processes verifying at once")
 @_reports_errors
-def verify(paths, worlds, schedules, seed):
+def verify(paths, worlds, schedules, seed, jobs):
     """Execute collective plans on the CPU under many interleavings of ranks and blocks.
 
     Proves for each world size: outputs equal the reference contributions, every output
     element is written exactly once per call, no read or write crosses a call boundary,
-    every wait is matched by signals, and no schedule deadlocks. Exit 1 on any problem."""
+    every wait is matched by signals, and no schedule deadlocks. Exit 1 on any problem.
+    Plans and their schedules are verified --jobs at a time; the output is in spec order."""
     from .errors import CheckFailed
-    from .ops import get_family
-    from .plan import verify as verify_plan
-    from .spec import load_spec, spec_files
+    from .verify_plans import plan_jobs, verify_jobs
 
     if ".." in worlds:
         lo, hi = worlds.split("..")
@@ -186,29 +219,18 @@ def verify(paths, worlds, schedules, seed):
     if not sizes or min(sizes) < 2 or max(sizes) > 8:
         raise click.BadParameter("world sizes run from 2 to 8", param_hint="--world")
     failed = checked = 0
-    for path in spec_files(list(paths) or [Path("specs")]):
-        loaded = load_spec(path)
-        family = get_family(loaded.model.op)
-        if not hasattr(family, "comm_plan"):
+    for job, problems in verify_jobs(plan_jobs(list(paths) or [Path("specs")], sizes, schedules), seed, jobs):
+        if job.skip:
+            click.echo(f"{job.label}: skipped ({job.skip})")
             continue
-        if family.is_multimem(loaded.model):
-            click.echo(f"{loaded.name}: skipped (multimem variant: no plan to verify, compiled only)")
-            continue
-        for w in sizes:
-            spec = loaded.model.model_copy(update={"world_sizes": [w]})
-            if family.check(spec):
-                click.echo(f"{loaded.name} world {w}: skipped ({family.check(spec)[0][1]})")
-                continue
-            n = schedules if schedules is not None else (100 if w <= 4 else 24)
-            problems = verify_plan(family.comm_plan(spec, w), schedules=n, seed=seed)
-            checked += 1
-            if problems:
-                failed += 1
-                click.echo(f"{loaded.name} world {w}: FAIL")
-                for p in problems[:8]:
-                    click.echo("    " + p.replace("\n", "\n    "))
-            else:
-                click.echo(f"{loaded.name} world {w}: ok ({n + 3} schedules x 2 calls)")
+        checked += 1
+        if problems:
+            failed += 1
+            click.echo(f"{job.label}: FAIL")
+            for p in problems[:8]:
+                click.echo("    " + p.replace("\n", "\n    "))
+        else:
+            click.echo(f"{job.label}: ok ({job.schedules + 3} schedules x 2 calls)")
     if failed:
         raise CheckFailed(f"{failed} of {checked} plans failed verification")
     click.echo(f"tsgen: {checked} plans verified")

@@ -8,7 +8,10 @@ no CUDA install.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -98,6 +101,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+@functools.lru_cache(maxsize=None)
 def nvcc_version(nvcc: Path) -> str:
     out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 else "unknown"
@@ -211,6 +215,33 @@ def _file_digest(path: Path) -> bytes:
     return h.hexdigest().encode()
 
 
+@functools.lru_cache(maxsize=None)
+def _tree_digest(folder: Path) -> bytes:
+    """Digest of the files under `folder`, their names relative to it and their contents
+    (a device library's headers: the cache key holds what they say, not where they are)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(path.relative_to(folder).as_posix().encode() + b"\0" + _file_digest(path))
+    return h.hexdigest().encode()
+
+
+@contextlib.contextmanager
+def _compiling(out: Path):
+    """Held while `out` is compiled: one compile of a cache entry at a time across threads
+    and processes (parallel builds, test workers). The lock file goes when the compile
+    ends; a compile that opened it before then finds `out` there and uses it."""
+    import fcntl
+
+    lock = out.with_name(f".{out.name}.lock")
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+
+
 def library_function(name: str) -> bool:
     """A function of a device library's own code (NVSHMEM's nvshmemi_* templates are
     compiled into our object with -rdc; some spill a few bytes -- theirs, not ours)."""
@@ -249,9 +280,11 @@ def compile_source(
                                  "(mode='cubin'), not as shared libraries")
         flags += ["-rdc=true"] + [f"-I{lib.include}" for lib in libs]
     text = source.read_bytes()
+    # The key names no install path: the libraries' -I folders go in as their headers' contents.
+    key_flags = [f for f in flags if f not in {f"-I{lib.include}" for lib in libs}]
     key = hashlib.sha256(
-        b"\0".join([text, arch.encode(), mode.encode(), " ".join(flags).encode(), nvcc_version(nvcc).encode()]
-                   + [_file_digest(lib.archive) for lib in libs])
+        b"\0".join([text, arch.encode(), mode.encode(), " ".join(key_flags).encode(), nvcc_version(nvcc).encode()]
+                   + [_tree_digest(lib.include) for lib in libs] + [_file_digest(lib.archive) for lib in libs])
     ).hexdigest()[:24]
     out_dir = cache_dir()
     suffix = {"cubin": "cubin", "obj": "o", "shared": "so"}[mode]
@@ -260,7 +293,15 @@ def compile_source(
     if out.exists() and report_file.exists():
         return CompileResult(out, parse_ptxas_report(report_file.read_text()), cached=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}.", suffix=".tmp")
+    with _compiling(out):
+        if out.exists() and report_file.exists():  # compiled by another process meanwhile
+            return CompileResult(out, parse_ptxas_report(report_file.read_text()), cached=True)
+        return _compile(source, nvcc, libs, arch, mode, flags, out, report_file)
+
+
+def _compile(source: Path, nvcc: Path, libs: list[DeviceLib], arch: str, mode: str, flags: list[str],
+             out: Path, report_file: Path) -> CompileResult:
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{source.stem}.", suffix=".tmp")
     os.close(fd)
     what = {"cubin": ["-cubin"], "obj": ["-c"], "shared": ["-shared", "-Xcompiler", "-fPIC"]}[mode]
     linked = bool(libs) and mode == "cubin"
@@ -291,13 +332,26 @@ def compile_source(
                     + f"\ncommand: {' '.join(lcmd)}"
                 )
             report_text += lproc.stderr + lproc.stdout
+        # the report first: an output in the cache always has its whole report beside it
+        Path(tmp + ".txt").write_text(report_text)
+        os.replace(tmp + ".txt", report_file)
         os.replace(tmp, out)
-        report_file.write_text(report_text)
     finally:
-        for p in (tmp, tmp + ".o"):
+        for p in (tmp, tmp + ".o", tmp + ".txt"):
             if os.path.exists(p):
                 os.unlink(p)
     return CompileResult(out, parse_ptxas_report(report_text), cached=False)
+
+
+def compile_module(source: str | Path, arch: str = DEFAULT_ARCH) -> CompileResult:
+    """Compile a generated source as the runtime loads it, as its manifest (the JSON
+    beside it) says: the shared library with the host launchers for host_launch ops,
+    else a cubin, device-linked with the manifest's device_libs."""
+    source = Path(source)
+    manifest = json.loads(source.with_suffix(".json").read_text(encoding="utf-8"))
+    if manifest.get("host_launch", False):
+        return compile_source(source, arch=arch, mode="shared")
+    return compile_source(source, arch=arch, link=tuple(manifest.get("device_libs", ())))
 
 
 def dump_sass(binary: str | Path) -> str:

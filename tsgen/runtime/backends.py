@@ -32,7 +32,7 @@ def cupy_or_error():
         import cupy
     except ImportError as e:
         raise RuntimeSetupError(
-            "running kernels needs CuPy: `pip install tsgen[cuda13]` (or [cuda12]) "
+            "running kernels needs CuPy: `pip install 'tsgen-cuda[cuda13]'` (or [cuda12]) "
             f"for your driver's CUDA version ({e})"
         ) from None
     try:

@@ -63,7 +63,7 @@ def import_nvshmem() -> NvshmemLib:
         from cuda.core import Device
     except ImportError as e:
         raise RuntimeSetupError(
-            "the nvshmem backend needs nvshmem4py and the NVSHMEM library: `pip install tsgen[cuda13]` "
+            "the nvshmem backend needs nvshmem4py and the NVSHMEM library: `pip install 'tsgen-cuda[cuda13]'` "
             f"(nvshmem4py-cu13, nvidia-nvshmem-cu13; [cuda12] for CUDA 12) ({e})"
         ) from None
     return NvshmemLib(core, bindings, Device)
