@@ -246,6 +246,7 @@ def test_skew_adds_only_the_delay(name):
     assert len(calls) == len(loaded.model.world_sizes)  # once per entry point, right after the epoch is read
 
 
+@pytest.mark.compile
 def test_skewed_source_compiles(tmp_path, monkeypatch):
     from tsgen.toolchain import ToolchainError, compile_source, find_nvcc
 

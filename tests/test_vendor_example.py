@@ -33,6 +33,7 @@ def _nvcc():
         pytest.skip(str(e))
 
 
+@pytest.mark.compile
 def test_builds_with_nvcc(tmp_path):
     nvcc = _nvcc()
     out = tmp_path / "allgather_demo"
@@ -42,6 +43,7 @@ def test_builds_with_nvcc(tmp_path):
     assert out.exists()
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
 def test_builds_with_cmake(tmp_path):
     nvcc = _nvcc()
