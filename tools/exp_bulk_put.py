@@ -2,14 +2,16 @@
 bytes per second into three peers at once than 16-byte SM stores?
 
 Every GPU of 4 sends S bytes to each of its 3 peers at the same time (the all_to_all
-pattern, where SM stores top out near 333 GB/s of egress per GPU: results/exp_hybrid.json,
-NOTES run 15). Kernels in tools/exp_bulk_put.cu; CTAs split evenly over the peers. Prints
-egress GB/s per GPU (3 S / time, time = max over GPUs of a CUDA-event timed loop) and checks
-every destination slice against its sender's source.
+pattern, where SM stores top out near 333 GB/s of egress per GPU: all_to_all in
+results/collectives_tune3_w4.md, 2026-11-21). Kernels in tools/exp_bulk_put.cu; CTAs split
+evenly over the peers. Prints egress GB/s per GPU (3 S / time, time = max over GPUs of a
+CUDA-event timed loop) and checks every destination slice against its sender's source.
 
-Prediction (NOTES, session 4): put_bulk reaches the same ~330 GB/s -- the limit measured so
-far looks like NVLink egress with three destinations, not the SM store path; if put_bulk
-goes past 360 GB/s, a bulk-copy transport for all_to_all is worth building (issue 3).
+Prediction (written before its first run): put_bulk reaches the same ~330 GB/s -- the limit
+measured so far looks like NVLink egress with three destinations, not the SM store path; if
+put_bulk goes past 360 GB/s, a bulk-copy transport for all_to_all is worth building (issue
+3). Outcome: both 347 GB/s (results/exp_bulk_put_w4.md, 2026-11-21;
+docs/design/transports.md).
 
 Usage: python tools/exp_bulk_put.py OUT [--bytes 256M]
 """

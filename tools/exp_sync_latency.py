@@ -1,18 +1,19 @@
 """Experiment: the bare cost of a small all_reduce's synchronization on 4 GPUs, next to
 tsgen's one_shot / two_shot_pull at 1 KiB in the same run.
 
-tsgen's one_shot takes ~10.5 us at 1 KiB where PyTorch symm-mem's takes ~6.4 (NOTES run
-30): a fixed cost, not data. The kernels in tools/exp_sync_latency.cu do only the two
-signal hops of a one_shot (block-pairwise, as symm-mem does), with and without a fence on
-the entry signal, plus an empty kernel and tsgen's call numbering alone. Each is timed as
-tsgen bench times collectives: a CUDA graph of CALLS back-to-back calls per GPU, one
-untimed call on every rank first to line them up, time per call = max over GPUs of graph
+tsgen's one_shot takes ~10.5 us at 1 KiB where PyTorch symm-mem's takes ~6.4 (2026-11-21,
+commit ab1d18b): a fixed cost, not data. The kernels in tools/exp_sync_latency.cu do only
+the two signal hops of a one_shot (block-pairwise, as symm-mem does), with and without a
+fence on the entry signal, plus an empty kernel and tsgen's call numbering alone. Each is
+timed as tsgen bench times collectives: a CUDA graph of CALLS back-to-back calls per GPU,
+one untimed call on every rank first to line them up, time per call = max over GPUs of graph
 time / CALLS, median of REPS.
 
-Prediction (NOTES, session 5): hops ~5-6 us (symm-mem's 6.4 minus its data); then ~4 us
-of tsgen's 10.5 is the plan interpreter (table loads, per-share barriers, 64-bit range
-math) and a rendering without tables is worth building; if hops is ~9-10 us, the signal
-primitives themselves are the cost.
+Prediction (written before its first run): hops ~5-6 us (symm-mem's 6.4 minus its data);
+then ~4 us of tsgen's 10.5 is the plan interpreter (table loads, per-share barriers, 64-bit
+range math) and a rendering without tables is worth building; if hops is ~9-10 us, the
+signal primitives themselves are the cost. Outcome: hops 4.0-5.3 us, the interpreter was the
+cost (results/exp_sync_latency_w4.md, 2026-11-21; docs/design/plans.md).
 
 Usage: python tools/exp_sync_latency.py OUT
 """

@@ -117,7 +117,8 @@ def bits16(bufs, name: str, rank: int = 0):
     """Buffer `name` of `rank` as its 16-bit patterns (uint16), whatever the dtype. The
     runtime's view of a float16 buffer is a float16 array (bfloat16 travels as uint16):
     writing from_f32's bits into that view would convert the bit patterns as numbers
-    (0x3C00 -> 15360.0), which is what made the fp16 variant fail in run 3."""
+    (0x3C00 -> 15360.0), which is what made the fp16 variant fail on its first device run
+    (2026-11-21)."""
     return bufs.array(name, rank).view("uint16")
 
 

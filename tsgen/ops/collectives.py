@@ -238,8 +238,9 @@ class CollectiveFamily(OpFamily):
         if self.copy_engine(spec) and self.is_multimem(spec):
             problems.append((("params", "transport"), "multimem variants store through NVLink multicast, not the copy engine"))
         if self.copy_engine(spec) and getattr(spec.params, "direction", "push") == "pull":
-            # measured (NOTES run 16): a cudaMemcpyAsync whose source is a peer's memory blocked
+            # measured 2026-11-21: a cudaMemcpyAsync whose source is a peer's memory blocked
             # the launching thread until it ran, so the next rank was never launched
+            # (docs/design/transports.md, "Copy engine")
             problems.append((("params", "direction"), "the copy engine pushes only: a copy reading a peer's "
                              "memory blocks the host thread that launches every rank; use direction: push"))
         if spec.params.transport == "nvshmem":
