@@ -234,9 +234,14 @@ FAMILIES: list[OpFamily] = [GemmFamily()]
 
 def gemm_shared_fit(spec, colocated: int, sms: int) -> dict:
     """OpFamily.shared_fit for the GEMM-based ops of several ranks: persistent CTAs in whole
-    clusters, each rank leaving its `reserve_sms` SMs to the kernels beside its GEMM."""
+    clusters, each rank leaving SMs to the kernels beside its GEMM: its `reserve_sms`, or a
+    quarter of its share of the GPU (an even number, at least 2) where those would leave the
+    GEMM less than one cluster."""
     if colocated == 1:
         return {}
     p = spec.params
-    blocks = fit_blocks(spec.launch.blocks, colocated, sms, multiple=p.cluster.size, reserve=p.reserve_sms)
-    return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+    room = sms // colocated
+    reserve = p.reserve_sms if room - p.reserve_sms >= 2 else max(2, room // 4 // 2 * 2)
+    blocks = fit_blocks(spec.launch.blocks, colocated, sms, multiple=p.cluster.size, reserve=reserve)
+    updates = {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+    return updates | ({"params": {"reserve_sms": reserve}} if reserve != p.reserve_sms else {})
