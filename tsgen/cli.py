@@ -76,6 +76,8 @@ def build(paths, out_dir, check, prune, do_compile, arch):
         )
         for p in result.orphans:
             click.echo(f"tsgen: {'removed' if prune else 'orphan (no spec produces it)'}: {p}")
+        for p, why in result.kept:
+            click.echo(f"tsgen: kept {p}: {why}")
     if do_compile:
         for r in result.rendered:
             # what the runtime loads: a cubin, or the library with the host launcher
