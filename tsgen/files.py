@@ -23,17 +23,24 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
+def new_temp(folder: Path, name: str) -> Path:
+    """A new empty temporary file in `folder` named after `name` and this process."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
 def stage(path: Path, data: bytes) -> Path:
     """Write `data` to a new temporary file beside `path`; its name, for `os.replace`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    tmp = new_temp(path.parent, path.name)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
         os.chmod(tmp, new_file_mode())
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink()
         raise
-    return Path(tmp)
+    return tmp
 
 
 def atomic_write(path: Path, data: bytes) -> None:
