@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -123,7 +124,7 @@ GPUS_OPTION = click.option("--gpus", type=int, default=None,
 @BACKEND_OPTION
 @click.option("--count", type=int, default=None, help="elements (or bytes) per rank; default from the spec")
 @click.option("--iters", type=int, default=None, help="back-to-back calls; default from the spec")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--arch", default="sm_90a", show_default=True)
 @click.option("--probe-timeout", is_flag=True,
               help="launch only rank 0 with a signal that never comes; expect the timeout message")
@@ -155,10 +156,23 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout):
     sys.exit(0 if ok else 1)
 
 
+def world_sizes(text: str) -> list[int]:
+    """The world sizes of `verify --world`: LO..HI or a comma list, each from 2 to 8."""
+    if m := re.fullmatch(r"\s*(\d+)\s*\.\.\s*(\d+)\s*", text):
+        sizes = list(range(int(m[1]), int(m[2]) + 1))
+    elif re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", text):
+        sizes = sorted({int(w) for w in text.split(",")})
+    else:
+        raise click.BadParameter(f"{text!r}: give LO..HI or a comma list (2..8, 2,3,4)", param_hint="--world")
+    if not sizes or min(sizes) < 2 or max(sizes) > 8:
+        raise click.BadParameter("world sizes run from 2 to 8", param_hint="--world")
+    return sizes
+
+
 @main.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--world", "worlds", default="2..8", show_default=True, help="world sizes: 2..8, or 2,3,4")
-@click.option("--schedules", type=int, default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
+@click.option("--schedules", type=click.IntRange(min=1), default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @_reports_errors
 def verify(paths, worlds, schedules, seed):
@@ -172,13 +186,7 @@ def verify(paths, worlds, schedules, seed):
     from .plan import verify as verify_plan
     from .spec import load_spec, spec_files
 
-    if ".." in worlds:
-        lo, hi = worlds.split("..")
-        sizes = list(range(int(lo), int(hi) + 1))
-    else:
-        sizes = [int(w) for w in worlds.split(",")]
-    if not sizes or min(sizes) < 2 or max(sizes) > 8:
-        raise click.BadParameter("world sizes run from 2 to 8", param_hint="--world")
+    sizes = world_sizes(worlds)
     failed = checked = 0
     for path in spec_files(list(paths) or [Path("specs")]):
         loaded = load_spec(path)

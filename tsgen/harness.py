@@ -104,8 +104,7 @@ def run_test(
         raise RuntimeSetupError(
             f"{spec_path}: compiled for world sizes {list(spec.world_sizes)}; {asked} is not one"
         )
-    count = spec.test.count if count is None else count
-    iters = spec.test.iters if iters is None else iters
+    count, iters = run_settings(spec, count, iters)
     manifest = materialize(loaded)
     if mutate is not None:
         manifest = _mutated(manifest, mutate)
@@ -158,11 +157,11 @@ def run_test(
         tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
         root = world.is_root
     elapsed = time.perf_counter() - t0
-    ok = all(t.wrong == 0 for t in tallies.values())
+    ok = all(passed(t) for t in tallies.values())
     if not root:
         return ok
     for rank, t in sorted(tallies.items()):
-        status = "PASS" if t.wrong == 0 else "FAIL"
+        status = "PASS" if passed(t) else "FAIL"
         echo(f"{spec.name} rank {rank}/{gpus}: {status}  {iters} calls x {count} {family.count_unit}, "
              f"{t.wrong} wrong of {t.checked}")
         for line in t.first:
@@ -170,6 +169,30 @@ def run_test(
     how = "" if backend == "single" else f" ({backend}: one process per GPU)"
     echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {gpus} GPUs{how} ({elapsed:.1f} s)")
     return ok
+
+
+def run_settings(spec, count: int | None, iters: int | None) -> tuple[int, int]:
+    """Elements per rank and calls of a test: the spec's `test` defaults, or the command line's
+    within the same bounds (TestConfig); RuntimeSetupError naming the option otherwise."""
+    from pydantic import ValidationError
+
+    from .spec import TestConfig
+
+    values = {"count": spec.test.count if count is None else count,
+              "iters": spec.test.iters if iters is None else iters}
+    try:
+        checked = TestConfig(**values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = err["loc"][0]
+        raise RuntimeSetupError(f"--{name} {values[name]}: {err['msg']} "
+                                f"({TestConfig.model_fields[name].description})") from None
+    return checked.count, checked.iters
+
+
+def passed(tally: RankTally) -> bool:
+    """A rank passes when it checked something and found nothing wrong."""
+    return tally.checked > 0 and tally.wrong == 0
 
 
 def load_call(world, bufs, inputs: dict[str, list[np.ndarray]], call: int) -> None:
