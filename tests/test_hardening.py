@@ -87,6 +87,7 @@ LOADER = [
     ("del", "description: \x7f\n", "5:14: <yaml>: YAML syntax error: character U+007F is not allowed"),
     ("ufffe", "description: \ufffe\n", "5:14: <yaml>: YAML syntax error: character U+FFFE is not allowed"),
     ("int", "launch:\n  blocks: !!int x\n", "6:11: <yaml>: YAML value not allowed: 'x' is not a valid !!int"),
+    ("int_underscore", "launch:\n  blocks: !!int _\n", "6:11: <yaml>: YAML value not allowed: '_' is not a valid !!int"),
     ("float", "launch:\n  blocks: !!float x\n", "6:11: <yaml>: YAML value not allowed: 'x' is not a valid !!float"),
     ("timestamp", "description: !!timestamp x\n",
      "5:14: <yaml>: YAML value not allowed: 'x' is not a valid !!timestamp"),

@@ -201,7 +201,7 @@ def _scalar(node: yaml.Node) -> Any:
         raise _not_allowed(f"could not determine a constructor for the tag {node.tag!r}", node)
     try:
         return yaml.SafeLoader("").construct_object(node)
-    except (ValueError, KeyError, AttributeError, TypeError, OverflowError):
+    except (ValueError, LookupError, AttributeError, TypeError, OverflowError):
         raise _not_allowed(f"{node.value[:40]!r} is not a valid !!{node.tag.rsplit(':', 1)[1]}", node) from None
 
 
