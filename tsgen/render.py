@@ -17,7 +17,7 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from .files import atomic_write
+from .files import atomic_write, sweep_temps
 from .ops import get_family
 from .ops.base import Plan
 from .spec import LoadedSpec
@@ -177,5 +177,6 @@ def write_if_different(path: Path, text: str) -> bool:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_temps(path.parent)  # what a killed run left
     atomic_write(path, data)
     return True
