@@ -230,9 +230,7 @@ def _construct(node: yaml.Node, path: tuple, loc: _Located, problems: list[tuple
     loc.value_pos[path] = _mark(node)
     if not isinstance(node, yaml.ScalarNode) and node.tag not in (_MAP_TAG, _SEQ_TAG):
         # as the safe loader would: a tag on a list or mapping is not silently dropped
-        raise yaml.constructor.ConstructorError(
-            None, None, f"could not determine a constructor for the tag {node.tag!r}", node.start_mark
-        )
+        raise _not_allowed(f"could not determine a constructor for the tag {node.tag!r}", node)
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:

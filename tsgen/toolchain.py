@@ -8,6 +8,7 @@ no CUDA install.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -126,7 +127,8 @@ def run_tool(cmd: list[str]) -> subprocess.CompletedProcess:
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException as e:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             if isinstance(e, subprocess.TimeoutExpired):
                 raise ToolchainError(f"{Path(cmd[0]).name} ran longer than {timeout:g} s (TSGEN_TOOL_TIMEOUT), "
