@@ -458,6 +458,9 @@ def test_item12_unwritable_cache(fake_nvcc, monkeypatch):
     assert r.code == 2, r
     assert r.stderr.startswith(f"tsgen: compile cache {fake_nvcc / 'afile' / 'cache'}: "), r
     assert "set TSGEN_CACHE_DIR to a folder you can write" in r.stderr
+    r = run_cli("test", "specs/put_block.yaml", "--gpus", "2")  # renders into the cache before any GPU
+    assert r.code == 2, r
+    assert r.stderr.startswith(f"tsgen: compile cache {fake_nvcc / 'afile' / 'cache' / 'render'}/"), r
 
 
 def test_item12_hanging_nvcc_is_stopped(fake_nvcc, monkeypatch):

@@ -24,7 +24,7 @@ from .errors import RuntimeSetupError
 from .ops import get_family
 from .render import render, write_if_different
 from .spec import LoadedSpec, load_spec
-from .toolchain import cache_dir
+from .toolchain import cache_dir, cache_error
 
 
 def with_overrides(loaded: LoadedSpec, **update) -> LoadedSpec:
@@ -46,8 +46,11 @@ def materialize(loaded: LoadedSpec) -> Path:
     """Render the spec into the cache (so tests always match the spec); manifest path."""
     rendered = render(loaded, base=loaded.path.resolve().parent.parent)
     out = cache_dir() / "render" / loaded.sha256[:16]
-    for name, text in rendered.files().items():
-        write_if_different(out / name, text)
+    try:
+        for name, text in rendered.files().items():
+            write_if_different(out / name, text)
+    except OSError as e:
+        raise cache_error(out, e) from None
     return out / f"{rendered.name}.json"
 
 

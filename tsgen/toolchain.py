@@ -307,7 +307,7 @@ def compile_source(
         sweep_temps(out_dir)
         tmp = str(new_temp(out_dir, source.stem))
     except OSError as e:
-        raise _cache_error(out_dir, e) from None
+        raise cache_error(out_dir, e) from None
     what = {"cubin": ["-cubin"], "obj": ["-c"], "shared": ["-shared", "-Xcompiler", "-fPIC"]}[mode]
     linked = bool(libs) and mode == "cubin"
     if linked:  # relocatable object first, then the device link below
@@ -340,7 +340,7 @@ def compile_source(
         try:
             _store(Path(tmp), out, report_file, report_text)
         except OSError as e:
-            raise _cache_error(out_dir, e) from None
+            raise cache_error(out_dir, e) from None
     finally:
         for p in (tmp, tmp + ".o"):
             if os.path.exists(p):
@@ -371,7 +371,7 @@ def _store(tmp: Path, out: Path, report_file: Path, report_text: str) -> None:
     os.replace(tmp, out)
 
 
-def _cache_error(folder: Path, e: OSError) -> ToolchainError:
+def cache_error(folder: Path, e: OSError) -> ToolchainError:
     return ToolchainError(f"compile cache {folder}: {e.strerror or e} ({e.filename}); "
                           "set TSGEN_CACHE_DIR to a folder you can write")
 
