@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from ccode import code_without_comments  # noqa: E402
 from conftest import ROOT, SPECS, run_cli  # noqa: E402
-from test_hardening import DECLARED, KEYWORDS, RESERVED, nvcc_front_end  # noqa: E402
+from test_hardening import DECLARED, KEYWORDS, RESERVED, needs_nvcc, nvcc_front_end  # noqa: E402
 from tsgen.errors import one_line  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TSGEN_FUZZ_EXAMPLES", "1000"))
@@ -193,7 +192,7 @@ def plausible_case(draw):
     return "specs", "x.yaml", yaml.safe_dump(data, allow_unicode=True)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 @settings(max_examples=5, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(plausible_case())
 def test_fuzzed_valid_specs_compile(case):

@@ -487,8 +487,17 @@ def test_item12_hanging_nvcc_is_stopped(fake_nvcc, monkeypatch):
 # 13. Valid specs compile: trigraph-safe comments, no keyword or declared name as a name
 # ---------------------------------------------------------------------------
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
-                                reason="needs nvcc")
+def _no_nvcc() -> str | None:
+    from tsgen.toolchain import find_nvcc
+
+    try:
+        find_nvcc()
+    except ToolchainError as e:
+        return str(e)
+    return None
+
+
+needs_nvcc = pytest.mark.skipif(_no_nvcc() is not None, reason=f"needs nvcc: {_no_nvcc()}")
 
 
 def nvcc_front_end(source: Path) -> subprocess.CompletedProcess:
