@@ -286,6 +286,7 @@ def test_cuda_home_is_searched(tmp_path, monkeypatch):
     (home / "bin").mkdir(parents=True)
     fake = home / "bin" / "nvcc"
     fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))

@@ -166,8 +166,15 @@ def test_check_missing_output(project):
 
 
 def test_orphans_reported_and_pruned(project):
-    shutil.copy("generated/put_block.cu", "generated/old_put.cu")
-    shutil.copy("generated/put_block.json", "generated/old_put.json")
+    """An orphan is what tsgen provably wrote for a spec of this folder that is gone: its
+    manifest and the source whose first line is that manifest's banner. Copies, hand-written
+    files and files that merely mention tsgen are kept, and --prune says so."""
+    spec = Path("specs/put_block.yaml").read_text().replace("name: put_block", "name: old_put")
+    Path("specs/old_put.yaml").write_text(spec)
+    assert run_cli("build", "specs").code == 0
+    Path("specs/old_put.yaml").unlink()
+    shutil.copy("generated/put_block.cu", "generated/copied.cu")  # a banner, but no manifest of its name
+    shutil.copy("generated/put_block.json", "generated/copied.json")
     Path("generated/handwritten.cu").write_text("// my own kernel\n__global__ void k() {}\n")
     Path("generated/notes.json").write_text('{"mine": true}\n')
 
@@ -193,9 +200,14 @@ def test_orphans_reported_and_pruned(project):
     assert r.stdout.splitlines()[1:] == [
         "tsgen: removed: generated/old_put.cu",
         "tsgen: removed: generated/old_put.json",
+        "tsgen: kept generated/copied.cu: no tsgen manifest copied.json for it",
+        "tsgen: kept generated/copied.json: no tsgen manifest copied.json for it",
     ]
     assert not Path("generated/old_put.cu").exists() and not Path("generated/old_put.json").exists()
     assert Path("generated/handwritten.cu").exists() and Path("generated/notes.json").exists()
+    assert Path("generated/copied.cu").exists() and Path("generated/copied.json").exists()
+    for name in ("copied.cu", "copied.json", "handwritten.cu", "notes.json"):
+        Path("generated", name).unlink()
     assert run_cli("build", "specs", "--check").code == 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,8 @@ def build(paths, out_dir, check, prune, do_compile, arch, jobs):
         )
         for p in result.orphans:
             click.echo(f"tsgen: {'removed' if prune else 'orphan (no spec produces it)'}: {p}")
+        for p, why in result.kept:
+            click.echo(f"tsgen: kept {p}: {why}")
     if do_compile:
         _compile_all([out_dir / f"{r.name}.cu" for r in result.rendered], arch, jobs)
 
@@ -158,7 +161,7 @@ SHARE_OPTION = click.option(
 @BACKEND_OPTION
 @click.option("--count", type=int, default=None, help="elements (or bytes) per rank; default from the spec")
 @click.option("--iters", type=int, default=None, help="back-to-back calls; default from the spec")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--arch", default="sm_90a", show_default=True)
 @click.option("--probe-timeout", is_flag=True,
               help="launch only rank 0 with a signal that never comes; expect the timeout message")
@@ -194,10 +197,23 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout, share_gpu
     sys.exit(0 if ok else 1)
 
 
+def world_sizes(text: str) -> list[int]:
+    """The world sizes of `verify --world`: LO..HI or a comma list, each from 2 to 8."""
+    if m := re.fullmatch(r"\s*(\d+)\s*\.\.\s*(\d+)\s*", text):
+        sizes = list(range(int(m[1]), int(m[2]) + 1))
+    elif re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", text):
+        sizes = sorted({int(w) for w in text.split(",")})
+    else:
+        raise click.BadParameter(f"{text!r}: give LO..HI or a comma list (2..8, 2,3,4)", param_hint="--world")
+    if not sizes or min(sizes) < 2 or max(sizes) > 8:
+        raise click.BadParameter("world sizes run from 2 to 8", param_hint="--world")
+    return sizes
+
+
 @main.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--world", "worlds", default="2..8", show_default=True, help="world sizes: 2..8, or 2,3,4")
-@click.option("--schedules", type=int, default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
+@click.option("--schedules", type=click.IntRange(min=1), default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @_jobs_option("processes verifying at once")
 @_reports_errors
@@ -211,13 +227,7 @@ def verify(paths, worlds, schedules, seed, jobs):
     from .errors import CheckFailed
     from .verify_plans import plan_jobs, verify_jobs
 
-    if ".." in worlds:
-        lo, hi = worlds.split("..")
-        sizes = list(range(int(lo), int(hi) + 1))
-    else:
-        sizes = [int(w) for w in worlds.split(",")]
-    if not sizes or min(sizes) < 2 or max(sizes) > 8:
-        raise click.BadParameter("world sizes run from 2 to 8", param_hint="--world")
+    sizes = world_sizes(worlds)
     failed = checked = 0
     for job, problems in verify_jobs(plan_jobs(list(paths) or [Path("specs")], sizes, schedules), seed, jobs):
         if job.skip:

@@ -7,6 +7,12 @@ Exit codes: 0 ok, 1 a check failed (stale outputs, wrong results),
 from __future__ import annotations
 
 
+def one_line(text: str) -> str:
+    """`text` with every unprintable character escaped (a newline or CR in a file name
+    or a key becomes `\\n`, `\\r`): one problem stays one line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class TsgenError(Exception):
     """Base class: a message meant for the user and an exit code."""
 
@@ -20,7 +26,7 @@ class SpecError(TsgenError):
     """
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
+        self.problems = [one_line(p) for p in problems]
         super().__init__("\n".join(problems))
 
 

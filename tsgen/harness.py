@@ -25,7 +25,7 @@ from .errors import RuntimeSetupError
 from .ops import get_family
 from .render import render, write_if_different
 from .spec import LoadedSpec, load_spec
-from .toolchain import cache_dir
+from .toolchain import cache_dir, cache_error
 
 
 def _merge(base: dict, updates: dict) -> dict:
@@ -109,8 +109,11 @@ def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
     `skew`: render the test-only rank skew with this seed (render's `skew`)."""
     rendered = render(loaded, base=loaded.path.resolve().parent.parent, skew=skew)
     out = cache_dir() / "render" / (loaded.sha256[:16] + ("" if skew is None else f"-skew{skew}"))
-    for name, text in rendered.files().items():
-        write_if_different(out / name, text)
+    try:
+        for name, text in rendered.files().items():
+            write_if_different(out / name, text)
+    except OSError as e:
+        raise cache_error(out, e) from None
     return out / f"{rendered.name}.json"
 
 
@@ -197,8 +200,7 @@ def run_test(
         raise RuntimeSetupError(
             f"{spec_path}: compiled for world sizes {list(spec.world_sizes)}; {asked} is not one"
         )
-    count = spec.test.count if count is None else count
-    iters = spec.test.iters if iters is None else iters
+    count, iters = run_settings(spec, count, iters)
     t0 = time.perf_counter()
     with World(gpus, backend=backend, share_gpus=share_gpus) as world:
         loaded = shared_gpu_variant(loaded, world, echo)
@@ -254,11 +256,11 @@ def run_test(
         tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
         root, shared = world.is_root, world.shared and len(set(world.backend.bus_ids))
     elapsed = time.perf_counter() - t0
-    ok = all(t.wrong == 0 for t in tallies.values())
+    ok = all(passed(t) for t in tallies.values())
     if not root:
         return ok
     for rank, t in sorted(tallies.items()):
-        status = "PASS" if t.wrong == 0 else "FAIL"
+        status = "PASS" if passed(t) else "FAIL"
         echo(f"{spec.name} rank {rank}/{gpus}: {status}  {iters} calls x {count} {family.count_unit}, "
              f"{t.wrong} wrong of {t.checked}")
         for line in t.first:
@@ -268,6 +270,30 @@ def run_test(
     echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {where}{how}{f' with skew {skew}' if skew is not None else ''} "
          f"({elapsed:.1f} s)")
     return ok
+
+
+def run_settings(spec, count: int | None, iters: int | None) -> tuple[int, int]:
+    """Elements per rank and calls of a test: the spec's `test` defaults, or the command line's
+    within the same bounds (TestConfig); RuntimeSetupError naming the option otherwise."""
+    from pydantic import ValidationError
+
+    from .spec import TestConfig
+
+    values = {"count": spec.test.count if count is None else count,
+              "iters": spec.test.iters if iters is None else iters}
+    try:
+        checked = TestConfig(**values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = err["loc"][0]
+        raise RuntimeSetupError(f"--{name} {values[name]}: {err['msg']} "
+                                f"({TestConfig.model_fields[name].description})") from None
+    return checked.count, checked.iters
+
+
+def passed(tally: RankTally) -> bool:
+    """A rank passes when it checked something and found nothing wrong."""
+    return tally.checked > 0 and tally.wrong == 0
 
 
 def load_call(world, bufs, inputs: dict[str, list[np.ndarray]], call: int) -> None:

@@ -9,7 +9,9 @@ pydantic model (strict: no silent string -> int coercion, no unknown keys).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -31,24 +33,48 @@ from .errors import SpecError
 # ---------------------------------------------------------------------------
 
 _C_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# Every keyword of C23 and C++23 with the alternative tokens (`and`, `xor`, ...): a name is
+# a namespace, kernel-name prefix and file name of one generated source.
 _C_KEYWORDS = frozenset(
-    """auto break case char const continue default do double else enum extern
-    float for goto if inline int long register restrict return short signed
-    sizeof static struct switch typedef union unsigned void volatile while
-    bool true false class namespace template typename this new delete
-    operator private protected public virtual friend asm""".split()
+    """alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t
+    char16_t char32_t class co_await co_return co_yield compl concept const const_cast consteval
+    constexpr constinit continue decltype default delete do double dynamic_cast else enum
+    explicit export extern false float for friend goto if inline int long mutable namespace new
+    noexcept not not_eq nullptr operator or or_eq private protected public register
+    reinterpret_cast requires restrict return short signed sizeof static static_assert
+    static_cast struct switch template this thread_local throw true try typedef typeid typename
+    typeof typeof_unqual union unsigned using virtual void volatile wchar_t while xor xor_eq""".split()
 )
+# Prefixes of whole families of declared names: tsgen's own (tsgen_call_begin, TSGEN_TIMEOUT_NS)
+# and the CUDA headers' (cudaMalloc, cuMemAlloc, CUresult, nv_bfloat16, NVSHMEM..., PFN_cu...).
+_RESERVED_PREFIX = re.compile(r"(?i:tsgen)|cuda|cu[A-Z]|CU|nv[A-Z_]|nvshmem|NV|PFN_")
+
+
+def name_problem(value: str, header_names: bool = True) -> str | None:
+    """Why `value` cannot be a spec's name, or None. `header_names`: also refuse what the
+    headers of a generated source declare (tsgen/header_names.py, from tools/reserved_names.py)."""
+    if not _C_IDENT.match(value):
+        return f"{value!r} is not a C identifier (letters, digits and '_', not starting with a digit)"
+    if value in _C_KEYWORDS:
+        return f"{value!r} is a C/C++ keyword"
+    if value.startswith("_") or len(value) > 64:
+        return f"{value!r}: names may not start with '_' or exceed 64 characters"
+    if value.upper() == value:
+        return f"{value!r}: a name needs a lowercase letter (all capitals is the macro namespace: EOF, NULL, ...)"
+    if _RESERVED_PREFIX.match(value):
+        return f"{value!r}: names starting with tsgen, cuda, cu[A-Z], CU, nv[A-Z_], nvshmem, NV or PFN_ are reserved"
+    if header_names:
+        from .header_names import HEADER_NAMES
+
+        if value in HEADER_NAMES:
+            return f"{value!r} is already declared in a generated source (by the CUDA, C or NVSHMEM headers it includes)"
+    return None
 
 
 def _check_c_identifier(value: str) -> str:
-    if not _C_IDENT.match(value):
-        raise ValueError(
-            f"{value!r} is not a C identifier (letters, digits and '_', not starting with a digit)"
-        )
-    if value in _C_KEYWORDS:
-        raise ValueError(f"{value!r} is a C/C++ keyword")
-    if value.startswith("__") or len(value) > 64:
-        raise ValueError(f"{value!r}: names may not start with '__' or exceed 64 characters")
+    problem = name_problem(value)
+    if problem:
+        raise ValueError(problem)
     return value
 
 
@@ -158,10 +184,45 @@ def _mark(node: yaml.Node) -> Pos:
 _MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 
 
+# Scalar tags a spec may use, spelled out or implied (`x: 2020-01-01` is a timestamp).
+_SCALAR_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "str", "timestamp")}
+MAX_DEPTH = 32  # lists and mappings nested in a spec (the shipped ones need 3)
+
+
+def _not_allowed(problem: str, node_or_event) -> yaml.constructor.ConstructorError:
+    return yaml.constructor.ConstructorError(None, None, problem, node_or_event.start_mark)
+
+
 def _scalar(node: yaml.Node) -> Any:
-    """A scalar's value by the safe loader's rules (int, bool, float, null, str): an
-    empty value is null; an unknown or unsafe tag raises ConstructorError with its mark."""
-    return yaml.SafeLoader("").construct_object(node)
+    """A scalar's value by the safe loader's rules (int, bool, float, null, str): an empty
+    value is null; another tag, or a value its tag cannot read (`!!int x`, `!!bool maybe`,
+    an int of 5000 digits), raises ConstructorError with its mark."""
+    if node.tag not in _SCALAR_TAGS:
+        raise _not_allowed(f"could not determine a constructor for the tag {node.tag!r}", node)
+    try:
+        return yaml.SafeLoader("").construct_object(node)
+    except (ValueError, LookupError, AttributeError, TypeError, OverflowError):
+        raise _not_allowed(f"{node.value[:40]!r} is not a valid !!{node.tag.rsplit(':', 1)[1]}", node) from None
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """The safe loader's composer, refusing aliases (each use of an anchor is built again:
+    a few hundred bytes of `&a [*b, *b, ...]` grow to gigabytes) and nesting deeper than
+    MAX_DEPTH (the composer recurses); both as a ConstructorError at the offending node."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _not_allowed(f"alias *{event.anchor}: a spec writes every value out (no anchors and aliases)", event)
+        if self.depth >= MAX_DEPTH:
+            raise _not_allowed(f"lists and mappings nested deeper than {MAX_DEPTH} levels", event)
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
 
 def _construct(node: yaml.Node, path: tuple, loc: _Located, problems: list[tuple[Pos, str, str]]):
@@ -169,9 +230,7 @@ def _construct(node: yaml.Node, path: tuple, loc: _Located, problems: list[tuple
     loc.value_pos[path] = _mark(node)
     if not isinstance(node, yaml.ScalarNode) and node.tag not in (_MAP_TAG, _SEQ_TAG):
         # as the safe loader would: a tag on a list or mapping is not silently dropped
-        raise yaml.constructor.ConstructorError(
-            None, None, f"could not determine a constructor for the tag {node.tag!r}", node.start_mark
-        )
+        raise _not_allowed(f"could not determine a constructor for the tag {node.tag!r}", node)
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
@@ -227,6 +286,53 @@ def _fmt(path: Path, pos: Pos, field: str, msg: str) -> str:
     return f"{path}:{pos.line}:{pos.col}: {field}: {msg}"
 
 
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _read_text(path: Path, shown: Path) -> str:
+    """The UTF-8 text of a regular file of at most MAX_SPEC_BYTES; SpecError for anything
+    else (a folder, a FIFO, a device, a symlink loop, a name too long, a bad byte)."""
+
+    def cannot(why: str, pos: Pos = Pos(1, 1)) -> SpecError:
+        return SpecError([_fmt(shown, pos, "<file>", why)])
+
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise cannot("no such file") from None
+    except OSError as e:
+        raise cannot(f"cannot read: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise cannot("cannot read: " + ("is a directory" if stat.S_ISDIR(mode) else "not a regular file"))
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        except OSError as e:
+            raise cannot(f"cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise cannot(f"cannot read: larger than {MAX_SPEC_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        pos = Pos(data.count(b"\n", 0, e.start) + 1, e.start - line_start + 1)
+        raise cannot(f"not UTF-8 text: byte 0x{data[e.start]:02x}", pos) from None
+
+
+def _yaml_problem(e: yaml.YAMLError, text: str) -> tuple[Pos, str, str]:
+    """Position, field and message of any error of the YAML loader."""
+    if isinstance(e, yaml.reader.ReaderError):  # a control character (NUL, ESC, DEL, U+FFFE ...)
+        line_start = text.rfind("\n", 0, e.position) + 1
+        pos = Pos(text.count("\n", 0, e.position) + 1, e.position - line_start + 1)
+        return pos, "<yaml>", f"YAML syntax error: character U+{e.character:04X} is not allowed"
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    pos = Pos(mark.line + 1, mark.column + 1) if mark else Pos(1, 1)
+    what = "YAML value not allowed" if isinstance(e, yaml.constructor.ConstructorError) else "YAML syntax error"
+    return pos, "<yaml>", f"{what}: {getattr(e, 'problem', None) or e}"
+
+
 def _pydantic_message(err: dict) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
@@ -242,31 +348,16 @@ def load_spec(path: str | Path, display_path: str | None = None) -> LoadedSpec:
 
     path = Path(path)
     shown = Path(display_path) if display_path else path
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError([f"{shown}:1:1: <file>: no such file"]) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise SpecError([f"{shown}:1:1: <file>: cannot read: {e}"]) from None
-
-    def yaml_problem(e: yaml.MarkedYAMLError, what: str) -> SpecError:
-        mark = e.problem_mark or e.context_mark
-        pos = Pos(mark.line + 1, mark.column + 1) if mark else Pos(1, 1)
-        return SpecError([_fmt(shown, pos, "<yaml>", f"{what}: {e.problem}")])
-
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        raise yaml_problem(e, "YAML syntax error") from None
-    if root is None or not isinstance(root, yaml.MappingNode):
-        raise SpecError([_fmt(shown, Pos(1, 1), "<spec>", "a spec is a YAML mapping of fields")])
-
+    text = _read_text(path, shown)
     loc = _Located()
     structural: list[tuple[Pos, str, str]] = []
     try:
+        root = yaml.compose(text, Loader=_SpecLoader)
+        if root is None or not isinstance(root, yaml.MappingNode):
+            raise SpecError([_fmt(shown, Pos(1, 1), "<spec>", "a spec is a YAML mapping of fields")])
         data = _construct(root, (), loc, structural)
-    except yaml.MarkedYAMLError as e:  # a tag the safe loader does not construct
-        raise yaml_problem(e, "YAML value not allowed") from None
+    except yaml.YAMLError as e:
+        raise SpecError([_fmt(shown, *_yaml_problem(e, text))]) from None
     if structural:
         raise SpecError([_fmt(shown, p, f, m) for p, f, m in structural])
 
@@ -302,7 +393,10 @@ def spec_files(paths: list[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml"))
+            try:
+                out += sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml"))
+            except OSError as e:
+                raise SpecError([f"{p}:1:1: <file>: cannot read the folder: {e.strerror or e}"]) from None
         else:
             out.append(p)
     return out

@@ -48,7 +48,10 @@ class Slot:
 
 
 def layout(manifest: dict, count: int, world: int = 1) -> tuple[list[Slot], int]:
-    """Offsets of every buffer in the symmetric heap, and the heap size."""
+    """Offsets of every buffer in the symmetric heap, and the heap size; RuntimeSetupError for
+    a negative count or a heap past the 64-bit address space."""
+    if count < 0:
+        raise RuntimeSetupError(f"count {count}: the number of elements per rank cannot be negative")
     slots, offset = [], 0
     for b in manifest["buffers"]:
         e = b["elems"]
@@ -56,7 +59,24 @@ def layout(manifest: dict, count: int, world: int = 1) -> tuple[list[Slot], int]
         slot = Slot(b["name"], b["dtype"], b["role"], offset, elems, b.get("init_byte", 0))
         slots.append(slot)
         offset += -(-max(slot.nbytes, 1) // ALIGN) * ALIGN
+    if offset >= 1 << 64:
+        raise RuntimeSetupError(f"allocating a {offset}-byte symmetric heap per rank (count {count}): "
+                                "larger than the 64-bit address space")
     return slots, max(offset, ALIGN)
+
+
+# C types of the scalar kernel arguments by role (every other argument is an address)
+_ARG_RANGES = {"rank": ("int", -(1 << 31), (1 << 31) - 1), "count": ("uint64_t", 0, (1 << 64) - 1)}
+
+
+def checked_args(args: list[dict], values: list[int]) -> list[int]:
+    """`values` of a kernel's or launcher's `args`; RuntimeSetupError for a value its C type
+    cannot hold (ctypes and NumPy would wrap -1 to 2**64 - 1 or fail deep inside)."""
+    for a, v in zip(args, values):
+        ctype, lo, hi = _ARG_RANGES.get(a["role"], ("pointer", 0, (1 << 64) - 1))
+        if not lo <= v <= hi:
+            raise RuntimeSetupError(f"argument {a['name']} = {v} does not fit a {ctype}")
+    return values
 
 
 def check_array(array: Any, *, name: str, rank: int, device: int, dtype: str, elems: int) -> None:
@@ -246,8 +266,8 @@ class Module:
         smem = self.kernel["shared_bytes"]
         streams = world.streams if streams is None else streams
         for rank in ranks:
-            args = [np.int32(v) if a["role"] == "rank" else np.uint64(v)
-                    for a, v in zip(self.kernel["args"], buffers.arg_values(self.kernel["args"], rank))]
+            values = checked_args(self.kernel["args"], buffers.arg_values(self.kernel["args"], rank))
+            args = [np.int32(v) if a["role"] == "rank" else np.uint64(v) for a, v in zip(self.kernel["args"], values)]
             with cp.cuda.Device(world.devices[rank]):
                 self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=streams[rank])
 
@@ -286,7 +306,8 @@ class Module:
 
         specs = self.kernel["launcher_args"]
         wrap = {"rank": ctypes.c_int, "count": ctypes.c_uint64}
-        args = [wrap.get(a["role"], ctypes.c_void_p)(v) for a, v in zip(specs, buffers.arg_values(specs, rank))]
+        values = checked_args(specs, buffers.arg_values(specs, rank))
+        args = [wrap.get(a["role"], ctypes.c_void_p)(v) for a, v in zip(specs, values)]
         args.append(ctypes.c_void_p(stream.ptr))
         err = self.launcher(*args)
         if err != 0:

@@ -1,0 +1,81 @@
+"""Writing outputs and cache entries: staged beside their target, then renamed into place.
+
+A temporary file is named `.NAME.PID.XXXXXXXX.tmp` after the file it becomes and the
+process that writes it, so a later run can tell the leftovers of a killed one (its
+process is gone) from the work of one still running, and remove only those. Files get
+the mode the umask gives a new file (0666 & ~umask), like any other tool's output.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.\w+\.tmp(\.\w+)?\Z")  # also nvcc's NAME.tmp.o
+
+
+def new_file_mode() -> int:
+    """0666 minus the umask (os.umask is the only way to read it: set and put back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def new_temp(folder: Path, name: str) -> Path:
+    """A new empty temporary file in `folder` named after `name` and this process."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def stage(path: Path, data: bytes) -> Path:
+    """Write `data` to a new temporary file beside `path`; its name, for `os.replace`."""
+    tmp = new_temp(path.parent, path.name)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, new_file_mode())
+    except BaseException:
+        tmp.unlink()
+        raise
+    return tmp
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` in one rename: a reader sees the old file or the new one."""
+    tmp = stage(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def sweep_temps(folder: Path) -> list[Path]:
+    """Remove the temporary files in `folder` whose writing process is gone; the removed ones."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _TEMP.match(p.name)
+        if m and not _alive(int(m.group("pid"))):
+            try:
+                p.unlink()
+                removed.append(p)
+            except OSError:
+                pass
+    return removed
