@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -399,15 +400,15 @@ def test_item11_cache_verifies_its_entries(fake_nvcc, tamper):
     def build() -> tuple[str, Path]:
         r = run_cli("build", "specs/put_block.yaml", "-o", fake_nvcc / "o", "--compile")
         assert r.code == 0, r
-        line = r.stdout.splitlines()[-1]
-        return line, Path(line.split(" -> ")[1].split(" (")[0])
+        line = next(x for x in r.stdout.splitlines() if " -> " in x)  # [1/1] SOURCE -> CACHE FILE (...)
+        return line, fake_nvcc / "cache" / line.split(" -> ")[1].split(" (")[0]
 
     line, out = build()
     good = out.read_bytes()
-    assert line.endswith("(compiled; max 40 registers, 0 spill bytes)")
+    assert re.search(r"\(compiled in [0-9.]+ s; max 40 registers, 0 spill bytes\)$", line), line
     assert build()[0].endswith("(cached; max 40 registers, 0 spill bytes)") and _compiles(fake_nvcc) == 1
     tamper(out, out.with_suffix(out.suffix + ".ptxas.txt"))
-    assert build()[0].endswith("(compiled; max 40 registers, 0 spill bytes)") and _compiles(fake_nvcc) == 2
+    assert re.search(r"\(compiled in [0-9.]+ s; max 40 registers", build()[0]) and _compiles(fake_nvcc) == 2
     assert out.read_bytes() == good
     again = compile_source(fake_nvcc / "o" / "put_block.cu")
     assert again.cached and again.output == out and again.report["k_w2"]["registers"] == 40

@@ -201,11 +201,13 @@ def run_test(
             f"{spec_path}: compiled for world sizes {list(spec.world_sizes)}; {asked} is not one"
         )
     count, iters = run_settings(spec, count, iters)
+    manifest = materialize(loaded, skew=skew)  # cache problems show before any GPU is touched
     t0 = time.perf_counter()
     with World(gpus, backend=backend, share_gpus=share_gpus) as world:
-        loaded = shared_gpu_variant(loaded, world, echo)
-        spec = loaded.model
-        manifest = materialize(loaded, skew=skew)
+        fitted = shared_gpu_variant(loaded, world, echo)
+        if fitted is not loaded:  # ranks share a GPU: the variant whose grids fit
+            loaded, spec = fitted, fitted.model
+            manifest = materialize(loaded, skew=skew)
         if mutate is not None:
             manifest = _mutated(manifest, mutate)
         module = world.load(manifest, arch=arch)
