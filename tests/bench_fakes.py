@@ -138,7 +138,7 @@ class FakeCp:
 
             @staticmethod
             def memcpyPeerAsync(dst, ddev, src, sdev, n, stream_ptr):
-                Stream.by_ptr[stream_ptr].run(n / 400e3)  # 400 GB/s
+                Stream.by_ptr[stream_ptr].run(max(2.0, n / 400e3))  # 400 GB/s, 2 us at least
 
     class random:
         class RandomState:
@@ -207,9 +207,11 @@ class Module:
                 if k not in bufs.snapshots:
                     bufs.snapshots[k] = {n: [bufs.array(n, q).get() for q in range(world.size)] for n in ins}
                 out = fam.reference(spec, world.size, bufs.count, bufs.snapshots[k])
-                if r != world.break_rank:
+                # a put writes its peer's output, every other op its own
+                q = (r + spec.params.shift) % world.size if getattr(fam, "direction", None) == "put" else r
+                if q != world.break_rank:
                     for n, per in out.items():
-                        bufs.array(n, r)[...] = per[r].view(bufs.array(n, r).dtype)
+                        bufs.array(n, q)[...] = per[q].view(bufs.array(n, q).dtype)
                 if counts:
                     bufs.array("calls", r)[0] += 1
             return go
@@ -271,6 +273,6 @@ def install(monkeypatch, **attrs):
 
     monkeypatch.setattr(runner, "materialize", materialize)
     monkeypatch.setattr(R, "World", World)
-    for k, v in dict(kernel_us=40.0, break_rank=None, share=False, **attrs).items():
+    for k, v in {**dict(kernel_us=40.0, break_rank=None, share=False), **attrs}.items():
         monkeypatch.setattr(World, k, v)
     return World

@@ -21,7 +21,10 @@ TIMING = ("tsgen: one World across all sizes; per size, buffer sets rotated so t
           "(NCCL, torch).")
 
 
-def _is_root() -> bool:
+def _is_root(backend: str) -> bool:
+    """Whether this process prints and writes: always with one process; rank 0's with one per GPU."""
+    if backend == "single":
+        return True
     from ..runtime.ipc import process_env
 
     return process_env(os.environ).rank == 0
@@ -110,7 +113,7 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     rows = [r for o in outcomes for r in o.rows]
     errors = [e for o in outcomes for e in o.errors]
     notes = [n for o in outcomes for n in o.notes]
-    if not _is_root():
+    if not _is_root(backend):
         _finish(rows, errors, control)
         return
     from .report import plot, text_table

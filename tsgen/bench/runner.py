@@ -97,6 +97,10 @@ def metrics(case: BenchCase, time_us: float) -> dict:
     return out
 
 
+def _dtype(spec) -> str:
+    return getattr(spec, "dtype", "uint8")  # barriers and signals have none
+
+
 def size_unit(family) -> str:
     unit = family.bench.size_unit
     return family.count_unit if unit == "count" else unit
@@ -236,18 +240,18 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev) -> tuple[dict | None
                         counter=counter if conv.counts_calls else None, label=f"tsgen {step.label}")
     checked, problems = _check(step, host, in_place)
     problems = timing.problems + problems
-    problems += guard(f"tsgen {step.label}", timing.median_us, step.case, ceil, step.spec.dtype, w.colocated,
+    problems += guard(f"tsgen {step.label}", timing.median_us, step.case, ceil, _dtype(step.spec), w.colocated,
                       dev.l2_bytes)
     if problems:
         return None, problems
     row = _row("tsgen", timing, step.case, step.spec, step.family, w, step.pattern, label=step.name,
-               sets=len(sets), ceiling_frac=fraction_of_ceiling(timing.median_us, step.case, ceil, step.spec.dtype,
+               sets=len(sets), ceiling_frac=fraction_of_ceiling(timing.median_us, step.case, ceil, _dtype(step.spec),
                                                                 w.colocated, dev.l2_bytes), **checked)
     return row, []
 
 
 def _row(impl: str, timing: Timing, case: BenchCase, spec, family, w, pattern: str, **extra) -> dict:
-    row = {"impl": impl, "spec": spec.name, "op": spec.op, "dtype": spec.dtype, "world": w.size,
+    row = {"impl": impl, "spec": spec.name, "op": spec.op, "dtype": _dtype(spec), "world": w.size,
            "group": baseline_group(spec, family, w.size), "size": case.size,
            "size_unit": size_unit(family), "count": case.count, **({"pattern": pattern} if pattern not in ("", "all") else {}),
            **timing.fields(), **metrics(case, timing.median_us)}
@@ -262,7 +266,7 @@ def _baseline_row(m: B.Measured, case: BenchCase, spec, family, w, ceil, dev, pa
     if m.timing is None:
         return None, []  # skipped: said in its worker's output
     own = m.case or case
-    problems = list(m.timing.problems) + guard(m.impl, m.timing.median_us, own, ceil, spec.dtype, 1, dev.l2_bytes)
+    problems = list(m.timing.problems) + guard(m.impl, m.timing.median_us, own, ceil, _dtype(spec), 1, dev.l2_bytes)
     if problems:
         return None, problems
     own = dataclasses.replace(own, size=m.size, count=case.count)
@@ -275,7 +279,7 @@ def baseline_group(spec, family, world: int) -> str:
     """Rows with the same group time the same work at the same size: op, dtype, world and, for
     GEMMs, the compile-time N and K."""
     shape = f"/n{spec.params.n}/k{spec.params.k}" if family.bench.check == "rows" else ""
-    return f"{spec.op}/{spec.dtype}/w{world}{shape}"
+    return f"{spec.op}/{_dtype(spec)}/w{world}{shape}"
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -400,7 +404,7 @@ def _check(step: Step, host: dict | None, in_place: bool) -> tuple[dict, list[st
             with w.cp.cuda.Device(w.devices[r]):
                 got = set0.array(name, r).get()
             bad = wrong_elements(got.view(per_rank[r].dtype), per_rank[r], None if tol is None else tol[name][r],
-                                 None if tol is None else spec.dtype, call)
+                                 None if tol is None else _dtype(spec), call)
             wrong += int(bad.size)
     wrong = sum(w.exchange(f"{what}: wrong", wrong))
     problems = [f"{what}: the timed output is wrong: {wrong} elements differ from the reference"] if wrong else []
