@@ -97,7 +97,7 @@ def _provenance(run: Result, meta: dict) -> str:
     if isinstance(dev, dict):
         dev = f"{dev.get('gpus', '?')} x {dev.get('name', '?')}"
     elif isinstance(dev, list):
-        dev = ", ".join(dev)
+        dev = ", ".join(dict.fromkeys(dev))
     return f"{date}, commit {commit}{how}; device: {dev or '?'}"
 
 
@@ -120,7 +120,7 @@ def latest_md(results: Path) -> str:
     for (top, suite), runs in sorted(scan(results).items()):
         run = runs[-1]
         data = run.data()
-        meta, rows = normalize(data, run.json.name if run.json else "") if data is not None else ({}, [])
+        meta, rows = normalize(data) if data is not None else ({}, [])
         rel = lambda p: p.relative_to(results).as_posix()  # noqa: E731
         out += [f"## {top} / {suite}", "", _provenance(run, meta) + ".",
                 "Files: " + ", ".join(f"[{rel(f)}]({rel(f)})" for f in run.files) + "."]
@@ -149,7 +149,7 @@ def readme_block(results: Path, suites_dir: Path) -> str:
             continue
         sizes = set(parse_sizes([str(s) for s in sel["sizes"]])) if sel.get("sizes") else None
         for run in runs:
-            meta, rows = normalize(run.data(), run.json.name)
+            meta, rows = normalize(run.data())
             keep = [r for r in rows if r.get("impl") == "tsgen" and r.get("time_us") and (sizes is None or r["size"] in sizes)
                     and (not sel.get("labels") or r.get("label") in sel["labels"])]
             if not keep:

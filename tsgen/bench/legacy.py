@@ -29,7 +29,7 @@ def _collective(rows: list[dict]) -> list[dict]:
 def _primitives(rows: list[dict], world) -> list[dict]:
     out = []
     for r in rows:
-        base = {"op": r["op"], "world": world, "group": f"{r['op']}/{r.get('variant', r['spec'])}",
+        base = {"op": r["op"], "dtype": "uint8", "world": world, "group": f"{r['op']}/{r.get('variant', r['spec'])}",
                 "size": r["bytes"], "size_unit": "bytes", "pattern": r["pattern"]}
         out.append({"impl": "tsgen", "label": r.get("variant") or r["spec"], **base, "time_us": r["kernel_us"],
                     "algbw_GBps": r["kernel_GBps"]})
@@ -55,7 +55,7 @@ def _fused(data: dict, op: str) -> list[dict]:
     for r in data["table"]:
         tsgen = r["impl"].startswith("tsgen")
         out.append({"impl": "tsgen" if tsgen else r["impl"], "label": r["impl"].removeprefix("tsgen ") if tsgen else None,
-                    "op": op, "world": 4, "group": op, "size": r["m"], "size_unit": "rows", "time_us": r["us"],
+                    "op": op, "dtype": "bfloat16", "world": 4, "group": op, "size": r["m"], "size_unit": "rows", "time_us": r["us"],
                     "TFLOPs": r["tflops"], "overlap": r.get("overlap_efficiency"),
                     **({} if tsgen else {"baseline": True, "compare": True})})
     return out
@@ -66,13 +66,13 @@ def _grid(rows: list[dict]) -> list[dict]:
     for r in rows:
         tsgen = r["impl"].startswith("tsgen")
         out.append({"impl": "tsgen" if tsgen else r["impl"], "label": r["impl"].removeprefix("tsgen ") if tsgen else None,
-                    "op": "cannon/summa", "world": 4, "group": "grid", "size": r["size"], "size_unit": "rows (M = N = K)",
+                    "op": "cannon/summa", "dtype": "bfloat16", "world": 4, "group": "grid", "size": r["size"], "size_unit": "rows (M = N = K)",
                     "time_us": r["us"], "TFLOPs": r["tflops"], "rel_err": r.get("rel_err"),
                     **({} if tsgen else {"baseline": True, "compare": True})})
     return out
 
 
-def normalize(data, name: str = "") -> tuple[dict, list[dict]]:
+def normalize(data) -> tuple[dict, list[dict]]:
     """(meta, rows) of a result file of any known shape; rows get today's fields and ratios."""
     from .runner import add_ratios
 
@@ -89,7 +89,8 @@ def normalize(data, name: str = "") -> tuple[dict, list[dict]]:
     elif "bench" in data and isinstance(data["bench"], list):
         rows = _gemm(data)
     elif "table" in data:
-        rows = _fused(data, "gemm_reduce_scatter" if "gemm_rs" in name or "reduce_scatter" in name else "allgather_gemm")
+        rs = any("gemm_rs" in r["impl"] or "reduce_scatter" in r["impl"] for r in data["table"])
+        rows = _fused(data, "gemm_reduce_scatter" if rs else "allgather_gemm")
     elif "rows" in data and data["rows"] and "tflops" in data["rows"][0]:
         rows = _grid(data["rows"])
     for r in rows:

@@ -54,7 +54,7 @@ def table_cells(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]
             for r in sorted((r for r in rs if r["size"] == size), key=lambda r: (bool(r.get("baseline")), r.get("pattern", ""))):
                 name = r["impl"] if r.get("baseline") else f"tsgen {r.get('label') or r.get('spec')}"
                 cells = [name, human(size)] + ([r.get("pattern", "")] if "pattern" in head else [])
-                cells += [f"{r['time_us']:.1f}", f"{r.get('spread_pct', 0):.1f}"]
+                cells += [f"{r['time_us']:.1f}", f"{r['spread_pct']:.1f}" if r.get("spread_pct") is not None else ""]
                 if metric:
                     cells.append(f"{r[metric[0]]:.1f}" if r.get(metric[0]) else "")
                 cells += [f"{r['ratios'][c]:.2f}" if c in (r.get("ratios") or {}) else "" for c in compared]

@@ -33,6 +33,8 @@ def parse_sizes(text) -> list[int]:
     ints passes through."""
     if isinstance(text, (list, tuple)):
         return [parse_size(str(t)) for t in text]
+    if isinstance(text, int):
+        return [text]
     text = str(text).strip()
     if ":" in text:
         parts = text.split(":")

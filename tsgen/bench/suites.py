@@ -33,7 +33,8 @@ import yaml
 from pydantic import Field, ValidationError
 
 from ..errors import SpecError
-from ..spec import StrictModel
+from ..harness import spec_variant
+from ..spec import StrictModel, load_spec
 from .sizes import parse_sizes
 
 SUITES_DIR = Path("suites")
@@ -43,7 +44,7 @@ class EntryModel(StrictModel):
     spec: str = Field(description="spec file, relative to the repository root")
     label: str | None = Field(None, description="name of the entry's rows (default: the spec's name)")
     gpus: int | None = Field(None, ge=1, le=64, description="world size (default: the suite's)")
-    sizes: str | list[str | int] | None = Field(None, description="sizes (default: the suite's, else the op's)")
+    sizes: str | int | list[str | int] | None = Field(None, description="sizes (default: the suite's, else the op's)")
     variant: dict = Field(default_factory=dict, description="spec fields to change, nested")
     patterns: list[str] | None = Field(None, description="copies: pair and/or ring")
 
@@ -57,7 +58,7 @@ class ReadmeModel(StrictModel):
 class SuiteModel(StrictModel):
     description: str
     gpus: int | None = Field(None, ge=1, le=64)
-    sizes: str | list[str | int] | None = None
+    sizes: str | int | list[str | int] | None = None
     share_gpus: bool = False
     iters: int = Field(20, ge=1)
     reps: int = Field(7, ge=1)
@@ -104,14 +105,19 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
     problems, entries = [], []
     for i, e in enumerate(model.entries):
         where = f"{path}: entries.{i}"
-        if not Path(e.spec).exists():
-            problems.append(f"{where}.spec: {e.spec} does not exist")
         sizes = e.sizes if e.sizes is not None else model.sizes
         try:
             if sizes is not None:
                 parse_sizes(sizes)
         except ValueError as err:
             problems.append(f"{where}.sizes: {err}")
+        if not Path(e.spec).exists():
+            problems.append(f"{where}.spec: {e.spec} does not exist")
+        elif e.variant:  # validated as a shipped spec is
+            try:
+                spec_variant(load_spec(e.spec), e.variant)
+            except SpecError as err:
+                problems += [f"{where}.variant: {p}" for p in err.problems]
         entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
                              tuple(e.patterns) if e.patterns else None))
     if problems:
@@ -135,11 +141,9 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
                 progress: Callable[[str], None] | None = None):
     """Run entries in order, one World per run of consecutive entries with the same world size.
     Returns (outcomes, the environment of the last World)."""
-    from ..harness import spec_variant
     from ..ops import get_family
     from ..runtime import World
     from ..runtime.backends import world_size
-    from ..spec import load_spec
     from .runner import add_ratios, baseline_group, bench_spec
     from .results import environment
 
@@ -155,7 +159,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
             raise SpecError([f"{e.spec}: a world size is needed (--gpus, or gpus: in the suite): the spec runs at "
                              f"{list(loaded.model.world_sizes)}"])
         group = baseline_group(loaded.model, get_family(loaded.model.op), gpus)
-        planned.append((e, gpus, (group, str(e.sizes), e.patterns)))
+        planned.append((e, gpus, (group, e.patterns)))  # a group's baselines: timed with its first entry's sizes
     outcomes, env, timed = [], {}, set()
     for gpus, group in itertools.groupby(planned, key=lambda p: p[1]):
         with World(gpus, backend=backend, share_gpus=share_gpus) as world:
