@@ -310,3 +310,25 @@ def test_text_table_columns():
     text = text_table(rows)
     assert "vs nccl" in text and "1.61" in text and "0 wrong" in text and "busbw GB/s" in text
     assert markdown_table(rows).count("\n|---") == 1 and "| tsgen ag | 64K |" in markdown_table(rows)
+
+
+@pytest.mark.parametrize("kind", ["gemm", "allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"])
+def test_sampled_rows_check_agrees_with_the_reference(kind):
+    """check_rows (what the bench compares after timing) against the family's full NumPy
+    reference: the right outputs pass, one corrupted sampled row fails."""
+    import numpy as np
+
+    from tsgen.harness import spec_variant
+
+    path, world, _ = case_of(kind)
+    spec = spec_variant(load_spec(path), SMALL[kind]).model
+    fam = get_family(kind)
+    count = 130
+    inputs = fam.make_inputs(spec, world, count, np.random.default_rng(0), pattern=False)
+    bufs = {**inputs, **fam.reference(spec, world, count, inputs)}
+    fetch = lambda name, r, a, b: bufs[name][r][a:b]  # noqa: E731
+    assert fam.bench.check_rows(fam, spec, world, count, fetch) < 1e-2
+    c = [x.copy() for x in bufs["c"]]
+    c[-1][: c[-1].size // count] = c[-1][: c[-1].size // count][::-1]  # row 0 of the last rank, reversed
+    bufs["c"] = c
+    assert fam.bench.check_rows(fam, spec, world, count, fetch) > 1e-2

@@ -7,8 +7,7 @@ others `grace` seconds to end on their own -- a kernel waiting for the failed
 rank times out and prints what it waited for -- then ends the rest, prints
 every rank's exit code and returns the failed rank's, so a crash is never a
 hang.
-NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0,
-NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+NVLink multicast stays off in every child (tsgen/env.py's variables, forced).
 """
 
 from __future__ import annotations

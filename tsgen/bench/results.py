@@ -22,11 +22,22 @@ from pathlib import Path
 from .ceilings import Device
 
 
+ASSUMED_CLOCK_KHZ = 2_100_000  # above any Hopper's boost clock: a looser ceiling, never a false error
+CLOCK_RATE_ATTR = 13  # cudaDevAttrClockRate (kHz); CUDA 13 removed cudaDeviceProp.clockRate
+
+
 def device_of(world) -> Device:
     """The GPU of the World's first local rank, as the ceilings need it."""
-    props = world.cp.cuda.runtime.getDeviceProperties(world.devices[world.ranks[0]])
+    rt, dev = world.cp.cuda.runtime, world.devices[world.ranks[0]]
+    props = rt.getDeviceProperties(dev)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return Device(name, int(props["multiProcessorCount"]), int(props["clockRate"]),
+    clock = props.get("clockRate")
+    if not clock:
+        try:
+            clock = rt.deviceGetAttribute(CLOCK_RATE_ATTR, dev)
+        except Exception:  # noqa: BLE001 - an older or newer runtime: assume a clock above any real one
+            clock = None
+    return Device(name, int(props["multiProcessorCount"]), int(clock or ASSUMED_CLOCK_KHZ),
                   (int(props["major"]), int(props["minor"])), int(props.get("l2CacheSize", 0) or 0))
 
 

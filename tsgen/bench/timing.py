@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-# No kernel call takes less than this on a GPU (launch latency alone is more; a CUDA graph of
-# back-to-back empty kernels runs at about 1 us per kernel on Hopper): a sample that short per
-# call timed no kernel at all.
-MIN_CALL_US = 0.5
+# No kernel call takes less than this on a GPU: a CUDA graph of back-to-back EMPTY one-block
+# kernels ran at 0.61 us per kernel on an H200 (results/archive/2026-11-21-exp_sync_latency_w4.md),
+# and every tsgen call does more. A sample this short per call timed no kernel at all.
+MIN_CALL_US = 0.3
 
 
 @dataclass
