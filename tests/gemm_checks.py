@@ -42,20 +42,12 @@ CHECK_VARIANTS = ["shipped", "no_cluster", "cluster_n", "tile_256x128", "one_con
 
 def variant_manifest(out: Path, name: str, timeout_ms: int | None) -> Path:
     """Render the shipped spec with VARIANTS[name] applied into OUT/build; the manifest path."""
+    from tsgen.harness import _merge
     from tsgen.render import render, write_if_different
     from tsgen.spec import load_spec
 
-    data = yaml.safe_load(SPEC.read_text())
+    data = _merge(yaml.safe_load(SPEC.read_text()), VARIANTS[name])  # nested dicts merge
     data["name"] = "gemm_bf16" if name == "shipped" else f"gemm_{name}"
-
-    def merge(into: dict, new: dict) -> None:
-        for key, value in new.items():
-            if isinstance(value, dict):
-                merge(into.setdefault(key, {}), value)
-            else:
-                into[key] = value
-
-    merge(data, VARIANTS[name])
     if timeout_ms is not None:
         data.setdefault("sync", {})["timeout_ms"] = timeout_ms
     spec_path = out / "build" / "specs" / f"{data['name']}.yaml"

@@ -268,25 +268,6 @@ def make_row(backend: str, op: str, dtype: str, nbytes: int, world: int,
     return row
 
 
-def format_table(rows: Sequence[dict]) -> str:
-    """An nccl-tests-like table of result rows."""
-    if not rows:
-        return "# no rows\n"
-    r0 = rows[0]
-    lines = [f"# tsgen baselines: {r0['op']}  dtype {r0['dtype']}  world {r0['world']}",
-             f"# {'size':>12} {'count':>12} {'backend':<18} {'mode':<6} {'time(us)':>10} "
-             f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}"]
-    for r in rows:
-        count = r["bytes"] // DTYPES.get(r["dtype"], 1)
-        head = f"  {r['bytes']:>12} {count:>12} {r['backend']:<18}"
-        if r.get("skipped"):
-            lines.append(f"{head} skipped: {r['skipped']}")
-            continue
-        lines.append(f"{head} {str(r.get('mode', '')):<6} {r['time_us']:>10.2f} "
-                     f"{r['algbw_GBps']:>12.2f} {r['busbw_GBps']:>12.2f} {r.get('wrong', 0):>7}")
-    return "\n".join(lines) + "\n"
-
-
 # ---------------------------------------------------------------------------
 
 def run_baselines(op: str, dtype: str, sizes, world: int, backends: Iterable[str] | None = None,

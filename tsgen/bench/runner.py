@@ -33,7 +33,7 @@ from ..harness import materialize, poison_byte, shared_gpu_variant, spec_variant
 from ..ops import get_family
 from ..ops.conventions import BenchCase
 from ..spec import load_spec
-from . import baselines as B
+from .baselines import INPROCESS, MULTIPROCESS, Measured, check_names, run_multiprocess
 from .ceilings import ceilings_for, fraction_of_ceiling, guard
 from .results import device_of
 from .sizes import calls_per_sample, human, parse_sizes, rotation_slots
@@ -123,7 +123,7 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
         loaded = spec_variant(loaded, variant)
     spec, family = loaded.model, get_family(loaded.model.op)
     conv = family.bench
-    B.check_names(conv.baselines)
+    check_names(conv.baselines)
     if world is not None:
         gpus = world.size
     elif backend == "single" and gpus is None:
@@ -151,8 +151,8 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
             case = conv.case(family, spec, w.size, size)
             for pattern in patterns or conv.patterns:
                 ranks = [0] if pattern == "pair" else list(w.ranks)
-                if pattern == "pair" and 0 not in w.ranks:
-                    continue  # one process per GPU: rank 0's process times the pair
+                if pattern == "pair" and len(w.ranks) != w.size:
+                    continue  # one process per GPU: every process must time the same things (their store)
                 sets = _alloc_sets(module, case, dev.l2_bytes)
                 try:
                     step = Step(w, module, spec, family, case, pattern, ranks, sets, iters, reps, warmup, name,
@@ -161,8 +161,8 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                     _report(out, row, problems, echo)
                     if in_process:
                         for b in conv.baselines:
-                            if b in B.INPROCESS:
-                                for m in B.INPROCESS[b](step):
+                            if b in INPROCESS:
+                                for m in INPROCESS[b](step):
                                     _report(out, *_baseline_row(m, step.case, spec, family, w, ceil, dev, pattern),
                                             echo)
                 finally:
@@ -176,9 +176,12 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
             out.notes.append("baselines not timed (--no-baselines)" if control is None else "negative control")
         elif backend != "single":
             out.notes.append(f"--backend {backend}: tsgen alone (the baselines start their own processes)")
-        elif any(b in B.MULTIPROCESS for b in conv.baselines):
-            echo(f"baselines: {', '.join(b for b in conv.baselines if b in B.MULTIPROCESS)}, one process per GPU ...")
-            for m in B.run_multiprocess(conv.baselines, family, spec, w.size, size_list, iters, reps, warmup):
+        elif any(b in MULTIPROCESS for b in conv.baselines):
+            echo(f"baselines: {', '.join(b for b in conv.baselines if b in MULTIPROCESS)}, one process per GPU ...")
+            for m in run_multiprocess(conv.baselines, family, spec, w.size, size_list, iters, reps, warmup):
+                if m.timing is None:
+                    out.notes.append(f"{m.impl} at {human(m.size)}: not timed: {m.skipped}")
+                    continue
                 case = conv.case(family, spec, w.size, m.size)
                 _report(out, *_baseline_row(m, case, spec, family, w, ceil, dev, ""), echo)
     add_ratios(out.rows)
@@ -262,11 +265,13 @@ def _row(impl: str, timing: Timing, case: BenchCase, spec, family, w, pattern: s
     return row
 
 
-def _baseline_row(m: B.Measured, case: BenchCase, spec, family, w, ceil, dev, pattern: str):
+def _baseline_row(m: Measured, case: BenchCase, spec, family, w, ceil, dev, pattern: str):
     if m.timing is None:
         return None, []  # skipped: said in its worker's output
     own = m.case or case
     problems = list(m.timing.problems) + guard(m.impl, m.timing.median_us, own, ceil, _dtype(spec), 1, dev.l2_bytes)
+    if m.extra.get("wrong"):
+        problems.append(f"{m.impl} {human(m.size)}: {m.extra['wrong']} wrong elements in its checked call")
     if problems:
         return None, problems
     own = dataclasses.replace(own, size=m.size, count=case.count)
