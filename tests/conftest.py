@@ -6,10 +6,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))
 
-# Never let anything this test suite starts use NVLink multicast.
-for key, value in {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
-                   "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}.items():
-    os.environ[key] = value
+# Never let anything this test suite starts use NVLink multicast (tsgen/env.py names the variables).
+from tsgen.env import force_no_multicast  # noqa: E402
+
+force_no_multicast()
 
 
 def gpu_count() -> int:

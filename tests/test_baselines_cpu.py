@@ -1,11 +1,10 @@
-"""tsgen.baselines without GPUs: sizes, counts, bus-bandwidth factors, the
-rank-seeded data, the no-multicast guards, and the worker launcher (with fake
-workers). The real NCCL / SymmetricMemory run is at the end and needs torch
-and 2 GPUs."""
+"""The NCCL / SymmetricMemory baselines (tsgen.bench.nccl) without GPUs: sizes, counts,
+bus-bandwidth factors, the rank-seeded data, the no-multicast guards, and the worker
+launcher (tsgen.bench.workers, under tsgen launch, with fake workers). The real NCCL /
+SymmetricMemory run is at the end and needs torch and 2 GPUs."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -15,9 +14,13 @@ import time
 import numpy as np
 import pytest
 
-import tsgen.baselines as bl
+import tsgen.bench.nccl as bl
+from tsgen.bench import sizes as S
+from tsgen.bench import workers as W
+from tsgen.env import NO_MULTICAST
 
 FORCED = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+assert FORCED == NO_MULTICAST
 
 # ---------------------------------------------------------------------------
 # bus bandwidth
@@ -54,8 +57,6 @@ def test_make_row_bandwidths():
     assert row["mode"] == "graph"
     skipped = bl.make_row("symm_mem_one_shot", "all_reduce", "int32", 1024, 4, None, None, skipped="refused")
     assert skipped["time_us"] is None and skipped["busbw_GBps"] is None and skipped["skipped"] == "refused"
-    table = bl.format_table([row, skipped])
-    assert "skipped: refused" in table and "nccl" in table and "1048576" in table
 
 
 # ---------------------------------------------------------------------------
@@ -64,24 +65,18 @@ def test_make_row_bandwidths():
 
 
 def test_parse_sizes_lists_and_ranges():
-    assert bl.parse_sizes("64K,1M,256M") == [64 << 10, 1 << 20, 256 << 20]
-    assert bl.parse_sizes("1K:8K") == [1024, 2048, 4096, 8192]
-    assert bl.parse_sizes("1M:1G:4") == [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
-    assert bl.parse_sizes("4096") == [4096]
-    assert bl.parse_size("64KiB") == bl.parse_size("64kb") == bl.parse_size("64K") == 65536
-    assert bl.parse_size("2G") == 2 << 30
+    assert S.parse_sizes("64K,1M,256M") == [64 << 10, 1 << 20, 256 << 20]
+    assert S.parse_sizes("1K:8K") == [1024, 2048, 4096, 8192]
+    assert S.parse_sizes("1M:1G:4") == [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+    assert S.parse_sizes("4096") == [4096]
+    assert S.parse_size("64KiB") == S.parse_size("64kb") == S.parse_size("64K") == 65536
+    assert S.parse_size("2G") == 2 << 30
 
 
 @pytest.mark.parametrize("bad", ["", "1X", "1K:", "8K:1K", "1K:1M:1", "1K:1M:x", "1K:2K:2:2", "-1"])
 def test_parse_sizes_rejects(bad):
-    with pytest.raises(bl.BaselineConfigError):
-        bl.parse_sizes(bad)
-
-
-def test_parse_sizes_agrees_with_bench():
-    bench = pytest.importorskip("tsgen.bench", reason="tsgen.bench not importable here")
-    for text in ("64K,1M,256M", "1K:1G", "1M:1G:4"):
-        assert bl.parse_sizes(text) == bench.parse_sizes(text)
+    with pytest.raises(S.BenchConfigError):
+        S.parse_sizes(bad)
 
 
 # ---------------------------------------------------------------------------
@@ -136,19 +131,19 @@ def test_rotation_slots_and_calls():
     l2 = 50 << 20
     # below 64 MiB: the rotated set exceeds 2x the L2
     for nbytes, foot in [(64 << 10, 64 << 10), (1 << 20, 2 << 20), (32 << 20, 32 << 20), (63 << 20, 126 << 20)]:
-        slots = bl.rotation_slots(nbytes, foot, l2)
+        slots = S.rotation_slots(nbytes, foot, l2)
         assert slots * foot > 2 * l2
         assert (slots - 1) * foot <= 2 * l2
-    assert bl.rotation_slots(64 << 20, 64 << 20, l2) == 1
-    assert bl.rotation_slots(256 << 20, 256 << 20, l2) == 1
-    assert bl.rotation_slots(1 << 20, 1 << 20, l2, rotate=False) == 1
-    assert bl.rotation_slots(1024, 1024, l2) == bl.MAX_SLOTS  # capped
+    assert S.rotation_slots(64 << 20, 64 << 20, l2) == 1
+    assert S.rotation_slots(256 << 20, 256 << 20, l2) == 1
+    assert S.rotation_slots(1 << 20, 1 << 20, l2, rotate=False) == 1
+    assert S.rotation_slots(1024, 1024, l2) == S.MAX_SLOTS  # capped
     # an L2 larger than 50 MiB (H200: 60 MB) counts
-    assert bl.rotation_slots(1 << 20, 1 << 20, 60_000_000) * (1 << 20) > 120_000_000
-    assert bl.calls_per_sample(20, 1) == 20
-    assert bl.calls_per_sample(20, 3) == 21
-    assert bl.calls_per_sample(20, 1601) == 1601
-    assert bl.slot_stride(1, 2) == 2048 and bl.slot_stride(2048, 2) == 2048 and bl.slot_stride(2049, 2) == 4096
+    assert S.rotation_slots(1 << 20, 1 << 20, 60_000_000) * (1 << 20) > 120_000_000
+    assert S.calls_per_sample(20, 1) == 20
+    assert S.calls_per_sample(20, 3) == 21
+    assert S.calls_per_sample(20, 1601) == 1601
+    assert S.slot_stride(1, 2) == 2048 and S.slot_stride(2048, 2) == 2048 and S.slot_stride(2049, 2) == 4096
 
 
 # ---------------------------------------------------------------------------
@@ -204,22 +199,25 @@ def test_data_distinguishes_ranks():
 # ---------------------------------------------------------------------------
 
 
-def test_env_forced_at_import(monkeypatch):
+def test_force_no_multicast_overwrites(monkeypatch):
+    from tsgen.env import force_no_multicast
+
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "0")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
-    importlib.reload(bl)
+    force_no_multicast()
     for key, value in FORCED.items():
         assert os.environ[key] == value
-    assert bl.FORCED_ENV == FORCED
+    env = force_no_multicast({"NCCL_NVLS_ENABLE": "1", "X": "y"})
+    assert env == {**FORCED, "X": "y"}
 
 
 def test_child_env_forces_too():
-    env = bl.child_env({"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "PATH": "/usr/bin"})
+    env = W.child_env({"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "PATH": "/usr/bin"})
     for key, value in FORCED.items():
         assert env[key] == value
     assert env["PATH"] == "/usr/bin"
-    assert str(bl.Path(bl.__file__).resolve().parents[1]) in env["PYTHONPATH"].split(os.pathsep)
+    assert str(W.Path(W.__file__).resolve().parents[2]) in env["PYTHONPATH"].split(os.pathsep)
 
 
 @pytest.mark.parametrize("name", ["multimem", "symm_mem_multimem", "multimem_all_reduce_",
@@ -296,7 +294,7 @@ def test_run_baselines_passes_config_and_sorts(monkeypatch):
     rows = bl.run_baselines("allreduce", "bf16", "64K,1M", 4, timeout=12)
     cfg = seen["cfg"]
     assert cfg["op"] == "all_reduce" and cfg["dtype"] == "bfloat16" and cfg["sizes"] == [65536, 1 << 20]
-    assert cfg["init_method"].startswith("tcp://127.0.0.1:") and seen["timeout"] == 12
+    assert cfg["init_method"] == "env://" and cfg["kind"] == "collective" and seen["timeout"] == 12
     assert cfg["devices"] == [0, 1, 2, 3]
     assert [(r["bytes"], r["backend"]) for r in rows] == [
         (65536, "nccl"), (65536, "symm_mem_one_shot"), (65536, "symm_mem_two_shot"),
@@ -311,14 +309,15 @@ FAKE_WORKER = textwrap.dedent('''
     import json, os, sys, time, traceback
     from pathlib import Path
     cfg = json.loads(Path(sys.argv[1]).read_text())
-    rank = int(sys.argv[2])
+    rank = int(os.environ["RANK"])  # tsgen launch's environment
     Path(cfg["error_dir"], f"pid-{rank}").write_text(str(os.getpid()))
     mode = cfg["mode"]
     try:
         if mode == "ok":
             if rank == 0:
                 env = {k: os.environ.get(k) for k in cfg["keys"]}
-                Path(cfg["result_path"]).write_text(json.dumps([{"env": env, "argv": sys.argv[1:]}]))
+                Path(cfg["result_path"]).write_text(json.dumps([{"env": env, "argv": sys.argv[1:],
+                                                                 "world": os.environ["WORLD_SIZE"]}]))
         elif mode == "fail":
             if rank == 1:
                 time.sleep(0.2)
@@ -339,10 +338,20 @@ FAKE_WORKER = textwrap.dedent('''
 
 
 @pytest.fixture()
-def fake_worker(tmp_path):
+def fake_worker(tmp_path, monkeypatch):
+    """[python, fake_worker.py]; the pids its ranks wrote are collected (the temporary folder is
+    removed with the run, so the pid files are copied out as they appear)."""
     path = tmp_path / "fake_worker.py"
     path.write_text(FAKE_WORKER)
-    return [sys.executable, str(path)]
+    pids = []
+    real = W._failure
+
+    def spy(tmp, code, timeout):
+        pids.extend(int(f.read_text()) for f in tmp.glob("pid-*"))
+        return real(tmp, code, timeout)
+
+    monkeypatch.setattr(W, "_failure", spy)
+    return [sys.executable, str(path)], pids
 
 
 def _alive(pid: int) -> bool:
@@ -360,55 +369,40 @@ def _alive(pid: int) -> bool:
 def test_launcher_passes_forced_env(fake_worker, monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
-    out = bl.launch_workers({"mode": "ok", "keys": list(FORCED)}, 3, timeout=60, argv=fake_worker)
+    out = W.launch_workers({"mode": "ok", "keys": list(FORCED)}, 3, timeout=60, argv=fake_worker[0])
     assert out[0]["env"] == FORCED
-    assert out[0]["argv"][1] == "0"
+    assert out[0]["world"] == "3" and out[0]["argv"][0].endswith("config.json")
 
 
-def test_launcher_worker_failure_stops_everyone(fake_worker, monkeypatch):
-    pids = []
-    real_kill = bl._kill
-
-    def spy(procs):
-        pids.extend(p.pid for p in procs)
-        real_kill(procs)
-
-    monkeypatch.setattr(bl, "_kill", spy)
+def test_launcher_worker_failure_stops_everyone(fake_worker):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as err:
-        bl.launch_workers({"mode": "fail"}, 3, timeout=60, argv=fake_worker)
+        W.launch_workers({"mode": "fail"}, 3, timeout=60, argv=fake_worker[0])
     assert time.monotonic() - t0 < 30
     text = str(err.value)
     assert "rank 1 failed" in text and "planted failure on rank one" in text and "Traceback" in text
-    assert isinstance(err.value, bl.BaselineRunError)
-    assert pids and not any(_alive(p) for p in set(pids))
+    assert isinstance(err.value, W.BaselineRunError)
+    assert len(fake_worker[1]) == 3 and not any(_alive(p) for p in fake_worker[1])
 
 
 def test_launcher_crash_without_traceback_shows_output(fake_worker):
-    with pytest.raises(bl.BaselineRunError) as err:
-        bl.launch_workers({"mode": "crash"}, 2, timeout=60, argv=fake_worker)
+    with pytest.raises(W.BaselineRunError) as err:
+        W.launch_workers({"mode": "crash"}, 2, timeout=60, argv=fake_worker[0])
     assert "rank 0 failed (exit code 7)" in str(err.value) and "about to die" in str(err.value)
 
 
-def test_launcher_timeout_kills(fake_worker, monkeypatch):
-    pids = []
-    real_kill = bl._kill
-
-    def spy(procs):
-        pids.extend(p.pid for p in procs)
-        real_kill(procs)
-
-    monkeypatch.setattr(bl, "_kill", spy)
+def test_launcher_timeout_kills(fake_worker):
     t0 = time.monotonic()
-    with pytest.raises(bl.BaselineRunError, match="timed out"):
-        bl.launch_workers({"mode": "hang"}, 2, timeout=2, argv=fake_worker)
+    with pytest.raises(W.BaselineRunError, match="timed out"):
+        W.launch_workers({"mode": "hang"}, 2, timeout=2, argv=fake_worker[0])
     assert time.monotonic() - t0 < 30
-    assert pids and not any(_alive(p) for p in set(pids))
+    assert len(fake_worker[1]) == 2 and not any(_alive(p) for p in fake_worker[1])
 
 
-def test_cli_rejects_bad_sizes(capsys):
-    assert bl.main(["--op", "allgather", "--dtype", "float32", "--sizes", "24", "--world", "4"]) == 2
-    assert "world x itemsize" in capsys.readouterr().err
+def test_run_baselines_rejects_bad_sizes_before_launch(monkeypatch):
+    monkeypatch.setattr(bl, "launch_workers", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(bl.BaselineConfigError, match="world x itemsize"):
+        bl.run_baselines("allgather", "float32", [24], 4)
 
 
 # ---------------------------------------------------------------------------

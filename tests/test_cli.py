@@ -173,11 +173,11 @@ def test_ipc_world_size_checked_before_cupy(no_cupy_env, args, launcher, message
 
 @pytest.mark.parametrize("args,message", [
     (("test", "specs/put_block.yaml"), "--gpus N is required with --backend single"),
-    (("bench", "specs/allgather.yaml"), "--gpus N is required with --backend single"),
+    (("bench", "specs/allgather.yaml"), "a world size is needed (--gpus, or gpus: in the suite)"),
     (("test", "specs/barrier_all.yaml", "--backend", "ipc", "--probe-timeout"), "--probe-timeout runs with --backend single"),
     (("test", "specs/put_block.yaml", "--backend", "shmem"), "Invalid value for '--backend'"),
-    (("bench", "specs/put_block.yaml", "--backend", "ipc"), "--backend ipc times collectives"),
-    (("bench", "specs/put_block.yaml", "--backend", "nvshmem"), "--backend nvshmem times collectives"),
+    (("bench", "specs/put_block.yaml", "--suite", "gemm"), "give a SPEC or --suite NAME (not both)"),
+    (("bench",), "give a SPEC or --suite NAME (not both)"),
 ])
 def test_backend_option_errors(args, message):
     r = run_cli(*args)

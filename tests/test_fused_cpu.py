@@ -1,6 +1,6 @@
 """allgather_gemm on the CPU: spec errors, render + manifest, the NumPy reference, the
-sm_90a build (no spills, HGMMA, 3-D TMA), the batched schedule walked on the host, and
-tools/gpu_fused.py's report. Needs nvcc / cuobjdump for the build checks, no GPU."""
+sm_90a build (no spills, HGMMA, 3-D TMA), and the batched schedule walked on the
+host. Needs nvcc / cuobjdump for the build checks, no GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conftest import ROOT
 from test_gemm_cpu import needs_nvcc, needs_sass
 from tsgen.errors import SpecError
 from tsgen.ops import get_family
-from tsgen.ops.collectives import from_f64, to_f64
+from tsgen.ops.collectives import to_f64
 from tsgen.render import render
 from tsgen.spec import load_spec
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
@@ -150,42 +150,3 @@ def test_batched_schedule(tmp_path):
                 for cta in range(ctas):  # each CTA walks sources first, first + 1, ... (mod 3)
                     seq = [(b - first) % 3 for c, b, _, _ in walk if c == cta]
                     assert seq == sorted(seq), (rows, ctas, first, cta)
-
-
-@pytest.fixture(scope="module")
-def tool():
-    import importlib.util
-
-    s = importlib.util.spec_from_file_location("gpu_fused", ROOT / "tools" / "gpu_fused.py")
-    m = importlib.util.module_from_spec(s)
-    s.loader.exec_module(m)
-    return m
-
-
-def test_tool_builds_specs(tmp_path, tool):
-    for name in tool.SPECS:
-        m = json.loads(tool.build(tmp_path, name, timeout_ms=5000).read_text())
-        assert m["timeout_ms"] == 5000 and m["constants"]["N"] == 2048 and m["constants"]["K"] == tool.K
-
-
-def test_tool_conversions(tool):
-    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
-    bits = tool.from_f32(np, x)
-    assert np.array_equal(bits, from_f64(x.astype(np.float64), "bfloat16"))
-    assert np.array_equal(tool.to_f32(np, bits), to_f64(bits, "bfloat16").astype(np.float32))
-
-
-def test_tool_report(tool):
-    torch_rows = [{"m": 8192, "gemm": 340.0, "comm": 250.0, "sequential": 690.0, "fused": 440.0}]
-    tsgen_rows = [{"impl": "tsgen overlapped", "m": 8192, "us": 400.0, "rel_err": 2e-3}]
-    table = tool.summarize(tsgen_rows, torch_rows)
-    row = next(r for r in table if r["impl"] == "tsgen overlapped")
-    assert row["speedup_vs_sequential"] == pytest.approx(690 / 400)
-    assert row["vs_torch_fused"] == pytest.approx(440 / 400) and row["overlap_efficiency"] == pytest.approx(340 / 400)
-    s = {"device": "4 x NVIDIA H200", "date": "2026-11-21 10:00 UTC", "command": "python tools/gpu_fused.py o",
-         "checks": [{"pass": True, "rows": [{"spec": "overlapped", "world": 2, "m_local": 259, "calls": 20,
-                                            "max_rel_err": 2e-3, "poison_left": 0, "pass": True}]}],
-         "table": table, "torch_rows": torch_rows, "all_checks_pass": True, "seconds": 100.0}
-    text = tool.markdown(s)
-    assert "| overlapped | 2 | 259 | 20 | 2.00e-03 | 0 | PASS |" in text
-    assert "| 8192 | tsgen overlapped | 400.0 |" in text and "All checks: PASS" in text

@@ -1,23 +1,15 @@
 """The `gemm` op on one GPU: `tsgen test` (NumPy reference, poisoned outputs) and the
-checks of tools/gpu_gemm.py (M tails, tiny M, 20 back-to-back calls, no write to rows
+checks of tests/gemm_checks.py (M tails, tiny M, 20 back-to-back calls, no write to rows
 >= M, a cuBLAS float32 reference). Skipped with a reason on machines without a GPU."""
-
-import importlib.util
 
 import pytest
 
+import gemm_checks as tool
 from conftest import ROOT, need_gpus
 
 from tsgen.harness import run_test
 
 pytestmark = pytest.mark.gpu
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("gpu_gemm", ROOT / "tools" / "gpu_gemm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_gemm_against_numpy():
@@ -29,7 +21,6 @@ def test_gemm_against_numpy():
 
 def test_gemm_tails_and_back_to_back_calls(tmp_path):
     need_gpus(1)
-    tool = _tool()
     manifest = tool.variant_manifest(tmp_path, "shipped", timeout_ms=3000)
     lines = []
     result = tool.check_variant(manifest, [1, 129, 257, 8192 + 77], calls=20, echo=lines.append)

@@ -1,7 +1,6 @@
 """gemm_reduce_scatter on the CPU: spec errors, render + manifest, the NumPy reference, the
 sm_90a build (cubin and shared library: no spills, HGMMA, 3-D TMA), the batched schedule
-(own row block last) walked on the host, and tools/gpu_fused.py's gemm_reduce_scatter part.
-Needs nvcc / cuobjdump for the build checks, no GPU."""
+(own row block last) walked on the host. Needs nvcc / cuobjdump for the build checks, no GPU."""
 
 from __future__ import annotations
 
@@ -243,43 +242,3 @@ def test_schedule_own_block_last(tmp_path, order):
                     assert seq == sorted(seq)
                     assert not seq or seq[-1] <= 3 and all(b != rank for c, b, _, _ in walk
                                                            if c == cta and (b - first) % 4 < 3)
-
-
-@pytest.fixture(scope="module")
-def tool():
-    import importlib.util
-
-    s = importlib.util.spec_from_file_location("gpu_fused", ROOT / "tools" / "gpu_fused.py")
-    m = importlib.util.module_from_spec(s)
-    s.loader.exec_module(m)
-    return m
-
-
-def test_tool_builds_rs_specs(tmp_path, tool):
-    for name, path in tool.RS_SPECS.items():
-        m = json.loads(tool.build(tmp_path, name, timeout_ms=5000, specs=tool.RS_SPECS).read_text())
-        assert m["timeout_ms"] == 5000 and m["constants"]["N"] == tool.N and m["constants"]["K"] == tool.K
-        assert m["op"] == "gemm_reduce_scatter"
-
-
-def test_tool_rs_reference(tool):
-    """The device script's reference (float32 products summed in float32, NumPy on the host)
-    agrees with the family's."""
-    rng = np.random.default_rng(3)
-    world, count, kl, n = 2, 3, 8, 16
-    a = [rng.standard_normal(world * count * kl).astype(np.float32) for _ in range(world)]
-    b = [rng.standard_normal(kl * n).astype(np.float32) for _ in range(world)]
-    got = tool.rs_reference(np, a, b, world, count, kl, n)
-    full = sum(a[s].reshape(world * count, kl) @ b[s].reshape(kl, n) for s in range(world))
-    for r in range(world):
-        assert np.allclose(got[r], full[r * count:(r + 1) * count], rtol=1e-6)
-
-
-def test_tool_rs_report(tool):
-    torch_rows = [{"m": 8192, "gemm": 350.0, "comm": 300.0, "sequential": 716.0, "fused": 522.0}]
-    tsgen_rows = [{"impl": "tsgen gemm_rs overlapped", "m": 8192, "us": 450.0, "rel_err": 2e-3}]
-    table = tool.summarize(tsgen_rows, torch_rows, fused_name="torch symm_mem fused_matmul_reduce_scatter")
-    row = next(r for r in table if r["impl"] == "tsgen gemm_rs overlapped")
-    assert row["speedup_vs_sequential"] == pytest.approx(716 / 450)
-    assert row["vs_torch_fused"] == pytest.approx(522 / 450) and row["overlap_efficiency"] == pytest.approx(350 / 450)
-    assert any(r["impl"] == "torch symm_mem fused_matmul_reduce_scatter" for r in table)

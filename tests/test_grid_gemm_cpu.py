@@ -2,8 +2,7 @@
 manifest, the copy schedule simulated (every panel written once with the right block, waits
 matched, no deadlock on the per-operand copy streams) and rendered as the launcher's table,
 the K-block walk of the producer hook on the host, the NumPy reference against the whole
-matrices, the sm_90a build (cubin and shared library: no spills, HGMMA, TMA) and
-tools/gpu_fused.py's grid part. Needs nvcc / cuobjdump for the build checks, no GPU."""
+matrices, the sm_90a build (cubin and shared library: no spills, HGMMA, TMA). Needs nvcc / cuobjdump for the build checks, no GPU."""
 
 from __future__ import annotations
 
@@ -239,40 +238,3 @@ def test_k_block_walk(tmp_path):
         rank, *ks = map(int, line.split())
         assert sorted(ks) == list(range(8))  # every K block once
         assert [k // kbp for k in ks[::kbp]] == walk(2, rank)  # panels in walk order, each contiguous
-
-
-@pytest.fixture(scope="module")
-def tool():
-    import importlib.util
-
-    s = importlib.util.spec_from_file_location("gpu_fused", ROOT / "tools" / "gpu_fused.py")
-    m = importlib.util.module_from_spec(s)
-    s.loader.exec_module(m)
-    return m
-
-
-def test_tool_grid(tmp_path, tool):
-    assert {"cannon", "summa"} <= set(tool.OPS)
-    for op in ("cannon", "summa"):
-        m = json.loads(tool.build(tmp_path, op, timeout_ms=5000, specs=tool.GRID_SPECS).read_text())
-        assert m["timeout_ms"] == 5000 and m["constants"]["N_TOTAL"] == 8192 and m["op"] == op
-    # the whole matrices from the blocks, and the reference's blocks
-    q, count, kb, nb = 2, 3, 4, 5
-    rng = np.random.default_rng(2)
-    a = [rng.standard_normal((count, kb)).astype(np.float32) for _ in range(4)]
-    b = [rng.standard_normal((kb, nb)).astype(np.float32) for _ in range(4)]
-    refs = tool.grid_reference(np, a, b, q)
-    whole = np.block([[a[0], a[1]], [a[2], a[3]]]) @ np.block([[b[0], b[1]], [b[2], b[3]]])
-    for r in range(4):
-        i, j = divmod(r, 2)
-        assert np.allclose(refs[r], whole[i * count:(i + 1) * count, j * nb:(j + 1) * nb], atol=1e-5)
-    s = {"device": "4 x NVIDIA H200", "date": "2026-11-21 10:00 UTC", "command": "python tools/gpu_fused.py o",
-         "checks": [{"pass": True, "rows": [{"spec": "cannon", "world": 4, "m_local": 129, "calls": 20,
-                                            "max_rel_err": 2e-3, "poison_left": 0, "pass": True}]}],
-         "rows": [{"impl": "tsgen cannon", "size": 8192, "us": 700.0, "tflops": 1570.8, "vs_cublas": 2.0},
-                  {"impl": "cuBLAS (1 GPU, whole matrix)", "size": 8192, "us": 1400.0, "tflops": 785.4,
-                   "vs_cublas": 1.0}],
-         "errors": {}, "all_checks_pass": True, "seconds": 50.0}
-    text = tool.grid_markdown(s)
-    assert "| cannon | 4 | 129 | 20 | 2.00e-03 | 0 | PASS |" in text
-    assert "| 8192 | tsgen cannon | 700.0 | 1571 | 2.00 |" in text and "All checks: PASS" in text

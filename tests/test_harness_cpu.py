@@ -1,4 +1,4 @@
-"""tsgen test and the bench correctness check, driven on CPU through a fake World whose
+"""tsgen test, driven on CPU through a fake World whose
 'kernel' writes the family's reference (or leaves rank 1's outputs poisoned): the
 harness must pass the first and fail the second. The same with one process per GPU
 (threads with one rank each, a real store, one shared fake heap): the barriers
@@ -87,16 +87,6 @@ def test_run_test_passes_right_and_fails_wrong(fake_world, spec, broken):
     lines = []
     ok = H.run_test(fake_world.spec_path, 3, count=1003, iters=3, echo=lines.append)
     assert ok == (not broken), lines
-
-
-@pytest.mark.parametrize("broken,wrong", [(False, 0), (True, 4096)])
-def test_bench_check_once(fake_world, broken, wrong):
-    from tsgen import bench
-
-    fake_world.break_it, fake_world.spec_path = broken, "specs/all_reduce_one_shot.yaml"
-    w = fake_world(2)
-    m = w.load(H.materialize(H.load_spec(fake_world.spec_path)))
-    assert bench.check_once(w, m, m.alloc(4096), m.spec, 2, 4096) == wrong
 
 
 class IpcWorld(World):

@@ -523,8 +523,8 @@ def test_compare_bar(tmp_path, ipc_us, rc):
     from conftest import ROOT
 
     def rows(t):
-        return {"rows": [{"backend": "tsgen", "spec": "allgather", "bytes": 256 << 20, "time_us": t,
-                          "busbw_GBps": 201326592 / t / 1e3}]}
+        return {"rows": [{"impl": "tsgen", "spec": "allgather", "size": 256 << 20, "time_us": t,
+                          "busbw_GBps": 201326592 / t / 1e3}]}  # `tsgen bench --json` rows
 
     (tmp_path / "s.json").write_text(json.dumps(rows(1000.0)))
     (tmp_path / "i.json").write_text(json.dumps(rows(ipc_us)))

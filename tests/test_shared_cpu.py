@@ -276,14 +276,19 @@ def test_skewed_source_compiles(tmp_path, monkeypatch):
 
 
 def test_shared_rows_carry_no_ratio():
-    from tsgen.bench import SHARED_NOTE, collective_table
+    from tsgen.bench import SHARED_NOTE
+    from tsgen.bench.report import text_table
+    from tsgen.bench.runner import add_ratios
 
-    rows = [{"backend": "tsgen", "bytes": 1 << 20, "time_us": 10.0, "algbw_GBps": 1.0, "busbw_GBps": 1.0,
-             "wrong": 0, "note": SHARED_NOTE},
-            {"backend": "nccl", "bytes": 1 << 20, "time_us": 20.0, "busbw_GBps": 0.5}]
-    table = collective_table(rows)
-    row = next(line for line in table.splitlines() if line.lstrip().startswith("1M"))
-    assert row.endswith("shared GPU: not comparable") and "|" not in row
+    rows = [{"impl": "tsgen", "group": "g", "op": "allgather", "size": 1 << 20, "time_us": 10.0, "algbw_GBps": 1.0,
+             "busbw_GBps": 1.0, "wrong": 0, "note": SHARED_NOTE},
+            {"impl": "nccl", "baseline": True, "compare": True, "group": "g", "size": 1 << 20, "time_us": 20.0,
+             "busbw_GBps": 0.5}]
+    add_ratios(rows)
+    assert "ratios" not in rows[0]
+    table = text_table(rows)
+    row = next(line for line in table.splitlines() if line.startswith("tsgen"))
+    assert row.endswith(f"[{SHARED_NOTE}]") and "vs nccl" not in table
 
 
 def test_copy_engine_collectives_are_refused_on_a_shared_gpu():

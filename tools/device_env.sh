@@ -1,6 +1,7 @@
 # Sourced by the device-run scripts: safety variables, carried wheels, caches.
-# NVLink multicast is never used on the shared machines; these also reach every child process.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# NVLink multicast is never used on the shared machines: the variables come from tsgen/env.py (the one
+# place that names them) and also reach every child process.
+eval "$(python3 -m tsgen.env)" && [ "${NCCL_NVLS_ENABLE:-}" = 0 ] || { echo "device_env: cannot set the no-multicast environment" >&2; exit 2; }
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tsgen-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (pydantic), see README

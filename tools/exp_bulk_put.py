@@ -17,14 +17,14 @@ Usage: python tools/exp_bulk_put.py OUT [--bytes 256M]
 """
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tsgen.baselines import parse_size  # noqa: E402
+from tsgen.bench.sizes import parse_size  # noqa: E402
+from tsgen.bench.timing import CupyClock, time_calls  # noqa: E402
 from tsgen.runtime import World  # noqa: E402
 from tsgen.toolchain import compile_source  # noqa: E402
 
@@ -73,8 +73,8 @@ def main() -> int:
                 grid = ctas_per_peer * (world_size - 1)
                 smem = STAGES * CHUNK if name == "put_bulk" else 0
 
-                def launch():
-                    for r in world.ranks:
+                def launch(i=0, ranks=world.ranks):
+                    for r in ranks:
                         with cp.cuda.Device(world.devices[r]):
                             fns[r][name]((grid,), (threads,), (tables[r].data.ptr, cp.uint64(bases[r]), cp.uint64(size),
                                                                cp.uint64(size), cp.int32(r), cp.int32(world_size),
@@ -94,21 +94,11 @@ def main() -> int:
                                          ((r, bases[r] + size * (1 + s)), (s, bases[s])))
                             wrong += int(got != want)
                 ok &= wrong == 0
-                samples = []
-                for _ in range(5):
-                    ev = {}
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r] = (cp.cuda.Event(), cp.cuda.Event())
-                            ev[r][0].record(streams[r])
-                    for _ in range(iters):
-                        launch()
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            ev[r][1].record(streams[r])
-                    world.synchronize()
-                    samples.append(max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / iters / 1e3)
-                t = statistics.median(samples)
+                # tsgen's timing core: events on each rank's stream, the slowest rank, median of 5
+                timing = time_calls(CupyClock(world), world.ranks, streams, launch, calls=iters, reps=5, warmup=1,
+                                    graphs=False, label=name)
+                assert not timing.problems, timing.problems
+                t = timing.median_us / 1e6
                 egress = 3 * size / t / 1e9
                 rows.append({"kernel": name, "ctas_per_peer": ctas_per_peer, "threads": threads, "bytes_per_peer": size,
                              "time_us": t * 1e6, "egress_GBps": egress, "wrong_slots": wrong})

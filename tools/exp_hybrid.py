@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tsgen.baselines import parse_size  # noqa: E402
+from tsgen.bench.sizes import parse_size  # noqa: E402
 from tsgen.harness import materialize  # noqa: E402
 from tsgen.runtime import World  # noqa: E402
 from tsgen.spec import load_spec  # noqa: E402
@@ -48,7 +48,9 @@ def main():
             calls()  # warm-up
             world.synchronize()
             samples = []
-            for _ in range(5):  # host clock around both streams of every GPU (device-wide sync)
+            # two streams per GPU (SM kernels and copy engines at once): tsgen's timing core records events
+            # on one stream per rank, so this experiment keeps a host clock around a device-wide sync
+            for _ in range(5):
                 t0 = time.perf_counter()
                 calls()
                 world.synchronize()

@@ -19,7 +19,6 @@ Usage: python tools/exp_sync_latency.py OUT
 """
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -39,7 +38,8 @@ VARIANTS = [("empty", 1), ("epoch", 1), ("epoch", 32), ("hops", 1), ("hops", 8),
 def main() -> int:
     import cupy as cp
 
-    from tsgen.bench import bench_collective
+    from tsgen.bench import bench_spec
+    from tsgen.bench.timing import CupyClock, time_calls
 
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -62,40 +62,26 @@ def main() -> int:
                         cp.cuda.runtime.memset(bases[r], 0, SIG_BYTES + 16)
                 world.synchronize()
 
-                def launch(r):
-                    args = (tables[r].data.ptr, cp.int32(r), cp.int32(world_size), cp.uint64(bases[r] + SIG_BYTES),
-                            cp.uint64(bases[r]))
-                    fns[r][name]((blocks,), (THREADS,), args, stream=streams[r])
+                def launch(i, ranks):
+                    for r in ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            args = (tables[r].data.ptr, cp.int32(r), cp.int32(world_size),
+                                    cp.uint64(bases[r] + SIG_BYTES), cp.uint64(bases[r]))
+                            fns[r][name]((blocks,), (THREADS,), args, stream=streams[r])
 
-                graphs = {}
-                for r in world.ranks:
-                    with cp.cuda.Device(world.devices[r]):
-                        streams[r].begin_capture()
-                        for _ in range(CALLS):
-                            launch(r)
-                        graphs[r] = streams[r].end_capture()
-                samples = []
-                for _ in range(REPS):
-                    for r in world.ranks:  # untimed: lines the ranks up
-                        with cp.cuda.Device(world.devices[r]):
-                            launch(r)
-                    events = []
-                    for r in world.ranks:
-                        with cp.cuda.Device(world.devices[r]):
-                            start, end = cp.cuda.Event(), cp.cuda.Event()
-                            start.record(streams[r])
-                            graphs[r].launch(streams[r])
-                            end.record(streams[r])
-                            events.append((start, end))
-                    world.synchronize()
-                    samples.append(max(cp.cuda.get_elapsed_time(s, e) for s, e in events) / CALLS * 1e3)
-                t = statistics.median(samples)
+                # tsgen's timing core: a CUDA graph of CALLS calls per GPU, an untimed call lining the
+                # ranks up before each sample, the slowest GPU's time per call, median of REPS
+                timing = time_calls(CupyClock(world), world.ranks, streams, launch, calls=CALLS, reps=REPS, warmup=1,
+                                    graphs=True, lineup=True, label=name)
+                assert not timing.problems, timing.problems
+                t = timing.median_us
                 rows.append({"kernel": name, "blocks": blocks, "threads": THREADS, "time_us": t})
                 print(f"{name:12s} blocks {blocks:3d}  {t:7.2f} us per call", flush=True)
         finally:
             world.backend.free_heap(bases)
     for spec in ("all_reduce_one_shot", "all_reduce_two_shot_pull"):
-        for r in bench_collective(ROOT / "specs" / f"{spec}.yaml", world_size, [1024], echo=lambda s: None):
+        for r in bench_spec(ROOT / "specs" / f"{spec}.yaml", world_size, [1024], baselines=False,
+                            echo=lambda s: None).rows:
             rows.append({"kernel": f"tsgen {spec} (1 KiB)", "blocks": None, "threads": None, "time_us": r["time_us"]})
             print(f"tsgen {spec} 1 KiB  {r['time_us']:7.2f} us per call", flush=True)
     (out / "exp_sync_latency.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")

@@ -6,6 +6,4 @@ source "$(dirname "$0")/device_env.sh"
 python3 -m tsgen build specs/*_ce.yaml -o /tmp/gen --compile > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -x \
   -k "${TESTS_K:-collective_odd_count and _ce}" 2>&1 | tee "$OUT/pytest_ce.txt" | tail -8
-timeout ${BENCH_TIMEOUT:-330} python3 tools/bench_collectives.py "$OUT" --gpus 4 \
-  --ops ${OPS:-allgather,all_to_all,reduce_scatter,all_reduce} --sizes ${SIZES:-1M,256M,1G} \
-  --only ${ONLY:-allgather,allgather_ce,all_to_all,all_to_all_ce,reduce_scatter_large,reduce_scatter_ce,all_reduce_two_shot,all_reduce_two_shot_ce} 2>&1 | tail -40
+timeout ${BENCH_TIMEOUT:-330} python3 -m tsgen bench --suite ce-w4 --results "$OUT/results" 2>&1 | tail -40

@@ -8,5 +8,5 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "${TESTS_K:-collective}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
 fi
 for g in ${BENCH_GPUS:-4}; do
-  timeout ${BENCH_TIMEOUT:-420} python3 tools/bench_collectives.py "$OUT" --gpus $g ${BENCH_ARGS:-} 2>&1 | tail -70
+  timeout ${BENCH_TIMEOUT:-420} python3 -m tsgen bench --suite collectives-w$g --results "$OUT/results" ${BENCH_ARGS:-} 2>&1 | tail -70
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call: install carried wheels, run the GPU tests and the
-# primitive benchmarks, leave logs and results under $OUT.
+# One device call: install carried wheels, run the GPU tests and the primitives-w2
+# benchmark suite, leave logs and results under $OUT.
 #   usage (on the device machine): bash tools/gpu_run.sh [pytest -k expr]
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -11,5 +11,5 @@ K=${1:-}
 export TSGEN_RESULTS_DIR="$OUT"
 timeout 420 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider ${K:+-k "$K"} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout 240 python3 tools/bench_primitives.py "$OUT" --gpus 2 2>&1 | tail -40
+  timeout 240 python3 -m tsgen bench --suite primitives-w2 --results "$OUT/results" 2>&1 | tail -40
 fi

@@ -169,7 +169,7 @@ def compare(single_json: str, ipc_json: str, bar: float) -> int:
     rows = {}
     for label, path in (("single", single_json), ("ipc", ipc_json)):
         data = json.loads(Path(path).read_text())["rows"]
-        rows[label] = {(r["spec"], r["bytes"]): r for r in data if r.get("backend") == "tsgen"}
+        rows[label] = {(r["spec"], r["size"]): r for r in data if r.get("impl") == "tsgen"}
     common = sorted(set(rows["single"]) & set(rows["ipc"]))
     if not common:
         print(f"FAIL: no (spec, size) in both {single_json} and {ipc_json}")
@@ -192,9 +192,9 @@ def busbw(paths: list[str]) -> int:
     for path in paths:
         data = json.loads(Path(path).read_text())
         for r in data["rows"]:
-            if r.get("backend") == "tsgen" and r.get("time_us"):
+            if r.get("impl") == "tsgen" and r.get("time_us"):
                 wrong = "-" if r.get("wrong") is None else r["wrong"]
-                print(f"| {r['spec']} | {data['meta'].get('backend', 'single')} | {r['bytes'] / MiB:g} MiB "
+                print(f"| {r['spec']} | {data['meta'].get('backend', 'single')} | {r['size'] / MiB:g} MiB "
                       f"| {r['time_us']:.1f} | {r['busbw_GBps']:.1f} | {wrong} |")
     return 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .env import force_no_multicast
 from .errors import SpecError, TsgenError
 
 
@@ -55,6 +56,7 @@ def main() -> None:
 
     TSGEN_STACKS_AFTER=S: if a command still runs after S seconds, print every
     thread's Python stack to stderr (where a hung rank waits)."""
+    force_no_multicast()  # every command, and everything it starts
     after = os.environ.get("TSGEN_STACKS_AFTER")
     if after:
         import faulthandler
@@ -246,84 +248,16 @@ def verify(paths, worlds, schedules, seed, jobs):
     click.echo(f"tsgen: {checked} plans verified")
 
 
-@main.command()
-@click.argument("spec", type=click.Path(path_type=Path))
-@GPUS_OPTION
-@BACKEND_OPTION
-@click.option("--sizes", default="1M:1G:4", show_default=True, help="LO:HI[:FACTOR] or a comma list (K, M, G suffixes)")
-@click.option("--iters", type=int, default=20, show_default=True, help="calls per timing")
-@click.option("--pattern", "patterns", multiple=True, type=click.Choice(["pair", "ring"]),
-              help="pair: rank 0 only; ring: every rank at once (default both)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-@click.option("--arch", default="sm_90a", show_default=True)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="collectives: draw busbw against size for tsgen and the baselines (needs matplotlib)")
-@click.option("--no-baselines", is_flag=True, help="collectives: time tsgen only (no NCCL / symm-mem)")
-@SHARE_OPTION
-@_reports_errors
-def bench(spec, gpus, backend, sizes, iters, patterns, json_path, arch, plot_path, no_baselines, share_gpus):
-    """Time SPEC on GPUs against its baseline in the same run.
+def _add_bench_commands() -> None:
+    """`tsgen bench` and `tsgen results` live with the bench (tsgen/bench/cli.py)."""
+    from .bench.cli import bench, results
 
-    Copy primitives: against the copy engine (cudaMemcpyPeer). Collectives: an
-    nccl-tests-style table (size, time, algbw, busbw, #wrong) for tsgen and NCCL (and
-    PyTorch SymmetricMemory for all_reduce), one process per GPU for the baselines.
-    With --backend ipc or nvshmem (collectives only) tsgen alone is timed, one process
-    per GPU, and rank 0 prints and writes the results."""
-    import datetime
+    for command in (bench, results):
+        command.callback = _reports_errors(command.callback)
+        main.add_command(command)
 
-    from .bench import SHARED_NOTE, bench_collective, bench_copy, parse_sizes, write_results
-    from .ops import get_family
-    from .runtime.backends import world_size
-    from .spec import load_spec
 
-    if backend == "single" and gpus is None:
-        raise click.UsageError("--gpus N is required with --backend single")
-    family = get_family(load_spec(spec).model.op)
-    size_list = parse_sizes(sizes)
-    meta = {"command": " ".join(["tsgen"] + sys.argv[1:]), "date": datetime.date.today().isoformat()}
-    if backend != "single":
-        if family.count_unit == "bytes":
-            raise click.UsageError(f"--backend {backend} times collectives; copy primitives compare with "
-                                   "cudaMemcpyPeer between GPUs of one process (--backend single)")
-        from .runtime.ipc import process_env
-
-        gpus = world_size(backend, gpus)
-        rows = bench_collective(spec, gpus, size_list, iters=iters, arch=arch, echo=lambda _: None, backend=backend,
-                                share_gpus=share_gpus)
-        if process_env(os.environ).rank == 0:
-            from .bench import collective_table
-
-            click.echo(collective_table(rows))
-            if json_path:
-                write_results(rows, json_path, {**meta, "backend": backend})
-        return
-    if family.count_unit == "bytes":
-        rows = bench_copy(spec, gpus, size_list, iters=iters,
-                          patterns=tuple(patterns) or ("pair", "ring"), arch=arch, echo=click.echo,
-                          share_gpus=share_gpus)
-    else:
-        rows = []
-        with click.progressbar(size_list, label="tsgen", item_show_func=lambda s: s and f"{s} B",
-                               file=sys.stderr) as bar:
-            for size in bar:
-                rows += bench_collective(spec, gpus, [size], iters=iters, arch=arch, echo=lambda _: None,
-                                         share_gpus=share_gpus)
-        shared = any(r.get("note") == SHARED_NOTE for r in rows)
-        if shared:
-            click.echo(f"tsgen: ranks share GPUs: {SHARED_NOTE}; no baselines timed, no ratios", err=True)
-        if not no_baselines and not shared:
-            from .bench import best_baselines
-
-            click.echo("baselines: NCCL (and symm-mem for all_reduce), one process per GPU ...", err=True)
-            rows += best_baselines(family.kind, load_spec(spec).model.dtype, size_list, gpus)
-        from .bench import collective_table, plot_busbw
-
-        click.echo(collective_table(rows))
-        if plot_path:
-            plot_busbw(rows, plot_path)
-            click.echo(f"tsgen: plot written to {plot_path}")
-    if json_path:
-        write_results(rows, json_path, meta)
+_add_bench_commands()
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

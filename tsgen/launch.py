@@ -7,8 +7,7 @@ others `grace` seconds to end on their own -- a kernel waiting for the failed
 rank times out and prints what it waited for -- then ends the rest, prints
 every rank's exit code and returns the failed rank's, so a crash is never a
 hang.
-NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0,
-NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+NVLink multicast stays off in every child (tsgen/env.py's variables, forced).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import threading
 import time
 from typing import Sequence, TextIO
 
-from .runtime.backends import SAFE_ENV
+from .env import force_no_multicast
 
 
 def free_port() -> int:
@@ -37,7 +36,7 @@ def rank_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict
         RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
     )
-    env.update(SAFE_ENV)  # forced, not defaulted: multicast is never on in a child
+    force_no_multicast(env)  # forced, not defaulted: multicast is never on in a child
     return env
 
 
@@ -96,11 +95,11 @@ def _raise_on_signals():
 
 def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 30.0,
            timeout: float | None = None, out: TextIO | None = None, err: TextIO | None = None,
-           kill_after: float = 5.0) -> int:
+           kill_after: float = 5.0, env: dict | None = None) -> int:
     """Run `cmd` as `nproc` ranks; 0 when all succeed, else the first failing rank's code
     (128 + signal number for a rank killed by a signal, 124 on timeout). After a failure
     the others get `grace` s to end on their own, then SIGTERM, then SIGKILL after
-    `kill_after` s."""
+    `kill_after` s. `env`: the ranks' base environment (default this process's)."""
     if nproc < 1:
         raise ValueError("--nproc must be at least 1")
     if not cmd:
@@ -116,7 +115,7 @@ def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float
     try:
         for rank in range(nproc):
             try:
-                p = subprocess.Popen(list(cmd), env=rank_env(rank, nproc, port), stdout=subprocess.PIPE,
+                p = subprocess.Popen(list(cmd), env=rank_env(rank, nproc, port, env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
             except OSError as e:  # no such program, not executable, ...
                 raise ValueError(f"cannot start {cmd[0]!r}: {e.strerror}") from None

@@ -23,6 +23,25 @@ from ..runtime.placement import fit_blocks
 from ..spec import SpecBase, StrictModel
 from .base import Buffer, OpFamily
 from .collectives import CollectiveDtype, _values
+from .collectives_bench import CollectiveBench
+
+
+class AllToAllVBench(CollectiveBench):
+    """Timed with every entry of `counts` full (each pair sends the capacity): the same bytes
+    as all_to_all, whose NCCL call (all_to_all_single) is the baseline; size = each rank's
+    send buffer in bytes, world x count elements."""
+
+    fill_on_device = False  # the counts must stay a valid matrix
+
+    def nccl_op(self, family):
+        return "all_to_all"
+
+    def bench_inputs(self, family, spec, world, count, rng):
+        wmax = max(spec.world_sizes)
+        flat = np.zeros(wmax * wmax, dtype=np.int32)
+        flat[: world * world] = count
+        src = [_values(spec.dtype, world * count, rng, False, r) for r in range(world)]
+        return {"counts": [flat.copy() for _ in range(world)], "src": src}
 
 
 class AllToAllVParams(StrictModel):
@@ -44,6 +63,7 @@ class AllToAllVFamily(OpFamily):
     Spec = AllToAllVSpec
     template = "all_to_all_v.cu.j2"
     blocks_wait = True
+    bench = AllToAllVBench()
 
     def check(self, spec):
         need = max(spec.world_sizes) * spec.params.blocks_per_peer

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..runtime.placement import fit_blocks
 from ..spec import SpecBase
+from .conventions import BenchConventions
 
 # dtype name -> (C type, numpy dtype)
 DTYPES: dict[str, tuple[str, str]] = {
@@ -141,6 +142,9 @@ class OpFamily:
     # whose call is more than one kernel (copy-engine transfers between kernels, or
     # TMA descriptors encoded on the host). The launcher takes `launcher_args`.
     host_launch: ClassVar[bool] = False
+    # How `tsgen bench` times it: sizes, FLOPs and bytes per call, baselines, checks
+    # (tsgen/ops/conventions.py); families override it next to their reference.
+    bench: ClassVar[BenchConventions] = BenchConventions()
 
     # -- validation beyond field types -------------------------------------
     def check(self, spec: Any) -> list[tuple[tuple, str]]:

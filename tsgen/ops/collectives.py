@@ -29,6 +29,7 @@ from ..plan import (MAX_WAITS, STRAIGHT_LINE_MAX_CALLS, CommPlan, ShareGroup, Si
                     straight_line_groups, stream_program)
 from ..spec import Launch, SpecBase, StrictModel
 from .base import CALLS, Arg, Buffer, OpFamily, Plan, fill
+from .collectives_bench import AllReduceBench, CollectiveBench
 
 CollectiveDtype = Literal["bfloat16", "float16", "float32", "int32"]
 
@@ -135,6 +136,7 @@ class CollectiveFamily(OpFamily):
     template = "collective.cu.j2"
     blocks_wait = True
     reduces = False
+    bench = CollectiveBench()  # nccl-tests conventions, NCCL baseline (collectives_bench.py)
 
     def __init__(self):
         self.Spec = _spec(self.kind, self.Params)
@@ -652,6 +654,7 @@ class AllToAllFamily(CollectiveFamily):
 class AllReduceFamily(CollectiveFamily):
     kind = "all_reduce"
     Params = AllReduceParams
+    bench = AllReduceBench()  # + PyTorch SymmetricMemory's one- and two-shot all-reduce
     summary = "every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)"
     multimem_switch = ("algorithm", "multimem")
 

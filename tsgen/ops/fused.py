@@ -29,7 +29,9 @@ from pydantic import Field
 
 from ..spec import SpecBase, WorldSizes
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
+from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
+from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
 MAX_WORLD = 8  # tsgen_fused::MAX_WORLD
@@ -56,12 +58,51 @@ class AllgatherGemmSpec(SpecBase):
     launch: GemmLaunch = GemmLaunch()
 
 
+class FusedBench(BenchConventions):
+    """Size = M, the total rows (count = M / world per rank). FLOPs and NVLink bytes per GPU from
+    the family (`flops`, `bytes_moved`). Baselines, one process per GPU (tsgen/bench/torch_ops.py):
+    the GEMM alone (cuBLAS), the communication alone (NCCL), the two one after the other
+    ("cublas+nccl") and PyTorch SymmetricMemory's fused op ("torch_fused"); rows also get the
+    overlap efficiency max(t_gemm, t_comm) / t. Timed eagerly, checked on sampled rows of C."""
+
+    kind = "fused"
+    size_unit = "rows"
+    default_sizes = "4096,8192,16384"
+    metric = "TFLOPs"
+    baselines = ("cublas+nccl", "torch_fused")
+    graphs = False
+    check = "rows"
+    # the torch calls of the baselines: the GEMM's shapes are the op's own
+    comm_call = "all_gather_into_tensor"
+    fused_call = "fused_all_gather_matmul"
+
+    def case(self, family, spec, world, size):
+        if size % world:
+            raise RuntimeSetupError(f"{spec.name}: M = {size} rows do not split over {world} ranks")
+        count = size // world
+        return BenchCase(size, count, flops=family.flops(spec, world, count),
+                         link_bytes=family.bytes_moved(spec, world, count))
+
+    def check_rows(self, family, spec, world, count, fetch):
+        """C_r row g = A_s row i . B_r (s = g // count, i = g % count)."""
+        p, worst = spec.params, 0.0
+        for r in range(world):
+            b = to_f64(fetch("b", r, 0, p.k * p.n), spec.dtype).astype(np.float32).reshape(p.k, p.n)
+            rows = sample_rows(world * count)
+            a = np.stack([to_f64(fetch("a", g // count, g % count * p.k, (g % count + 1) * p.k), spec.dtype)
+                          for g in rows]).astype(np.float32)
+            c = np.stack([to_f64(fetch("c", r, g * p.n, (g + 1) * p.n), spec.dtype) for g in rows])
+            worst = max(worst, rel_err(c, a @ b))
+        return worst
+
+
 class AllgatherGemmFamily(OpFamily):
     kind = "allgather_gemm"
     Spec = AllgatherGemmSpec
     template = "allgather_gemm.cu.j2"
     count_unit = "rows"  # M_local
     host_launch = True
+    bench = FusedBench()
     summary = ("C_r = allgather(A) . B_r: A row-sharded, B and C column-sharded; the gather on the copy "
                "engine, overlapped with a TMA + wgmma GEMM whose tiles wait per source rank")
 
@@ -193,6 +234,24 @@ class GemmReduceScatterSpec(SpecBase):
     launch: GemmLaunch = GemmLaunch()
 
 
+class GemmReduceScatterBench(FusedBench):
+    comm_call = "reduce_scatter_tensor"
+    fused_call = "fused_matmul_reduce_scatter"
+
+    def check_rows(self, family, spec, world, count, fetch):
+        """C_r row i = sum_s A_s row (r count + i) . B_s (A_s: K/world columns, B_s: K/world rows)."""
+        p, worst = spec.params, 0.0
+        kl = p.k // world
+        b = [to_f64(fetch("b", s, 0, kl * p.n), spec.dtype).astype(np.float32).reshape(kl, p.n) for s in range(world)]
+        for r in range(world):
+            rows = sample_rows(count)
+            ref = sum(np.stack([to_f64(fetch("a", s, (r * count + i) * kl, (r * count + i + 1) * kl), spec.dtype)
+                                for i in rows]).astype(np.float32) @ b[s] for s in range(world))
+            c = np.stack([to_f64(fetch("c", r, i * p.n, (i + 1) * p.n), spec.dtype) for i in rows])
+            worst = max(worst, rel_err(c, ref))
+        return worst
+
+
 class GemmReduceScatterFamily(AllgatherGemmFamily):
     """gemm_reduce_scatter: A is sharded by columns (rank s holds A_s, M x K/world), B by rows
     (B_s, K/world x N); rank r's output is rows [r M/world, (r + 1) M/world) of sum_s A_s . B_s,
@@ -227,6 +286,7 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
 
     kind = "gemm_reduce_scatter"
     Spec = GemmReduceScatterSpec
+    bench = GemmReduceScatterBench()
     template = "gemm_reduce_scatter.cu.j2"
     count_unit = "rows"  # M / world: the rows of C on each rank
     summary = ("C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of "

@@ -28,6 +28,7 @@ from ..runtime.placement import fit_blocks
 from ..spec import SpecBase, StrictModel, _as_list
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
 from .collectives import from_f64, to_f64
+from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
 # sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_LIMIT = 232448
@@ -106,12 +107,42 @@ def smem_bytes(spec: GemmSpec) -> int:
     return spec.params.stages * stage + epilogue + barriers + SMEM_ALIGN_SLACK
 
 
+class GemmBench(BenchConventions):
+    """Size = M (rows of A and C; N and K are the spec's). FLOPs = 2 M N K; device memory at
+    least A, B and C once. Baseline: cuBLAS (torch.matmul of the same shapes and dtype, on the
+    same stream). Calls are timed eagerly (each is >= 100 us: launch gaps do not matter, and the
+    host launcher's per-call work stays in the loop). The timed C is checked on sampled rows
+    against a float32 product of the same 16-bit inputs."""
+
+    kind = "gemm"
+    size_unit = "rows"
+    default_sizes = "4096,8192,16384"
+    metric = "TFLOPs"
+    baselines = ("cublas",)
+    graphs = False
+    counts_calls = False  # one kernel, no call counter
+    check = "rows"
+
+    def case(self, family, spec, world, size):
+        p = spec.params
+        return BenchCase(size, size, flops=2.0 * size * p.n * p.k, hbm_bytes=2.0 * (size * p.k + p.k * p.n + size * p.n))
+
+    def check_rows(self, family, spec, world, count, fetch):
+        p = spec.params
+        b = to_f64(fetch("b", 0, 0, p.k * p.n), spec.dtype).astype(np.float32).reshape(p.k, p.n)
+        rows = sample_rows(count)
+        a = np.stack([to_f64(fetch("a", 0, i * p.k, (i + 1) * p.k), spec.dtype) for i in rows]).astype(np.float32)
+        c = np.stack([to_f64(fetch("c", 0, i * p.n, (i + 1) * p.n), spec.dtype) for i in rows])
+        return rel_err(c, a @ b)
+
+
 class GemmFamily(OpFamily):
     kind = "gemm"
     Spec = GemmSpec
     template = "gemm.cu.j2"
     count_unit = "rows"  # M
     host_launch = True  # TMA descriptors are encoded on the host
+    bench = GemmBench()
     summary = (
         "C = A . B on one Hopper GPU: TMA loads into a multistage mbarrier pipeline, wgmma by "
         "consumer warpgroups, fp32 accumulation, persistent tiles; M at run time"

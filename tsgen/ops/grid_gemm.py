@@ -45,7 +45,9 @@ from pydantic import Field
 
 from ..spec import SpecBase, WorldSizes
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
+from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
+from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
 MAX_Q = 8  # tsgen_grid::MAX_Q
@@ -131,12 +133,50 @@ class SummaSpec(_GridGemmSpec):
     op: Literal["summa"]
 
 
+class GridBench(BenchConventions):
+    """Size = M, the rows of the whole A and C (count = M / q per block; N and K are the spec's).
+    FLOPs per GPU = 2 (M/q) (N/q) K; NVLink bytes per GPU from `bytes_moved`. Baseline: cuBLAS
+    of the whole M x K x N product on one GPU ("cublas_whole"): the ratio says how much faster
+    the grid is than one GPU. Timed eagerly, checked on sampled rows of every C block."""
+
+    kind = "grid"
+    size_unit = "rows"
+    default_sizes = "8192,16384"
+    metric = "TFLOPs"
+    baselines = ("cublas_whole",)
+    graphs = False
+    check = "rows"
+
+    def case(self, family, spec, world, size):
+        q = grid_side(world)
+        if q is None or size % q:
+            raise RuntimeSetupError(f"{spec.name}: M = {size} rows do not split over a {q} x {q} grid")
+        count = size // q
+        return BenchCase(size, count, flops=family.flops(spec, world, count),
+                         link_bytes=family.bytes_moved(spec, world, count))
+
+    def check_rows(self, family, spec, world, count, fetch):
+        """C_ij row x = sum_s A_is row x . B_sj (A_is on rank i q + s, B_sj on rank s q + j)."""
+        p, q, worst = spec.params, grid_side(world), 0.0
+        kb, nb = p.k // q, p.n // q
+        b = [to_f64(fetch("b", r, 0, kb * nb), spec.dtype).astype(np.float32).reshape(kb, nb) for r in range(world)]
+        rows = sample_rows(count)
+        for r in range(world):
+            i, j = divmod(r, q)
+            ref = sum(np.stack([to_f64(fetch("a", i * q + s, x * kb, (x + 1) * kb), spec.dtype) for x in rows])
+                      .astype(np.float32) @ b[s * q + j] for s in range(q))
+            c = np.stack([to_f64(fetch("c", r, x * nb, (x + 1) * nb), spec.dtype) for x in rows])
+            worst = max(worst, rel_err(c, ref))
+        return worst
+
+
 class CannonFamily(OpFamily):
     kind = "cannon"
     Spec = CannonSpec
     template = "grid_gemm.cu.j2"
     count_unit = "rows"  # M/q: the rows of each block
     host_launch = True
+    bench = GridBench()
     summary = ("C = A . B block-distributed on a sqrt(P) x sqrt(P) grid: Cannon's skew and neighbour shifts on "
                "the copy engine, overlapped with one TMA + wgmma GEMM over K whose producer waits per K panel")
 

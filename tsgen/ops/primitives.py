@@ -15,6 +15,7 @@ from pydantic import Field
 
 from ..spec import SpecBase, StrictModel
 from .base import Buffer, OpFamily
+from .conventions import BenchCase, BenchConventions
 
 MAX_U64 = (1 << 64) - 1
 
@@ -82,11 +83,35 @@ def _copy_spec(kind: str) -> type[SpecBase]:
     )
 
 
+class CopyBench(BenchConventions):
+    """Bytes copied to (put) or from (get) the ring neighbour, against cudaMemcpyPeerAsync moving
+    the same bytes between the same GPUs. pair: rank 0 alone (one link direction); ring: every
+    rank at once. GB/s = bytes / time, per rank; the NVLink ceiling bounds it."""
+
+    kind = "copy"
+    size_unit = "bytes"
+    default_sizes = "256M,1G"
+    metric = "algbw_GBps"
+    baselines = ("memcpy_peer",)
+    patterns = ("pair", "ring")
+    check_up_to = 1 << 30  # random bytes are cheap to make and to compare
+
+    def case(self, family, spec, world, size):
+        return BenchCase(size, size, link_bytes=size, hbm_bytes=2 * size, bw_bytes=size)
+
+    def checked_ranks(self, family, spec, world, pattern):
+        """pair: rank 0 alone runs; a put writes its neighbour's dst, a get its own."""
+        if pattern != "pair":
+            return list(range(world))
+        return [spec.params.shift % world if family.direction == "put" else 0]
+
+
 class CopyFamily(NvshmemTransport, OpFamily):
     """Copy `count` bytes between ranks, split into per-warp or per-block chunks."""
 
     template = "copy.cu.j2"
     count_unit = "bytes"
+    bench = CopyBench()
 
     def __init__(self, direction: str, unit: str):
         self.direction, self.unit = direction, unit

@@ -20,13 +20,6 @@ from typing import Any, Protocol
 
 from ..errors import RuntimeSetupError
 
-# NVLink multicast (NVLS) is never used at run time on shared machines; keep
-# the libraries we may load in the same process from turning it on.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-for _key, _value in SAFE_ENV.items():
-    os.environ.setdefault(_key, _value)
-
-
 def cupy_or_error():
     try:
         import cupy

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..env import force_no_multicast
 from ..errors import RuntimeSetupError
 from .backends import Backend, cupy_or_error, make_backend
 from .placement import SHARED_CONNECTIONS, ranks_per_gpu, residency_problem, share_from_env
@@ -335,6 +336,7 @@ class World:
 
     def __init__(self, size: int | None = None, backend: Backend | str | None = "single",
                  share_gpus: bool | None = None):
+        force_no_multicast()  # before any CUDA library (NCCL, NVSHMEM, torch) is loaded
         if share_gpus is None:
             share_gpus = share_from_env()
         if share_gpus:

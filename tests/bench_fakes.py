@@ -1,0 +1,278 @@
+"""A simulated GPU for the bench wing's CPU tests: streams with device clocks, events, graphs.
+
+Each stream has a device time `t` (us) at which its queue drains; a launch starts at
+max(t, host) and takes `kernel_us`; an event records max(t, host) on its stream; waiting on an
+event (or synchronizing) moves the host clock to it; every API call moves the host clock by
+HOST_US. So events on another stream than the calls bracket nothing (their stream is idle),
+and a skipped launch leaves a region of a few host steps. Modules write the family's
+reference into the outputs of the ranks they run (and advance the device call counter), as
+the real kernels would; `break_rank` leaves one rank's outputs alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+
+import tsgen.runtime as R
+from tsgen.ops import get_family
+from tsgen.runtime.world import layout, np_dtype
+
+HOST_US = 0.05
+
+
+class Arr(np.ndarray):
+    def set(self, a):
+        self[...] = a
+
+    def get(self, stream=None):
+        return np.asarray(self).copy()
+
+
+def arr(a) -> Arr:
+    return np.asarray(a).view(Arr)
+
+
+class Clock:
+    host = 0.0
+
+    @classmethod
+    def tick(cls):
+        cls.host += HOST_US
+
+
+class Stream:
+    _ids = iter(range(1, 10**9))
+    by_ptr: dict = {}
+    current = None
+
+    def __init__(self, non_blocking=True):
+        self.t, self.capture, self.ptr = 0.0, None, next(Stream._ids)
+        Stream.by_ptr[self.ptr] = self
+
+    def run(self, us: float, effect=None):
+        Clock.tick()
+        if self.capture is not None:
+            self.capture.append((us, effect))
+            return
+        self.t = max(self.t, Clock.host) + us
+        if effect is not None:
+            effect()
+
+    def begin_capture(self):
+        self.capture = []
+
+    def end_capture(self):
+        graph, self.capture = Graph(self.capture), None
+        return graph
+
+    def synchronize(self):
+        Clock.host = max(Clock.host, self.t)
+
+    def __enter__(self):
+        Stream.current = self
+        return self
+
+    def __exit__(self, *a):
+        Stream.current = None
+
+
+class Graph:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def launch(self, stream):
+        for us, effect in self.nodes:
+            stream.run(us, effect)
+
+
+class Event:
+    def __init__(self, *a, **k):
+        self.t = None
+
+    def record(self, stream=None):
+        Clock.tick()
+        self.t = max(stream.t, Clock.host)
+
+    def synchronize(self):
+        Clock.host = max(Clock.host, self.t)
+
+    @property
+    def done(self):
+        return self.t <= Clock.host
+
+
+class FakeCp:
+    """The parts of CuPy the bench touches."""
+
+    PROPS = {"name": b"NVIDIA H100 80GB HBM3", "multiProcessorCount": 132, "clockRate": 1980000, "major": 9,
+             "minor": 0, "l2CacheSize": 50 << 20}
+    float16, float32, uint16, uint32, int32 = np.float16, np.float32, np.uint16, np.uint32, np.int32
+
+    class cuda:
+        Event = Event
+        Stream = Stream
+
+        @staticmethod
+        def Device(i):
+            return contextlib.nullcontext()
+
+        @staticmethod
+        def get_elapsed_time(a, b):
+            return (b.t - a.t) / 1e3
+
+        class runtime:
+            @staticmethod
+            def getDeviceProperties(dev):
+                return FakeCp.PROPS
+
+            @staticmethod
+            def runtimeGetVersion():
+                return 13000
+
+            @staticmethod
+            def driverGetVersion():
+                return 13000
+
+            @staticmethod
+            def memcpyPeerAsync(dst, ddev, src, sdev, n, stream_ptr):
+                Stream.by_ptr[stream_ptr].run(max(2.0, n / 400e3))  # 400 GB/s, 2 us at least
+
+    class random:
+        class RandomState:
+            def __init__(self, seed):
+                self.rng = np.random.default_rng(seed)
+
+            def standard_normal(self, n, dtype=np.float32):
+                return arr(self.rng.standard_normal(n).astype(dtype))
+
+            def randint(self, lo, hi, n, dtype=np.int64):
+                return arr(self.rng.integers(lo, hi, n).astype(dtype))
+
+        @staticmethod
+        def standard_normal(shape, dtype=np.float32):
+            return arr(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+
+    @staticmethod
+    def empty(shape, dtype):
+        return arr(np.empty(shape, dtype))
+
+    @staticmethod
+    def matmul(a, b, out):
+        m, k = a.shape
+        Stream.current.run(max(1.0, 2.0 * m * k * b.shape[1] / 400e6))  # 400 TFLOP/s
+
+
+class Bufs:
+    def __init__(self, module, count):
+        self.module, self.count = module, count
+        self.slots, self.heap_bytes = layout(module.manifest, count, module.world.size)
+        self.by_name = {s.name: s for s in self.slots}
+        self.bases = {r: (r + 1) << 40 for r in range(module.world.size)}
+        self.data = [{s.name: arr(np.zeros(s.elems, np_dtype(s.dtype))) for s in self.slots}
+                     for _ in range(module.world.size)]
+        self.calls_begun, self.snapshots = {}, {}
+
+    def array(self, name, rank):
+        return self.data[rank][name]
+
+    def free(self):
+        pass
+
+
+class Module:
+    def __init__(self, world, manifest):
+        self.world = world
+        self.manifest = json.loads(open(manifest).read())
+
+    def alloc(self, count):
+        return Bufs(self, count)
+
+    def launch(self, bufs, ranks=None, streams=None):
+        world = self.world
+        ranks = list(world.ranks if ranks is None else ranks)
+        spec = world.spec  # the variant the runner loaded (see World.load)
+        fam = get_family(spec.op)
+        ins = [b.name for b in fam.buffers(spec) if b.role in ("input", "inout")]
+        counts = fam.bench.counts_calls
+
+        def effect(r):
+            def go():
+                # call k of every rank sees the inputs as they were when the first rank began call k
+                # (the real kernels' entry signals see to that; in-place ops overwrite them)
+                k = bufs.calls_begun.get(r, 0)
+                bufs.calls_begun[r] = k + 1
+                if k not in bufs.snapshots:
+                    bufs.snapshots[k] = {n: [bufs.array(n, q).get() for q in range(world.size)] for n in ins}
+                out = fam.reference(spec, world.size, bufs.count, bufs.snapshots[k])
+                # a put writes its peer's output, every other op its own
+                q = (r + spec.params.shift) % world.size if getattr(fam, "direction", None) == "put" else r
+                if q != world.break_rank:
+                    for n, per in out.items():
+                        bufs.array(n, q)[...] = per[q].view(bufs.array(n, q).dtype)
+                if counts:
+                    bufs.array("calls", r)[0] += 1
+            return go
+
+        for r in ranks:
+            (streams or world.streams)[r].run(world.kernel_us, effect(r))
+
+    def close(self):
+        pass
+
+
+class World:
+    """A world of `n` simulated GPUs (or ranks sharing one, with share_gpus)."""
+
+    kernel_us = 40.0
+    break_rank = None
+    share = False
+
+    def __init__(self, n, backend="single", share_gpus=None):
+        shared = bool(share_gpus) or World.share
+        self.size, self.cp = n, FakeCp
+        self.devices = {r: (0 if shared else r) for r in range(n)}
+        self.ranks = list(range(n))
+        self.shared, self.colocated = (n > 1 and shared), (n if shared else 1)
+        self.backend = type("B", (), {"store": None, "bus_ids": ["0"] * n if shared else [str(r) for r in range(n)]})
+        self.streams = self.make_streams()
+        self.spec = None
+
+    def make_streams(self):
+        return {r: Stream() for r in self.ranks}
+
+    barrier, exchange, is_root = R.World.barrier, R.World.exchange, R.World.is_root
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+    def synchronize(self):
+        Clock.host = max([Clock.host] + [s.t for s in Stream.by_ptr.values() if s.capture is None])
+
+    def load(self, manifest, arch=None):
+        self.spec = World.last_spec  # the (variant) spec the runner materialized: see install()
+        return Module(self, manifest)
+
+    last_spec = None
+
+
+def install(monkeypatch, **attrs):
+    """The fake World everywhere the bench makes one; the spec the runner renders is recorded."""
+    import tsgen.bench.runner as runner
+
+    real = runner.materialize
+
+    def materialize(loaded, skew=None):
+        World.last_spec = loaded.model
+        return real(loaded, skew)
+
+    monkeypatch.setattr(runner, "materialize", materialize)
+    monkeypatch.setattr(R, "World", World)
+    for k, v in {**dict(kernel_us=40.0, break_rank=None, share=False), **attrs}.items():
+        monkeypatch.setattr(World, k, v)
+    return World

@@ -1,0 +1,144 @@
+"""Suites as data, results as an index: suite parsing, a suite run writing the index layout,
+`tsgen results` (archive, results/latest.md, the README's tables, --check), the migrated files,
+and the one place that sets the no-multicast environment."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench_fakes import install
+from conftest import ROOT, run_cli
+from tsgen.bench.index import BEGIN, END, latest_md, readme_block, scan
+from tsgen.bench.legacy import normalize
+from tsgen.bench.suites import list_suites, load_suite
+from tsgen.errors import SpecError
+
+
+def test_every_suite_parses():
+    names = [p.stem for p in sorted((ROOT / "suites").glob("*.yaml"))]
+    assert {"gemm", "allgather-gemm-w4", "gemm-rs-w4", "grid-w4", "large-w4", "small-allreduce-w4",
+            "collectives-w4", "primitives-w2", "shared-smoke"} <= set(names)
+    for name in names:
+        suite = load_suite(name)
+        assert suite.entries and suite.model.description
+    assert dict(list_suites())["gemm"].startswith("gemm")
+    assert load_suite("shared-smoke").model.share_gpus and load_suite("shared-smoke").model.readme is None
+
+
+def test_suite_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("description: x\nentries:\n  - {spec: specs/nope.yaml}\n  - {spec: specs/allgather.yaml, sizes: 1Q}\n"
+                   "  - {spec: specs/allgather.yaml, variant: {launch: {blocks: 0}}}\n")
+    with pytest.raises(SpecError) as e:
+        load_suite(str(bad))
+    text = "\n".join(e.value.problems)
+    assert "entries.0.spec: specs/nope.yaml does not exist" in text and "entries.1.sizes" in text
+    assert "entries.2.variant" in text and "launch.blocks" in text
+    (tmp_path / "typo.yaml").write_text("description: x\nentries: [{spec: specs/allgather.yaml}]\nsizez: 1M\n")
+    with pytest.raises(SpecError, match="sizez"):
+        load_suite(str(tmp_path / "typo.yaml"))
+    with pytest.raises(SpecError, match="no such suite"):
+        load_suite("no-such-suite")
+    assert run_cli("bench", "--suite", "no-such-suite").code == 2
+
+
+def test_suite_run_writes_the_index_layout(monkeypatch, tmp_path):
+    install(monkeypatch)
+    monkeypatch.setenv("TSGEN_COMMIT", "abc1234")
+    suite = tmp_path / "mini.yaml"
+    suite.write_text("description: two collectives\ngpus: 2\nsizes: 64K\niters: 2\nreps: 2\nentries:\n"
+                     "  - spec: specs/allgather.yaml\n"
+                     "  - {spec: specs/allgather.yaml, label: allgather_b8, variant: {name: allgather_b8, "
+                     "params: {blocks_per_peer: 8}, launch: {blocks: 33}}}\n  - spec: specs/all_reduce_one_shot.yaml\n")
+    r = run_cli("bench", "--suite", str(suite), "--results", str(tmp_path / "results"), "--no-baselines")
+    assert r.code == 0, r
+    files = sorted(p.relative_to(tmp_path / "results").as_posix() for p in (tmp_path / "results").rglob("*.*"))
+    assert len(files) == 2 and re.fullmatch(r"collectives/mini/\d{4}-\d\d-\d\d-abc1234\.json", files[0])
+    data = json.loads((tmp_path / "results" / files[0]).read_text())
+    meta = data["meta"]
+    assert meta["commit"] == "abc1234" and meta["suite"] == str(suite) and meta["command"].startswith("tsgen")
+    assert meta["device"]["name"] == "NVIDIA H100 80GB HBM3" and {"cupy", "torch", "driver", "cuda_runtime"} <= set(meta)
+    assert meta["ceilings"]["model"] == "H100 SXM" and meta["ceilings"]["sources"]["nvlink"]
+    assert {row["label"] for row in data["rows"]} == {"allgather", "allgather_b8", "all_reduce_one_shot"}
+    md = (tmp_path / "results" / files[1]).read_text()
+    assert "| tsgen allgather_b8 | 64K |" in md and "commit abc1234" in md
+    r = run_cli("bench", "--suite", str(suite), "--results", str(tmp_path / "results"), "--no-baselines")
+    assert r.code == 0 and len(list((tmp_path / "results" / "collectives" / "mini").glob("*.json"))) == 2  # -2
+
+
+def _result(folder: Path, stem: str, date: str, us: float):
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"impl": "tsgen", "label": "ag", "op": "allgather", "group": "g", "size": 1 << 30, "size_unit": "bytes",
+             "time_us": us, "busbw_GBps": 1e6 / us}]
+    (folder / f"{stem}.json").write_text(json.dumps({"meta": {"date": date, "commit": stem[11:], "command": "tsgen x"},
+                                                     "rows": rows, "errors": []}))
+    (folder / f"{stem}.md").write_text("table\n")
+
+
+def test_results_index(tmp_path):
+    res, suites = tmp_path / "results", tmp_path / "suites"
+    _result(res / "allgather" / "big", "2026-11-20-aaaaaaa", "2026-11-20T10:00:00Z", 10.0)
+    _result(res / "allgather" / "big", "2026-11-22-bbbbbbb", "2026-11-22T10:00:00Z", 8.0)
+    suites.mkdir()
+    (suites / "big.yaml").write_text("description: d\nentries: [{spec: specs/allgather.yaml}]\n"
+                                     "readme: {title: Big allgather, sizes: [1G]}\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{BEGIN}\nold\n{END}\n\nafter\n")
+    args = ["--results", str(res), "--readme", str(readme), "--suites", str(suites)]
+    assert run_cli("results", *args, "--check").code == 1
+    r = run_cli("results", *args)
+    assert r.code == 0 and "archived" in r.stdout, r
+    assert (res / "archive" / "allgather" / "big" / "2026-11-20-aaaaaaa.json").exists()
+    assert [x.stem for x in scan(res)[("allgather", "big")]] == ["2026-11-22-bbbbbbb"]
+    latest = (res / "latest.md").read_text()
+    assert "## allgather / big" in latest and "2026-11-22, commit bbbbbbb;" in latest and "| tsgen ag | 1G |" in latest
+    text = readme.read_text()
+    assert "**Big allgather**" in text and "old" not in text and text.endswith("after\n")
+    assert run_cli("results", *args, "--check").code == 0
+    readme.write_text(text.replace("Big allgather", "Bigger"))
+    assert run_cli("results", *args, "--check").code == 1
+
+
+def test_repository_results_index_is_current():
+    r = run_cli("results", "--check")
+    assert r.code == 0, r
+    assert sorted(p.name for p in ROOT.glob("results/*") if p.is_file()) == ["README.md", "latest.md"]
+
+
+def test_migrated_results_keep_their_rows():
+    """The newest file of every benchmark suite (from before the index) reads as rows with ratios."""
+    for (top, suite), runs in scan(ROOT / "results").items():
+        if top == "tests":
+            continue
+        meta, rows = normalize(json.loads(runs[-1].json.read_text()))
+        assert rows and meta.get("command"), (top, suite)
+        tsgen = [r for r in rows if r["impl"] == "tsgen"]
+        assert tsgen and any(r.get("ratios") for r in tsgen), (top, suite)
+    assert "## gemm / gemm" in latest_md(ROOT / "results")
+    assert "gemm against cuBLAS" in readme_block(ROOT / "results", ROOT / "suites")
+
+
+def test_no_multicast_environment_is_set_in_one_place():
+    from tsgen.bench.workers import child_env
+    from tsgen.env import NO_MULTICAST
+    from tsgen.launch import rank_env
+
+    sets = re.compile(r"NCCL_NVLS_ENABLE(\"\s*:\s*\"|=)")  # "NCCL_NVLS_ENABLE": "0" or NCCL_NVLS_ENABLE=0
+    named = [p.relative_to(ROOT).as_posix() for p in list(ROOT.glob("tsgen/**/*.py")) + list(ROOT.glob("tools/*"))
+             + [ROOT / "tests" / "conftest.py"] if p.is_file() and sets.search(p.read_text(errors="replace"))]
+    assert named == ["tsgen/env.py"], named
+    base = {"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
+    for env in (rank_env(0, 2, 1234, base), child_env(base)):
+        assert {k: env[k] for k in NO_MULTICAST} == NO_MULTICAST
+
+
+def test_retired_tools_are_gone():
+    for name in ("gpu_gemm.py", "gpu_fused.py", "bench_collectives.py", "bench_primitives.py", "gpu_run2.sh",
+                 "gpu_run8.sh"):
+        assert not (ROOT / "tools" / name).exists(), name
+    assert shutil.which("bash") is None or "tsgen bench --suite" in (ROOT / "tools" / "gpu_check.sh").read_text()

@@ -1,0 +1,153 @@
+"""The baselines an op names in its conventions (`family.bench.baselines`), by name.
+
+In this process, on the World's own streams and timed by the same core as tsgen's calls:
+  memcpy_peer   cudaMemcpyPeerAsync moving the copy's bytes between the same GPUs
+  cublas        the GEMM's product (M x K . K x N) through cuBLAS on rank 0's GPU
+  cublas_whole  the whole M x K . K x N product of a grid GEMM on one GPU
+One process per GPU (tsgen launch), after tsgen's timings:
+  nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
+  cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
+
+An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
+a multi-process one rows of `Measured` (the same, from the workers' JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..ops.conventions import BenchCase
+from .sizes import BenchConfigError, calls_per_sample
+from .timing import CupyClock, Timing, time_calls
+
+
+@dataclass
+class Measured:
+    """One timed baseline result, before it becomes a table row."""
+
+    impl: str
+    size: int
+    timing: Timing | None  # None: skipped (`skipped` says why)
+    case: BenchCase | None = None  # what its guard bounds (None: the op's own case)
+    compare: bool = True  # tsgen's rows get a ratio against it (components of a sum do not)
+    role: str = ""
+    pattern: str = ""
+    extra: dict = field(default_factory=dict)
+    skipped: str | None = None
+
+
+# ---------------------------------------------------------------------------
+# in this process
+# ---------------------------------------------------------------------------
+
+
+def memcpy_peer(step) -> list[Measured]:
+    w, cp, bufs, spec = step.world, step.world.cp, step.sets[0], step.spec
+    nbytes, put, shift = step.case.size, step.family.direction == "put", spec.params.shift
+    src, dst = bufs.by_name["src"].offset, bufs.by_name["dst"].offset
+
+    def enqueue(i, ranks):
+        for r in ranks:
+            peer = (r + shift) % w.size
+            s, d = (r, peer) if put else (peer, r)  # the same direction of data as the kernel
+            with cp.cuda.Device(w.devices[r]):
+                cp.cuda.runtime.memcpyPeerAsync(bufs.bases[d] + dst, w.devices[d], bufs.bases[s] + src,
+                                                w.devices[s], nbytes, w.streams[r].ptr)
+
+    t = time_calls(CupyClock(w), step.ranks, w.streams, enqueue, calls=step.iters, reps=step.reps,
+                   warmup=step.warmup, graphs=False, label=f"memcpyPeer {step.label}")
+    return [Measured("memcpyPeer", step.case.size, t, pattern=step.pattern)]
+
+
+def cublas(step) -> list[Measured]:
+    from .torch_ops import cublas as run
+
+    p = step.spec.params
+    impl, t = run(step.world, step.world.ranks[0], step.case.size, p.n, p.k, step.spec.dtype, iters=step.iters,
+                  reps=step.reps, warmup=step.warmup, label=f"cuBLAS {step.label}")
+    return [Measured(impl, step.case.size, t)]
+
+
+def cublas_whole(step) -> list[Measured]:
+    """cuBLAS of the whole M x K . K x N on rank 0's GPU: all the grid's FLOPs on one GPU."""
+    from .torch_ops import cublas as run
+
+    p, m = step.spec.params, step.case.size
+    impl, t = run(step.world, step.world.ranks[0], m, p.n, p.k, step.spec.dtype, iters=step.iters,
+                  reps=step.reps, warmup=step.warmup, label=f"cuBLAS whole {step.label}")
+    case = BenchCase(m, m, flops=2.0 * m * p.n * p.k)
+    return [Measured(f"{impl}, whole matrix on 1 GPU", m, t, case=case)]
+
+
+INPROCESS = {"memcpy_peer": memcpy_peer, "cublas": cublas, "cublas_whole": cublas_whole}
+
+
+# ---------------------------------------------------------------------------
+# one process per GPU
+# ---------------------------------------------------------------------------
+
+
+def _timing(row: dict) -> Timing | None:
+    samples = row.get("samples_us")
+    if row.get("skipped") or not row.get("time_us"):
+        return None
+    samples = samples or [row["time_us"]]
+    return Timing(list(samples), int(row.get("calls") or 0), row.get("mode", "?"), row.get("note"),
+                  list(row.get("problems") or []))
+
+
+def collectives(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    from .nccl import best_baselines
+
+    backends = [n for n in names if n in ("nccl", "symm_mem")]
+    op = family.bench.nccl_op(family)
+    out = []
+    for r in best_baselines(op, spec.dtype, sizes, world, backends=backends, iters=iters, reps=reps,
+                            warmup=warmup):
+        extra = {k: r[k] for k in ("config", "nccl_version", "torch_version", "wrong", "slots") if k in r}
+        out.append(Measured(r["backend"], r["bytes"], _timing(r), extra=extra, skipped=r.get("skipped")))
+    return out
+
+
+def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    from .torch_ops import run_fused
+
+    conv = family.bench
+    rows = run_fused(conv, spec.op, spec.params, spec.dtype, world, sizes, iters=iters, reps=reps, warmup=warmup)
+    impls = {"gemm": "cuBLAS (GEMM alone)", "comm": f"NCCL {conv.comm_call} (alone)",
+             "sequential": "cuBLAS + NCCL", "fused": f"torch {conv.fused_call}"}
+    out = []
+    for r in rows:
+        size, role = r["m"], r["role"]
+        case = conv.case(family, spec, world, size)
+        if role == "gemm":
+            case = dataclasses.replace(case, link_bytes=0.0)
+        elif role == "comm":
+            case = dataclasses.replace(case, flops=0.0)
+        extra = {"rel_err": r["rel_err"]} if "rel_err" in r else {}
+        out.append(Measured(impls[role], size, _timing(r), case=case, compare=role in ("sequential", "fused"),
+                            role=role, extra=extra, skipped=r.get("skipped")))
+    return out
+
+
+MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused}
+
+
+def check_names(names) -> None:
+    for n in names:
+        if n not in INPROCESS and n not in MULTIPROCESS:
+            raise BenchConfigError(f"baseline {n!r}: tsgen/bench/baselines.py has none by that name")
+
+
+def run_multiprocess(names, family, spec, world: int, sizes: list[int], iters: int, reps: int,
+                     warmup: int) -> list[Measured]:
+    """Each multi-process runner once, however many of its names the op lists."""
+    out, done = [], set()
+    for n in names:
+        fn = MULTIPROCESS.get(n)
+        if fn is None or fn in done:
+            continue
+        done.add(fn)
+        out += fn(names, family, spec, world, sizes, calls_per_sample(iters, 1), reps, warmup)
+    return out

@@ -1,0 +1,120 @@
+"""Tables and plots of benchmark rows (tsgen/bench/runner.py's), for the terminal and Markdown.
+
+One table per group of rows that time the same work (op, dtype, world; for GEMMs N and K):
+for every size, tsgen's rows (one per spec or variant) and then the baselines', with the time
+per call (median) and its spread over the samples, the op's headline metric (busbw or algbw
+in GB/s, TFLOP/s), one ratio column per compared baseline (t_baseline / t_tsgen: > 1 means
+tsgen is faster), the overlap efficiency max(t_gemm, t_comm) / t where the baselines time
+the GEMM and the communication alone, and what the check of the timed outputs found.
+"""
+
+from __future__ import annotations
+
+from ..errors import RuntimeSetupError
+from .sizes import human
+
+METRICS = (("TFLOPs", "TFLOP/s"), ("busbw_GBps", "busbw GB/s"), ("algbw_GBps", "GB/s"))
+
+
+def metric_of(rows: list[dict]) -> tuple[str, str] | None:
+    """The headline metric the rows share (None: time only)."""
+    return next(((k, title) for k, title in METRICS if any(r.get(k) for r in rows)), None)
+
+
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r.get("group") or r.get("op", "?"), []).append(r)
+    return out
+
+
+def _check_cell(r: dict) -> str:
+    if r.get("baseline"):
+        return f"rel err {r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
+    if r.get("wrong") is not None:
+        return f"{r['wrong']} wrong"
+    if r.get("rel_err") is not None:
+        return f"rel err {r['rel_err']:.1e}"
+    return r.get("check", "")[:40]
+
+
+def table_cells(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, lines) per group of rows."""
+    out = []
+    for group, rs in _groups(rows).items():
+        metric = metric_of(rs)
+        compared = list(dict.fromkeys(k for r in rs for k in (r.get("ratios") or {})))
+        overlap = any("overlap" in r for r in rs)
+        head = ["impl", "size", "pattern", "time us", "+-%"] + ([metric[1]] if metric else [])
+        head += [f"vs {c}" for c in compared] + (["overlap"] if overlap else []) + ["% of ceiling", "check"]
+        if not any(r.get("pattern") for r in rs):
+            head.remove("pattern")
+        lines = []
+        for size in sorted({r["size"] for r in rs}):
+            for r in sorted((r for r in rs if r["size"] == size), key=lambda r: (bool(r.get("baseline")), r.get("pattern", ""))):
+                name = r["impl"] if r.get("baseline") else f"tsgen {r.get('label') or r.get('spec')}"
+                cells = [name, human(size)] + ([r.get("pattern", "")] if "pattern" in head else [])
+                cells += [f"{r['time_us']:.1f}", f"{r['spread_pct']:.1f}" if r.get("spread_pct") is not None else ""]
+                if metric:
+                    cells.append(f"{r[metric[0]]:.1f}" if r.get(metric[0]) else "")
+                cells += [f"{r['ratios'][c]:.2f}" if c in (r.get("ratios") or {}) else "" for c in compared]
+                if overlap:
+                    cells.append(f"{r['overlap']:.2f}" if "overlap" in r else "")
+                cells.append(f"{100 * r['ceiling_frac']:.0f}" if r.get("ceiling_frac") else "")
+                cells.append(_check_cell(r) + (f" [{r['note']}]" if r.get("note") else ""))
+                lines.append(cells)
+        first = rs[0]
+        title = (f"{first.get('op')} ({first.get('dtype')}, world {first.get('world')}, "
+                 f"size in {first.get('size_unit', '?')})")
+        out.append((title, head, lines))
+    return out
+
+
+def text_table(rows: list[dict]) -> str:
+    parts = []
+    for title, head, lines in table_cells(rows):
+        widths = [max(len(x) for x in col) for col in zip(head, *lines)]
+        fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+        parts.append("\n".join([f"== {title}", fmt(head), "-" * len(fmt(head))] + [fmt(c) for c in lines]))
+    if parts:
+        parts.append("vs X = t_X / t_tsgen (> 1: tsgen faster); % of ceiling = the ceilings' floor / time")
+    return "\n\n".join(parts)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    parts = []
+    for title, head, lines in table_cells(rows):
+        md = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        md += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in lines]
+        parts.append("\n".join(md))
+    return "\n\n".join(parts)
+
+
+def plot(rows: list[dict], path) -> None:
+    """The headline metric (or time) against size, one line per tsgen spec and per baseline."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeSetupError("--plot needs matplotlib: pip install matplotlib") from None
+    metric = metric_of(rows) or ("time_us", "time per call (us)")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[str, list] = {}
+    for r in rows:
+        if r.get(metric[0]):
+            name = r["impl"] if r.get("baseline") else f"tsgen {r.get('label') or r.get('spec')}"
+            lines.setdefault(name + (f" {r['pattern']}" if r.get("pattern") else ""), []).append((r["size"], r[metric[0]]))
+    for name, pts in lines.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"size ({rows[0].get('size_unit', '') if rows else ''})")
+    ax.set_ylabel(metric[1])
+    ax.set_title(f"{rows[0].get('op', '') if rows else ''}: tsgen vs baselines")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,417 @@
+"""`tsgen bench SPEC`: time any op against its baselines, with numbers that cannot lie.
+
+For one spec, in one World across all sizes: for each size (and pattern, for copies) the
+op's conventions (family.bench) give the case -- count, FLOPs and bytes per GPU per call.
+Buffer sets rotate so that the sets together exceed 2x the L2; inputs are loaded (NumPy
+where the outputs are checked against the reference, random on the GPU otherwise); the
+timing core (timing.py) warms up, poisons the outputs, times `reps` samples of back-to-back
+calls with events on the streams the calls run on (CUDA graphs where the op allows); then
+the timed outputs are checked once: against the NumPy reference, or on sampled rows for the
+GEMMs, and no output may still hold the poison. A result that fails a check -- its events
+bracket nothing, its region is shorter than a kernel launch, the device counted fewer calls,
+it is faster than the ceilings allow (ceilings.py), or its output is wrong -- becomes an
+error with a message, never a row. In-process baselines are timed in the same World right
+after each size; multi-process ones (NCCL, torch) after all sizes, one process per GPU.
+
+Ranks sharing a GPU (`share_gpus`) run the same code path, but their timings say nothing
+about the op: rows carry SHARED_NOTE, no baseline is timed and no ratio is written.
+`control` ("skip-launch", "other-stream") breaks the timing on purpose: the negative
+controls that prove the guard (tsgen bench --negative-control).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import RuntimeSetupError
+from ..harness import materialize, poison_byte, shared_gpu_variant, spec_variant, wrong_elements
+from ..ops import get_family
+from ..ops.conventions import BenchCase
+from ..spec import load_spec
+from .baselines import INPROCESS, MULTIPROCESS, Measured, check_names, run_multiprocess
+from .ceilings import ceilings_for, fraction_of_ceiling, guard
+from .results import device_of
+from .sizes import calls_per_sample, human, parse_sizes, rotation_slots
+from .timing import CupyClock, Timing, time_calls
+
+# Ranks sharing a GPU compete for its SMs, its L2 and its copy engines, and their "peer"
+# traffic never leaves the GPU: such timings say nothing about the op. They are printed (the
+# bench and its checks still run) but carry no ratio, no baseline, and go into no README table.
+SHARED_NOTE = "shared GPU: not comparable"
+CONTROLS = ("skip-launch", "other-stream")
+POISON_CALL = 3  # outputs hold harness.poison_byte(3) = 0x56 bytes between warm-up and timing
+MAX_REL_ERR = 1e-2  # GEMMs' sampled rows: bf16 operands land between 1e-3 and 1e-2
+MAX_SETS = 32  # buffer sets one size rotates over
+
+
+@dataclass
+class Step:
+    """One size (and pattern) of one spec in a World: what the timings and baselines need."""
+
+    world: Any
+    module: Any
+    spec: Any
+    family: Any
+    case: BenchCase
+    pattern: str
+    ranks: list[int]
+    sets: list[Any]
+    iters: int
+    reps: int
+    warmup: int
+    name: str  # the spec's name, or its label in a suite
+    label: str  # name, size and pattern
+
+    @property
+    def conv(self):
+        return self.family.bench
+
+
+@dataclass
+class Outcome:
+    spec: str
+    op: str
+    rows: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    device: dict = field(default_factory=dict)
+    ceilings: dict = field(default_factory=dict)
+    shared: bool = False
+
+
+def metrics(case: BenchCase, time_us: float) -> dict:
+    """Bandwidths and FLOP rate of one call of `case` taking `time_us`."""
+    out: dict = {}
+    if time_us <= 0:
+        return out
+    if case.bw_bytes:
+        out["algbw_GBps"] = case.bw_bytes / time_us / 1e3
+        out["busbw_GBps"] = out["algbw_GBps"] * case.busbw_factor
+    if case.flops:
+        out["TFLOPs"] = case.flops / time_us / 1e6
+    return out
+
+
+def _dtype(spec) -> str:
+    return getattr(spec, "dtype", "uint8")  # barriers and signals have none
+
+
+def size_unit(family) -> str:
+    unit = family.bench.size_unit
+    return family.count_unit if unit == "count" else unit
+
+
+def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict | None = None,
+               label: str | None = None, iters: int = 20, reps: int = 7, warmup: int = 3,
+               patterns: tuple[str, ...] | None = None, backend: str = "single", share_gpus: bool | None = None,
+               baselines: bool = True, arch: str = "sm_90a", echo: Callable[[str], None] = print,
+               progress: Callable[[str], None] | None = None, control: str | None = None, world=None) -> Outcome:
+    """Time `spec_path` (with `variant` merged in) at `sizes` (default: the op's) against its
+    baselines; errors instead of rows for every result that fails a check."""
+    from ..runtime import World
+    from ..runtime.backends import world_size
+
+    if control is not None and control not in CONTROLS:
+        raise RuntimeSetupError(f"negative control {control!r}: choose {', '.join(CONTROLS)}")
+    loaded = load_spec(spec_path)
+    if variant:
+        loaded = spec_variant(loaded, variant)
+    spec, family = loaded.model, get_family(loaded.model.op)
+    conv = family.bench
+    check_names(conv.baselines)
+    if world is not None:
+        gpus = world.size
+    elif backend == "single" and gpus is None:
+        if len(spec.world_sizes) != 1:
+            raise RuntimeSetupError(f"{spec_path}: --gpus N is needed (the spec runs at world sizes "
+                                    f"{list(spec.world_sizes)})")
+        gpus = spec.world_sizes[0]
+    else:
+        gpus = world_size(backend, gpus)
+    size_list = parse_sizes(sizes if sizes is not None else (conv.default_sizes or str(spec.test.count)))
+    name = label or spec.name
+    out = Outcome(name, spec.op)
+    own = world is None
+    with (World(gpus, backend=backend, share_gpus=share_gpus) if own else contextlib.nullcontext(world)) as w:
+        loaded = shared_gpu_variant(loaded, w, echo)
+        spec = loaded.model
+        module = w.load(materialize(loaded), arch=arch)
+        dev = device_of(w)
+        ceil = ceilings_for(dev)
+        out.shared = w.shared
+        out.device = {"name": dev.name, "sms": dev.sms, "clock_mhz": dev.clock_khz // 1000, "l2_bytes": dev.l2_bytes}
+        out.ceilings = ceil.as_dict()
+        in_process = baselines and not w.shared and control is None
+        for size in size_list:
+            case = conv.case(family, spec, w.size, size)
+            for pattern in patterns or conv.patterns:
+                ranks = [0] if pattern == "pair" else list(w.ranks)
+                if pattern == "pair" and len(w.ranks) != w.size:
+                    continue  # one process per GPU: every process must time the same things (their store)
+                sets = _alloc_sets(module, case, dev.l2_bytes)
+                try:
+                    step = Step(w, module, spec, family, case, pattern, ranks, sets, iters, reps, warmup, name,
+                                f"{name} {human(size)}{'' if pattern == 'all' else ' ' + pattern}")
+                    row, problems = _time_tsgen(step, control, ceil, dev)
+                    _report(out, row, problems, echo)
+                    if in_process:
+                        for b in conv.baselines:
+                            if b in INPROCESS:
+                                for m in INPROCESS[b](step):
+                                    _report(out, *_baseline_row(m, step.case, spec, family, w, ceil, dev, pattern),
+                                            echo)
+                finally:
+                    for b in sets:
+                        b.free()
+            if progress is not None:
+                progress(f"{name} {human(size)}")
+        if w.shared:
+            out.notes.append(f"{SHARED_NOTE}: no baselines timed, no ratios")
+        elif not baselines or control is not None:
+            out.notes.append("baselines not timed (--no-baselines)" if control is None else "negative control")
+        elif backend != "single":
+            out.notes.append(f"--backend {backend}: tsgen alone (the baselines start their own processes)")
+        elif any(b in MULTIPROCESS for b in conv.baselines):
+            echo(f"baselines: {', '.join(b for b in conv.baselines if b in MULTIPROCESS)}, one process per GPU ...")
+            for m in run_multiprocess(conv.baselines, family, spec, w.size, size_list, iters, reps, warmup):
+                if m.timing is None:
+                    out.notes.append(f"{m.impl} at {human(m.size)}: not timed: {m.skipped}")
+                    continue
+                case = conv.case(family, spec, w.size, m.size)
+                _report(out, *_baseline_row(m, case, spec, family, w, ceil, dev, ""), echo)
+    add_ratios(out.rows)
+    return out
+
+
+def _alloc_sets(module, case: BenchCase, l2_bytes: int) -> list:
+    probe = module.alloc(case.count)
+    n = rotation_slots(probe.heap_bytes, probe.heap_bytes, l2_bytes, most=MAX_SETS)
+    return [probe] + [module.alloc(case.count) for _ in range(n - 1)]
+
+
+def _report(out: Outcome, row: dict | None, problems: list[str], echo) -> None:
+    for p in problems:
+        echo(f"ERROR: {p}")
+    out.errors += problems
+    if row is not None:
+        out.rows.append(row)
+        metric = next((f"{k.split('_')[0]} {row[k]:.1f} {'TFLOP/s' if k == 'TFLOPs' else 'GB/s'}"
+                       for k in ("TFLOPs", "busbw_GBps", "algbw_GBps") if row.get(k)), "")
+        echo(f"{row['impl'][:36]:36s} {row.get('label', '')[:28]:28s} {human(row['size']):>6s} "
+             f"{row.get('pattern', ''):4s} {row['time_us']:10.1f} us +-{row['spread_pct']:4.1f}%  {metric}"
+             + (f"  [{row['note']}]" if row.get("note") else ""))
+
+
+# ---------------------------------------------------------------------------
+# tsgen's timing and its checks
+# ---------------------------------------------------------------------------
+
+
+def _time_tsgen(step: Step, control: str | None, ceil, dev) -> tuple[dict | None, list[str]]:
+    w, conv, sets = step.world, step.conv, step.sets
+    host = _fill_inputs(step)
+    in_place = any(s.role == "inout" for s in sets[0].slots)
+    outputs = [s for s in sets[0].slots if s.role == "output"]
+    launched = [0]
+
+    def enqueue(i: int, ranks: list[int]) -> None:
+        launched[0] += 1
+        if control == "skip-launch" and launched[0] > step.warmup:
+            return  # the negative control: only the warm-up calls launch
+        step.module.launch(sets[i % len(sets)], ranks=ranks, streams=w.streams)
+
+    def poison() -> None:
+        for b in sets:
+            for r in w.ranks:
+                with w.cp.cuda.Device(w.devices[r]):
+                    for s in outputs:
+                        b.array(s.name, r).view(np.uint8)[...] = poison_byte(POISON_CALL)
+
+    def counter(rank: int) -> int:
+        with w.cp.cuda.Device(w.devices[rank]):
+            return sum(int(b.array("calls", rank)[0:1].get()[0]) for b in sets)
+
+    timing = time_calls(CupyClock(w), step.ranks, w.streams, enqueue, calls=calls_per_sample(step.iters, len(sets)),
+                        reps=step.reps, warmup=step.warmup, graphs=conv.graphs,
+                        lineup=w.size > 1 and step.pattern != "pair", after_warmup=None if in_place else poison,
+                        event_streams=w.make_streams() if control == "other-stream" else None,
+                        counter=counter if conv.counts_calls else None, label=f"tsgen {step.label}")
+    checked, problems = _check(step, host, in_place)
+    problems = timing.problems + problems
+    problems += guard(f"tsgen {step.label}", timing.median_us, step.case, ceil, _dtype(step.spec), w.colocated,
+                      dev.l2_bytes)
+    if problems:
+        return None, problems
+    row = _row("tsgen", timing, step.case, step.spec, step.family, w, step.pattern, label=step.name,
+               sets=len(sets), ceiling_frac=fraction_of_ceiling(timing.median_us, step.case, ceil, _dtype(step.spec),
+                                                                w.colocated, dev.l2_bytes), **checked)
+    return row, []
+
+
+def _row(impl: str, timing: Timing, case: BenchCase, spec, family, w, pattern: str, **extra) -> dict:
+    row = {"impl": impl, "spec": spec.name, "op": spec.op, "dtype": _dtype(spec), "world": w.size,
+           "group": baseline_group(spec, family, w.size), "size": case.size,
+           "size_unit": size_unit(family), "count": case.count, **({"pattern": pattern} if pattern not in ("", "all") else {}),
+           **timing.fields(), **metrics(case, timing.median_us)}
+    row.update({k: v for k, v in extra.items() if v is not None})
+    notes = [n for n in (timing.note, SHARED_NOTE if w.shared else None) if n]
+    if notes:
+        row["note"] = "; ".join(notes)
+    return row
+
+
+def _baseline_row(m: Measured, case: BenchCase, spec, family, w, ceil, dev, pattern: str):
+    if m.timing is None:
+        return None, []  # skipped: said in its worker's output
+    own = m.case or case
+    problems = list(m.timing.problems) + guard(m.impl, m.timing.median_us, own, ceil, _dtype(spec), 1, dev.l2_bytes)
+    if m.extra.get("wrong"):
+        problems.append(f"{m.impl} {human(m.size)}: {m.extra['wrong']} wrong elements in its checked call")
+    if problems:
+        return None, problems
+    own = dataclasses.replace(own, size=m.size, count=case.count)
+    row = _row(m.impl, m.timing, own, spec, family, w, m.pattern or pattern, baseline=True, compare=m.compare,
+               role=m.role or None, **m.extra)
+    return row, []
+
+
+def baseline_group(spec, family, world: int) -> str:
+    """Rows with the same group time the same work at the same size: op, dtype, world and, for
+    GEMMs, the compile-time N and K."""
+    shape = f"/n{spec.params.n}/k{spec.params.k}" if family.bench.check == "rows" else ""
+    return f"{spec.op}/{_dtype(spec)}/w{world}{shape}"
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """ratios[baseline] = t_baseline / t_tsgen (> 1: tsgen faster) at the same size and pattern;
+    with components (GEMM alone, communication alone), overlap = max(t_gemm, t_comm) / t."""
+    for r in rows:
+        if r["impl"] != "tsgen" or r.get("note", "").startswith(SHARED_NOTE):
+            continue
+        same = [b for b in rows if b.get("baseline") and b["size"] == r["size"] and b.get("group") == r.get("group")
+                and b.get("pattern", r.get("pattern")) == r.get("pattern")]
+        ratios = {b["impl"]: b["time_us"] / r["time_us"] for b in same if b.get("compare")}
+        if ratios:
+            r["ratios"] = ratios
+        parts = {b.get("role"): b["time_us"] for b in same}
+        if "gemm" in parts and "comm" in parts:
+            for x in [r] + [b for b in same if b.get("compare")]:
+                x["overlap"] = max(parts["gemm"], parts["comm"]) / x["time_us"]
+
+
+def _fill_inputs(step: Step) -> dict | None:
+    """Inputs of every set; the host copy of set 0's when the reference check will use it."""
+    w, conv, spec, family, sets = step.world, step.conv, step.spec, step.family, step.sets
+    slots = [s for s in sets[0].slots if s.role in ("input", "inout")]
+    biggest = max((s.nbytes for s in slots), default=0)
+    host = None
+    if conv.check == "exact" and (biggest <= conv.check_up_to or not conv.fill_on_device):
+        host = conv.bench_inputs(family, spec, w.size, step.case.count, np.random.default_rng(12345))
+        _load(w, sets[0], host)
+    else:
+        for r in w.ranks:
+            with w.cp.cuda.Device(w.devices[r]):
+                rs = w.cp.random.RandomState(1000 + r)
+                for s in slots:
+                    _random(w.cp, rs, sets[0].array(s.name, r), s.dtype)
+    for b in sets[1:]:
+        for r in w.ranks:
+            with w.cp.cuda.Device(w.devices[r]):
+                for s in slots:
+                    b.array(s.name, r)[...] = sets[0].array(s.name, r)
+    w.synchronize()
+    return host
+
+
+def _load(w, bufs, inputs: dict) -> None:
+    for r in w.ranks:
+        with w.cp.cuda.Device(w.devices[r]):
+            for name, per_rank in inputs.items():
+                arr = bufs.array(name, r)
+                arr.set(np.ascontiguousarray(per_rank[r]).view(arr.dtype))
+
+
+def _random(cp, rs, arr, dtype: str) -> None:
+    """Random data of `dtype` into a CuPy array (bfloat16 as its bits): never zeros."""
+    n = arr.size
+    if dtype == "bfloat16":
+        arr[...] = (rs.standard_normal(n, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    elif dtype in ("float16", "float32"):
+        arr[...] = rs.standard_normal(n, dtype=cp.float32).astype(arr.dtype)
+    elif dtype == "int32":
+        arr[...] = rs.randint(-1000, 1000, n, dtype=cp.int32)
+    else:
+        arr[...] = rs.randint(0, 256, n).astype(arr.dtype)
+
+
+def _check(step: Step, host: dict | None, in_place: bool) -> tuple[dict, list[str]]:
+    """The one check of the timed outputs: fields for the row, and problems."""
+    w, conv, spec, family, set0 = step.world, step.conv, step.spec, step.family, step.sets[0]
+    what = f"tsgen {step.label}"
+    outputs = [s for s in set0.slots if s.role in ("output", "inout")]
+    poison = poison_byte(POISON_CALL)
+    ranks = [r for r in conv.checked_ranks(family, spec, w.size, step.pattern) if r in w.ranks]
+
+    def left() -> int:
+        """Output elements whose every byte is still the poison (bytes: any value is data)."""
+        n = 0
+        for r in ranks:
+            with w.cp.cuda.Device(w.devices[r]):
+                for s in outputs:
+                    arr = set0.array(s.name, r)
+                    if arr.dtype.itemsize > 1:
+                        words = arr.get().view(np.uint8).reshape(-1, arr.dtype.itemsize)
+                        n += int((words == poison).all(axis=1).sum())
+        return sum(w.exchange(f"{what}: poison left", n))
+
+    if conv.check == "rows":
+        if len(w.ranks) != w.size:
+            return {"check": "not checked: sampled rows need every rank in this process"}, []
+
+        def fetch(name, r, a, b):
+            with w.cp.cuda.Device(w.devices[r]):
+                return set0.array(name, r)[a:b].get()
+
+        err, stale = conv.check_rows(family, spec, w.size, step.case.count, fetch), left()
+        problems = []
+        if not err <= MAX_REL_ERR:
+            problems.append(f"{what}: the timed output is wrong: sampled rows of C have relative error {err:.2e} "
+                            f"(at most {MAX_REL_ERR:g})")
+        if stale:
+            problems.append(f"{what}: {stale} output elements still hold the poison written before the timed "
+                            "calls: they did not write them")
+        return {"check": "sampled rows", "rel_err": err, "poison_left": stale}, problems
+    if host is None:
+        if in_place:
+            return {"check": f"not checked: in-place op above {human(conv.check_up_to)}"}, []
+        stale = left()
+        problems = [f"{what}: {stale} output elements still hold the poison written before the timed calls"] if stale else []
+        return {"check": "no output left poisoned (above the reference check's size)", "poison_left": stale}, problems
+    desc = "every output against the NumPy reference"
+    if in_place:  # the timed calls kept reducing their own results: one fresh call
+        _load(w, set0, host)
+        w.synchronize()
+        step.module.launch(set0, ranks=step.ranks, streams=w.streams)
+        w.synchronize()
+        desc = "a fresh call after the timing (in-place op) against the NumPy reference"
+    count = step.case.count
+    expected = family.reference(spec, w.size, count, host)
+    tol = family.tolerance(spec, w.size, count, host)
+    call = POISON_CALL if family.poison_survives(spec) and not in_place else None
+    wrong = 0
+    for name, per_rank in expected.items():
+        for r in ranks:
+            with w.cp.cuda.Device(w.devices[r]):
+                got = set0.array(name, r).get()
+            bad = wrong_elements(got.view(per_rank[r].dtype), per_rank[r], None if tol is None else tol[name][r],
+                                 None if tol is None else _dtype(spec), call)
+            wrong += int(bad.size)
+    wrong = sum(w.exchange(f"{what}: wrong", wrong))
+    problems = [f"{what}: the timed output is wrong: {wrong} elements differ from the reference"] if wrong else []
+    return {"check": desc, "wrong": wrong}, problems
+

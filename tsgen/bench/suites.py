@@ -1,0 +1,176 @@
+"""Benchmark suites as data: `tsgen bench --suite NAME` runs suites/NAME.yaml.
+
+A suite is a named list of specs x variants x sizes (what the retired device scripts ran;
+their commands live in the results they produced):
+
+    description: collectives against NCCL at 256 MiB and 1 GiB, world 4
+    gpus: 4                      # default world size of the entries
+    sizes: 256M,1G               # default sizes (else each op's own)
+    share_gpus: false            # true: ranks share the visible GPUs (timings not comparable)
+    entries:
+      - spec: specs/allgather.yaml
+      - spec: specs/all_reduce_one_shot.yaml
+        label: all_reduce_one_shot_b8     # the name in the tables (default: the spec's name)
+        variant: {params: {blocks_per_peer: 8}, launch: {blocks: 9}}   # spec fields changed
+        sizes: 64K,1M                     # this entry's own sizes
+    readme:                      # rows of the README's performance table (tsgen/bench/index.py)
+      title: Collectives at world 4 against NCCL
+      sizes: [256M, 1G]
+
+Entries run in order; consecutive entries of one world size share one World; the baselines
+of a group of rows (same op, dtype, world, sizes) are timed once. Results go to
+RESULTS/<op or family>/<suite>/<date>-<commit>.{json,md} (tsgen/bench/results.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+from pydantic import Field, ValidationError
+
+from ..errors import SpecError
+from ..harness import spec_variant
+from ..spec import StrictModel, load_spec
+from .sizes import parse_sizes
+
+SUITES_DIR = Path("suites")
+
+
+class EntryModel(StrictModel):
+    spec: str = Field(description="spec file, relative to the repository root")
+    label: str | None = Field(None, description="name of the entry's rows (default: the spec's name)")
+    gpus: int | None = Field(None, ge=1, le=64, description="world size (default: the suite's)")
+    sizes: str | int | list[str | int] | None = Field(None, description="sizes (default: the suite's, else the op's)")
+    variant: dict = Field(default_factory=dict, description="spec fields to change, nested")
+    patterns: list[str] | None = Field(None, description="copies: pair and/or ring")
+
+
+class ReadmeModel(StrictModel):
+    title: str
+    sizes: list[str | int] | None = None
+    labels: list[str] | None = None
+
+
+class SuiteModel(StrictModel):
+    description: str
+    gpus: int | None = Field(None, ge=1, le=64)
+    sizes: str | int | list[str | int] | None = None
+    share_gpus: bool = False
+    iters: int = Field(20, ge=1)
+    reps: int = Field(7, ge=1)
+    entries: list[EntryModel] = Field(min_length=1)
+    readme: ReadmeModel | None = None
+
+
+@dataclass
+class Entry:
+    spec: Path
+    gpus: int | None = None
+    sizes: object = None
+    label: str | None = None
+    variant: dict = field(default_factory=dict)
+    patterns: tuple[str, ...] | None = None
+
+
+@dataclass
+class Suite:
+    name: str
+    path: Path | None
+    model: SuiteModel
+    entries: list[Entry]
+
+
+def suite_path(name: str, suites_dir: Path = SUITES_DIR) -> Path:
+    p = Path(name)
+    return p if p.suffix in (".yaml", ".yml") else Path(suites_dir) / f"{name}.yaml"
+
+
+def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
+    """Parse and check suites/NAME.yaml (or a path): every spec exists, every size parses.
+    Problems raise SpecError (`FILE: field: what is wrong`)."""
+    path = suite_path(name, suites_dir)
+    if not path.exists():
+        known = sorted(p.stem for p in Path(suites_dir).glob("*.yaml"))
+        raise SpecError([f"{path}: no such suite (suites: {', '.join(known) or 'none'})"])
+    try:
+        model = SuiteModel.model_validate(yaml.safe_load(path.read_text()))
+    except yaml.YAMLError as e:
+        raise SpecError([f"{path}: {e}"]) from None
+    except ValidationError as e:
+        raise SpecError([f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]) from None
+    problems, entries = [], []
+    for i, e in enumerate(model.entries):
+        where = f"{path}: entries.{i}"
+        sizes = e.sizes if e.sizes is not None else model.sizes
+        try:
+            if sizes is not None:
+                parse_sizes(sizes)
+        except ValueError as err:
+            problems.append(f"{where}.sizes: {err}")
+        if not Path(e.spec).exists():
+            problems.append(f"{where}.spec: {e.spec} does not exist")
+        elif e.variant:  # validated as a shipped spec is
+            try:
+                spec_variant(load_spec(e.spec), e.variant)
+            except SpecError as err:
+                problems += [f"{where}.variant: {p}" for p in err.problems]
+        entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
+                             tuple(e.patterns) if e.patterns else None))
+    if problems:
+        raise SpecError(problems)
+    return Suite(path.stem, path, model, entries)
+
+
+def list_suites(suites_dir: Path = SUITES_DIR) -> list[tuple[str, str]]:
+    out = []
+    for p in sorted(Path(suites_dir).glob("*.yaml")):
+        try:
+            out.append((p.stem, yaml.safe_load(p.read_text()).get("description", "")))
+        except (yaml.YAMLError, AttributeError):
+            out.append((p.stem, "(unreadable)"))
+    return out
+
+
+def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup: int = 3, backend: str = "single",
+                share_gpus: bool | None = None, baselines: bool = True, control: str | None = None,
+                arch: str = "sm_90a", echo: Callable[[str], None] = print,
+                progress: Callable[[str], None] | None = None):
+    """Run entries in order, one World per run of consecutive entries with the same world size.
+    Returns (outcomes, the environment of the last World)."""
+    from ..ops import get_family
+    from ..runtime import World
+    from ..runtime.backends import world_size
+    from .runner import add_ratios, baseline_group, bench_spec
+    from .results import environment
+
+    planned = []
+    for e in entries:
+        loaded = spec_variant(load_spec(e.spec), e.variant)
+        gpus = e.gpus
+        if backend != "single":
+            gpus = world_size(backend, gpus)
+        elif gpus is None and len(loaded.model.world_sizes) == 1:
+            gpus = loaded.model.world_sizes[0]
+        if gpus is None:
+            raise SpecError([f"{e.spec}: a world size is needed (--gpus, or gpus: in the suite): the spec runs at "
+                             f"{list(loaded.model.world_sizes)}"])
+        group = baseline_group(loaded.model, get_family(loaded.model.op), gpus)
+        planned.append((e, gpus, (group, e.patterns)))  # a group's baselines: timed with its first entry's sizes
+    outcomes, env, timed = [], {}, set()
+    for gpus, group in itertools.groupby(planned, key=lambda p: p[1]):
+        with World(gpus, backend=backend, share_gpus=share_gpus) as world:
+            for e, _, key in group:
+                out = bench_spec(e.spec, gpus, e.sizes, variant=e.variant, label=e.label, iters=iters, reps=reps,
+                                 warmup=warmup, patterns=e.patterns, backend=backend, share_gpus=share_gpus,
+                                 baselines=baselines and key not in timed, arch=arch, echo=echo, progress=progress,
+                                 control=control, world=world)
+                timed.add(key)
+                outcomes.append(out)
+            env = environment(world)
+    rows = [r for o in outcomes for r in o.rows]
+    add_ratios(rows)
+    return outcomes, env
