@@ -1,6 +1,6 @@
 """Shared-GPU worlds without a GPU: where ranks go, which grids can all be resident, the
 spec variants that fit every shipped spec on 132- and 114-SM GPUs at world sizes 2..8,
-the refusals and their messages, the test-only rank skew, and shared bench rows.
+the refusals and their messages, and the test-only rank skew (shared bench rows: test_bench_wing_cpu.py).
 The GPU side (the whole suite with TSGEN_SHARE_GPUS=1 on one GPU) is tools/gpu_shared.sh."""
 
 from __future__ import annotations
@@ -268,27 +268,6 @@ def test_skewed_source_compiles(tmp_path, monkeypatch):
     src = tmp_path / "simple_shift.cu"
     src.write_text(render(load_spec(ROOT / "specs" / "simple_shift.yaml"), base=ROOT, skew=3).source)
     assert compile_source(src).output.exists()
-
-
-# ---------------------------------------------------------------------------
-# bench rows of a shared GPU
-# ---------------------------------------------------------------------------
-
-
-def test_shared_rows_carry_no_ratio():
-    from tsgen.bench import SHARED_NOTE
-    from tsgen.bench.report import text_table
-    from tsgen.bench.runner import add_ratios
-
-    rows = [{"impl": "tsgen", "group": "g", "op": "allgather", "size": 1 << 20, "time_us": 10.0, "algbw_GBps": 1.0,
-             "busbw_GBps": 1.0, "wrong": 0, "note": SHARED_NOTE},
-            {"impl": "nccl", "baseline": True, "compare": True, "group": "g", "size": 1 << 20, "time_us": 20.0,
-             "busbw_GBps": 0.5}]
-    add_ratios(rows)
-    assert "ratios" not in rows[0]
-    table = text_table(rows)
-    row = next(line for line in table.splitlines() if line.startswith("tsgen"))
-    assert row.endswith(f"[{SHARED_NOTE}]") and "vs nccl" not in table
 
 
 def test_copy_engine_collectives_are_refused_on_a_shared_gpu():
