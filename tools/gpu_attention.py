@@ -48,8 +48,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}.items():
-    os.environ[_k] = _v  # never NVLink multicast
+from tsgen.env import force_no_multicast  # noqa: E402
+
+force_no_multicast()  # never NVLink multicast, here or in anything this starts
 
 SPEC = ROOT / "specs" / "attention_hd128.yaml"
 MAX_REL_ERR = 1e-2
