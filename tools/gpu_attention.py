@@ -64,7 +64,7 @@ CHECK_TIMEOUT_S, BENCH_TIMEOUT_S = 60, 120
 
 def variant(head_dim=128, causal=False, kv_heads=32, **extra) -> dict:
     """Ping-pong on for causal, off otherwise (docs/design/attention.md; results/attention/
-    attention_h100.md, 2026-11-23: off is 4-13% faster non-causal at seq 4K-16K,
+    results/attention/2026-11-23-222939d-sdpa-h100.md: off is 4-13% faster non-causal at seq 4K-16K,
     on is 1-26% faster causal at seq <= 4K), unless `extra` says otherwise."""
     changes = {"params": {"head_dim": head_dim, "causal": causal, "kv_heads": kv_heads, "pingpong": causal}}
     for key, value in extra.items():
