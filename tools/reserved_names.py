@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from tsgen.ops import get_family  # noqa: E402
 from tsgen.render import render  # noqa: E402
-from tsgen.spec import load_spec, name_problem  # noqa: E402
+from tsgen.spec import load_spec  # noqa: E402
+from tsgen.spec_types import name_problem  # noqa: E402
 from tsgen.toolchain import find_device_lib, find_nvcc, gencode_flags, nvcc_version  # noqa: E402
 
 _DECLARED = re.compile(r'error: "([A-Za-z_]\w*)" has already been declared in the current scope')

@@ -279,7 +279,7 @@ def run_settings(spec, count: int | None, iters: int | None) -> tuple[int, int]:
     within the same bounds (TestConfig); RuntimeSetupError naming the option otherwise."""
     from pydantic import ValidationError
 
-    from .spec import TestConfig
+    from .spec_types import TestConfig
 
     values = {"count": spec.test.count if count is None else count,
               "iters": spec.test.iters if iters is None else iters}

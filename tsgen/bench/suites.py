@@ -34,7 +34,8 @@ from pydantic import Field, ValidationError
 
 from ..errors import SpecError
 from ..harness import spec_variant
-from ..spec import StrictModel, load_spec
+from ..spec import load_spec
+from ..spec_types import StrictModel
 from .sizes import parse_sizes
 
 SUITES_DIR = Path("suites")

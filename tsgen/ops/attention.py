@@ -38,7 +38,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BeforeValidator, Field
 
-from ..spec import SpecBase, StrictModel, _as_list
+from ..spec_types import SpecBase, StrictModel, _as_list
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
 from .collectives import from_f64, to_f64
 

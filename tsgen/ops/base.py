@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..runtime.placement import fit_blocks
-from ..spec import SpecBase
+from ..spec_types import SpecBase
 from .conventions import BenchConventions
 
 # dtype name -> (C type, numpy dtype)

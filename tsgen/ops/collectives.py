@@ -27,7 +27,7 @@ from pydantic import Field
 
 from ..plan import (MAX_WAITS, STRAIGHT_LINE_MAX_CALLS, CommPlan, ShareGroup, SignalRef, Slice, Step, schedule,
                     straight_line_groups, stream_program)
-from ..spec import Launch, SpecBase, StrictModel
+from ..spec_types import Launch, SpecBase, StrictModel
 from .base import CALLS, Arg, Buffer, OpFamily, Plan, fill
 from .collectives_bench import AllReduceBench, CollectiveBench
 

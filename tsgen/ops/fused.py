@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from ..spec import SpecBase, WorldSizes
+from ..spec_types import SpecBase, WorldSizes
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
 from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64

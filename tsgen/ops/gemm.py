@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BeforeValidator, Field
 
 from ..runtime.placement import fit_blocks
-from ..spec import SpecBase, StrictModel, _as_list
+from ..spec_types import SpecBase, StrictModel, _as_list
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
