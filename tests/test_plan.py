@@ -252,7 +252,7 @@ def _straight_worlds(name):
     spec = load_spec(ROOT / "specs" / f"{name}.yaml").model
     family = get_family(spec.op)
     worlds = sorted(family.template_vars(spec)["straight_line"])
-    assert [k.world_size for k in family.plan(spec).kernels if k.min_blocks == 1] == worlds
+    assert [k.world_size for k in family.abi(spec).kernels if k.min_blocks == 1] == worlds
     return worlds
 
 

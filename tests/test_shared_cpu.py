@@ -119,7 +119,7 @@ def test_fitted_variant_of_every_shipped_spec(path, sms):
         updates = family.shared_fit(at_world.model, world, sms)
         variant = spec_variant(at_world, updates)  # raises SpecError if a check fails
         spec = variant.model
-        kernel = next(k for k in family.plan(spec).kernels if k.world_size == world)
+        kernel = next(k for k in family.abi(spec).kernels if k.world_size == world)
         assert world * (kernel.grid + _reserve(spec)) <= sms, (world, kernel.grid, describe_variant(updates))
         assert updates == {} or set(updates) <= {"launch", "params"}
         if not updates:  # unchanged only where it already fit

@@ -50,7 +50,7 @@ def clashes(spec_path: Path) -> tuple[set[str], set[str]]:
     nvcc = str(find_nvcc())
     rendered = render(load_spec(spec_path), base=ROOT)
     flags = ["-std=c++17", "-x", "cu", *gencode_flags("sm_90a")]
-    if rendered.plan.family.device_libs(rendered.plan.spec):
+    if rendered.abi.family.device_libs(rendered.abi.spec):
         flags.append(f"-I{find_device_lib('nvshmem').include}")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.cu"

@@ -19,7 +19,7 @@ import jinja2
 from . import __version__
 from .files import atomic_write, sweep_temps
 from .ops import get_family
-from .ops.base import Plan
+from .ops.base import ModuleAbi
 from .spec import LoadedSpec
 
 
@@ -88,7 +88,7 @@ class Rendered:
     name: str
     source: str  # NAME.cu
     manifest: str  # NAME.json
-    plan: Plan
+    abi: ModuleAbi  # the module ABI: buffers, kernels and constants
 
     def files(self) -> dict[str, str]:
         return {f"{self.name}.cu": self.source, f"{self.name}.json": self.manifest}
@@ -101,7 +101,7 @@ def render(loaded: LoadedSpec, base: Path | None = None, skew: int | None = None
     or fence shows up as it would over NVLink. Ops with their own entry points ignore it."""
     spec = loaded.model
     family = get_family(spec.op)
-    plan = family.plan(spec)
+    plan = family.abi(spec)  # the module ABI (`plan`: the template input name, unchanged)
     spec_path = spec_display_path(loaded.path, base if base is not None else Path.cwd())
     timeout_ns = spec.sync.timeout_ms * 1_000_000
     kargs = plan.kernels[0].args
