@@ -12,10 +12,11 @@ import pytest
 from conftest import ROOT, SPECS
 
 from tsgen.ops import get_family
-from tsgen.plan import SignalRef, c_tables, default_schedules, straight_line_groups, verify
+from tsgen.plan.ir import SignalRef
+from tsgen.plan.lower import c_tables, straight_line_groups
+from tsgen.plan.verifier import default_schedules, job_plan, plan_jobs, verify
 from tsgen.render import render
 from tsgen.spec import load_spec
-from tsgen.verify_plans import job_plan, plan_jobs
 
 COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")
                and not get_family(load_spec(s).model.op).is_multimem(load_spec(s).model)]
@@ -89,7 +90,7 @@ def test_missing_wait_for_peer_entry_fails():
         # keep the entry signals awaited by something so only the race remains
         plan.ranks[r].steps.append(dataclasses.replace(plan.ranks[r].steps[-1], op="none", dst=None, srcs=(),
                                    waits=tuple(("entry", q) for q in range(3) if q != r), signals=()))
-    from tsgen.plan import schedule
+    from tsgen.plan.ir import schedule
 
     plan = schedule(3, plan.nblocks, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
                     signals=plan.signals, expected=plan.expected)
@@ -103,7 +104,7 @@ def test_wrong_signal_index_fails():
     st = plan.ranks[2].steps[i]
     bad = SignalRef(st.signals[0].rank, st.signals[0].name, (st.signals[0].index + 1) % 4)
     plan.ranks[2].steps[i] = dataclasses.replace(st, signals=(bad,))
-    from tsgen.plan import schedule
+    from tsgen.plan.ir import schedule
 
     plan = schedule(4, plan.nblocks, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
                     signals=plan.signals, expected=plan.expected)
@@ -125,7 +126,7 @@ def test_deadlock_is_reported():
     for r in range(2):
         steps = plan.ranks[r].steps
         steps[0] = dataclasses.replace(steps[0], waits=(("arrive", 1 - r),))
-    from tsgen.plan import schedule
+    from tsgen.plan.ir import schedule
 
     plan = schedule(2, 1, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
                     signals=plan.signals, expected=plan.expected)
@@ -163,7 +164,7 @@ def test_verify_cli_jobs_keep_the_order():
 def test_opening_signal_hoisted(spec, w, mask_of):
     """Each rank's entry step leaves block 0's share list when hoisted and comes back as
     (buffer index, counter index, peer mask): what plan<W>::open raises at kernel start."""
-    from tsgen.plan import opening_signal
+    from tsgen.plan.lower import opening_signal
 
     plan = _plan(spec, w)
     index = {n: i for i, n in enumerate(["calls", *plan.buffers, *plan.signals])}
@@ -178,7 +179,7 @@ def test_opening_signal_hoisted(spec, w, mask_of):
 
 
 def test_opening_signal_needs_a_signal_only_first_share():
-    from tsgen.plan import opening_signal
+    from tsgen.plan.lower import opening_signal
 
     plan = _plan("specs/allgather.yaml", 2)
     st = plan.ranks[0].steps[plan.ranks[0].blocks[0][0].step]
@@ -296,3 +297,14 @@ def test_more_than_512_threads_keep_the_tables(tmp_path):
     assert spec.launch.threads == 1024
     assert get_family(spec.op).template_vars(spec)["straight_line"] == {}
     assert "::run<T, UNROLL>" not in render(load_spec(wide)).source
+
+
+def test_table_limits_match_the_header():
+    """The limits of a plan's table rows (tsgen.plan.ir) are the array sizes of
+    templates/include/tsgen_plan.cuh: checked here rather than kept equal by hand."""
+    from tsgen.plan import ir
+
+    header = (ROOT / "templates/include/tsgen_plan.cuh").read_text()
+    defined = dict(re.findall(r"^#define TSGEN_(MAX_\w+) (\d+)$", header, re.M))
+    assert {k: int(v) for k, v in defined.items()} == {
+        k: getattr(ir, k) for k in ("MAX_SRCS", "MAX_WAITS", "MAX_SIGNALS", "MAX_ALSO")}

@@ -91,7 +91,7 @@ def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -
     variant = spec_variant(loaded, updates)
     fitted = f"fitted variant: {describe_variant(updates)}" if updates else "the spec fits as it is"
     if updates and hasattr(family, "comm_plan"):
-        from .plan import verify as verify_plan
+        from .plan.verifier import verify as verify_plan
 
         problems = verify_plan(family.comm_plan(variant.model, world.size), schedules=4, seed=0)
         if problems:

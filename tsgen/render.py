@@ -51,7 +51,7 @@ def environment() -> jinja2.Environment:
         return f"{rule}\n// Inlined from templates/include/{name}\n{rule}\n{text.rstrip()}\n"
 
     env.globals["inline_header"] = inline_header
-    from .plan import c_slice, c_tables
+    from .plan.lower import c_slice, c_tables
 
     env.globals["c_tables"] = c_tables
     env.globals["c_slice"] = c_slice

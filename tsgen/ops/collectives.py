@@ -1,6 +1,6 @@
 """Collectives as plans: allgather, reduce_scatter, all_to_all, all_reduce, broadcast.
 
-Each family builds, for every world size, a CommPlan (tsgen/plan.py): the
+Each family builds, for every world size, a CommPlan (tsgen/plan/ir.py): the
 steps every rank takes, the signals between them, and the contributions
 every output slice must end up with. The template renders the plan as
 tables that one interpreter kernel executes (templates/include/
@@ -25,10 +25,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from ..plan import (MAX_WAITS, STRAIGHT_LINE_MAX_CALLS, CommPlan, ShareGroup, SignalRef, Slice, Step, schedule,
-                    straight_line_groups, stream_program)
+from ..plan.ir import MAX_WAITS, CommPlan, SignalRef, Slice, Step, schedule
+from ..plan.lower import STRAIGHT_LINE_MAX_CALLS, ShareGroup, straight_line_groups, stream_program
 from ..spec_types import Launch, SpecBase, StrictModel
-from .base import CALLS, Arg, Buffer, OpFamily, ModuleAbi, fill
+from .base import CALLS, Arg, Buffer, ModuleAbi, OpFamily, fill
 from .collectives_bench import AllReduceBench, CollectiveBench
 
 CollectiveDtype = Literal["bfloat16", "float16", "float32", "int32"]
