@@ -16,15 +16,14 @@ from tsgen.plan.ir import SignalRef
 from tsgen.plan.lower import c_tables, straight_line_groups
 from tsgen.plan.verifier import default_schedules, job_plan, plan_jobs, verify
 from tsgen.render import render
-from tsgen.spec import load_spec
+from tsgen.spec import load_spec, spec_variant
 
 COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")
                and not get_family(load_spec(s).model.op).is_multimem(load_spec(s).model)]
 
 
 def _plan(spec_path, w):
-    spec = load_spec(spec_path).model
-    spec = spec.model_copy(update={"world_sizes": [w]})
+    spec = spec_variant(load_spec(spec_path), {"world_sizes": [w]}).model
     return get_family(spec.op).comm_plan(spec, w)
 
 

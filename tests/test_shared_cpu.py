@@ -12,12 +12,11 @@ import pytest
 
 from conftest import ROOT, SPECS
 from tsgen.errors import RuntimeSetupError, SpecError
-from tsgen.harness import describe_variant, spec_variant
 from tsgen.ops import get_family
 from tsgen.render import render
 from tsgen.runtime.placement import (fit_blocks, mps_active, place_ranks, ranks_per_gpu, residency_problem,
                                      share_from_env)
-from tsgen.spec import load_spec
+from tsgen.spec import describe_variant, load_spec, spec_variant
 
 # ---------------------------------------------------------------------------
 # placement and residency arithmetic

@@ -113,6 +113,8 @@ def render(loaded: LoadedSpec, base: Path | None = None, skew: int | None = None
     banner = [
         banner_first_line(__version__, spec_path),
         f"spec sha256 {loaded.sha256}",
+        # a variant (spec.spec_variant) says so: the file's fields, with these changed
+        *(f"variant: {change}" for change in loaded.changes),
         "DO NOT EDIT: change the spec and run `tsgen build` again.",
         "",
         f"op {spec.op}: {family.summary}",

@@ -1,4 +1,5 @@
-"""Spec loading: YAML file -> typed, validated model of one op kind.
+"""Spec loading: YAML file -> typed, validated model of one op kind; and variants of a
+loaded spec (spec_variant), validated the same way.
 
 Every problem is reported as ``FILE:LINE:COL: field: what is wrong``; a
 problem anywhere means nothing is rendered. The YAML is composed into nodes
@@ -147,6 +148,8 @@ class LoadedSpec:
     path: Path
     text: str
     model: SpecBase
+    # a variant's changes to the spec file, `key = value` (spec_variant); () for the file itself
+    changes: tuple[str, ...] = ()
 
     @property
     def sha256(self) -> str:
@@ -244,21 +247,72 @@ def load_spec(path: str | Path, display_path: str | None = None) -> LoadedSpec:
             [_fmt(shown, loc.find(("op",)), "op", f"unknown op {op!r}; one of: {', '.join(family_names())}")]
         ) from None
 
+    return LoadedSpec(path=shown, text=text, model=_validate(family, data, shown, loc))
+
+
+def _validate(family, data: dict, shown: Path, loc: _Located, after: str = "") -> SpecBase:
+    """The family's model of `data`: field types, then the family's cross-field checks; every
+    problem of the first that has any as a SpecError, each line ending in `after`."""
     try:
         model = family.Spec.model_validate(data)
     except ValidationError as e:
         problems = []
         for err in e.errors():
             field_path = tuple(err["loc"])
-            problems.append(_fmt(shown, loc.find(field_path), _dotted(field_path), _pydantic_message(err)))
+            problems.append(_fmt(shown, loc.find(field_path), _dotted(field_path), _pydantic_message(err)) + after)
         raise SpecError(problems) from None
     problems = [
-        _fmt(shown, loc.find(field_path), _dotted(field_path), msg)
+        _fmt(shown, loc.find(field_path), _dotted(field_path), msg) + after
         for field_path, msg in family.check(model)
     ]
     if problems:
         raise SpecError(problems)
-    return LoadedSpec(path=shown, text=text, model=model)
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Variants: a spec with some fields changed (spec_variant)
+# ---------------------------------------------------------------------------
+
+
+def merge(base: dict, updates: dict) -> dict:
+    """`base` with `updates` merged in, nested mappings key by key ({"launch": {"blocks": 64}}
+    changes only launch.blocks); neither is modified."""
+    out = dict(base)
+    for key, value in updates.items():
+        out[key] = merge(base.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
+def _flat(updates: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in sorted(updates.items()):
+        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return out
+
+
+def describe_variant(updates: dict) -> str:
+    """`launch.blocks = 66, world_sizes = [8]`: what a variant changed, for output and results."""
+    return ", ".join(f"{k} = {v}" for k, v in _flat(updates))
+
+
+def spec_variant(loaded: LoadedSpec, updates: dict) -> LoadedSpec:
+    """THE way to make "this spec with these changes": `loaded` with `updates` merged in
+    (nested: {"launch": {"blocks": 64}}), validated exactly as load_spec validates a file
+    (field types, then the family's cross-field checks; problems as SpecError, each ending in
+    "(in the variant ...)"). Deterministic: the same spec and updates give the same variant.
+    Its name is the spec's unless `updates` sets `name` (the dtype matrix does). Each change is
+    appended to its text as a `# variant: key = value` line, so its sha256 (and the cache
+    entry, manifest and banner made from it) names the variant, and recorded in `changes`,
+    which the banner of a variant's source lists. No updates: `loaded` itself."""
+    if not updates:
+        return loaded
+    family = get_family(loaded.model.op)
+    data = merge(loaded.model.model_dump(), updates)
+    model = _validate(family, data, loaded.path, _Located(), f" (in the variant {describe_variant(updates)})")
+    changes = tuple(f"{k} = {v}" for k, v in _flat(updates))
+    note = "".join(f"\n# variant: {c}" for c in changes)
+    return LoadedSpec(loaded.path, loaded.text + note + "\n", model, loaded.changes + changes)
 
 
 def spec_files(paths: list[str | Path]) -> list[Path]:

@@ -33,8 +33,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from ..errors import SpecError
-from ..harness import spec_variant
-from ..spec import load_spec
+from ..spec import load_spec, spec_variant
 from ..spec_types import StrictModel
 from .sizes import parse_sizes
 

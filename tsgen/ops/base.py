@@ -186,7 +186,7 @@ class OpFamily:
 
     # -- shared-GPU worlds -------------------------------------------------------
     def shared_fit(self, spec: Any, colocated: int, sms: int) -> dict[str, Any]:
-        """Spec fields to change (nested, for harness.spec_variant) so that `colocated` ranks'
+        """Spec fields to change (nested, for spec.spec_variant) so that `colocated` ranks'
         grids are all resident at once on one GPU of `sms` SMs; {} when the spec fits as it is.
         The bound is one block per SM, whatever the kernel's occupancy. Pure."""
         if colocated == 1:

@@ -12,9 +12,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from ..errors import CheckFailed
+from ..errors import CheckFailed, SpecError
 from ..ops import get_family
-from ..spec import load_spec, spec_files
+from ..spec import load_spec, spec_files, spec_variant
 from .ir import MAX_ALSO, MAX_SIGNALS, MAX_SRCS, MAX_WAITS, CommPlan, Slice
 
 # ---------------------------------------------------------------------------
@@ -495,15 +495,19 @@ def plan_jobs(paths: Iterable[Path], worlds: Iterable[int], schedules: int | Non
             jobs.append(PlanJob(loaded.name, path, None, skip="multimem variant: no plan to verify, compiled only"))
             continue
         for w in worlds:
-            problems = family.check(loaded.model.model_copy(update={"world_sizes": [w]}))
+            try:
+                spec_variant(loaded, {"world_sizes": [w]})
+                skip = None
+            except SpecError as e:  # the family does not plan this world size
+                skip = e.problems[0]
             jobs.append(PlanJob(loaded.name, path, w, default_schedules(w) if schedules is None else schedules,
-                                skip=problems[0][1] if problems else None))
+                                skip=skip))
     return jobs
 
 
 @lru_cache(maxsize=4)  # a worker mostly gets consecutive chunks of one plan
 def job_plan(path: Path, world: int) -> CommPlan:
-    spec = load_spec(path).model.model_copy(update={"world_sizes": [world]})
+    spec = spec_variant(load_spec(path), {"world_sizes": [world]}).model
     return get_family(spec.op).comm_plan(spec, world)
 
 
