@@ -267,13 +267,12 @@ def test_which_shipped_plans_are_straight_line(name, worlds):
     assert _straight_worlds(name) == worlds
 
 
-def test_plan_code_tables_renders_no_straight_line_code(tmp_path):
+def test_plan_code_tables_renders_no_straight_line_code():
     """launch.plan_code: tables (the A/B baseline) keeps every world size on the table
     interpreter; the tables themselves are the same either way."""
-    path = ROOT / "specs" / "all_reduce_one_shot.yaml"
-    forced = tmp_path / "all_reduce_one_shot.yaml"
-    forced.write_text(path.read_text().replace("launch:\n", "launch:\n  plan_code: tables\n"))
-    auto, tables = render(load_spec(path)).source, render(load_spec(forced)).source
+    loaded = load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml")
+    forced = spec_variant(loaded, {"launch": {"plan_code": "tables"}})
+    auto, tables = render(loaded).source, render(forced).source
     for w in (2, 3, 4, 8):
         assert f"plan<{w}>::run<T, UNROLL>(rank, epoch" in auto
         assert f"tsgen_run_share<T, UNROLL>(steps_w{w}[" in auto
@@ -286,16 +285,14 @@ def _tables_text(source):
     return source[source.index("static __device__ const tsgen_step steps_w"):source.index("template <int WORLD> struct plan;")]
 
 
-def test_more_than_512_threads_keep_the_tables(tmp_path):
+def test_more_than_512_threads_keep_the_tables():
     """With 1024 threads ptxas caps a thread at 64 registers, fewer than straight-line
     reductions keep in flight: such specs run the table interpreter."""
-    path = ROOT / "specs" / "all_reduce_one_shot.yaml"
-    wide = tmp_path / "all_reduce_one_shot.yaml"
-    wide.write_text(path.read_text().replace("threads: 512", "threads: 1024"))
-    spec = load_spec(wide).model
+    wide = spec_variant(load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml"), {"launch": {"threads": 1024}})
+    spec = wide.model
     assert spec.launch.threads == 1024
     assert get_family(spec.op).template_vars(spec)["straight_line"] == {}
-    assert "::run<T, UNROLL>" not in render(load_spec(wide)).source
+    assert "::run<T, UNROLL>" not in render(wide).source
 
 
 def test_table_limits_match_the_header():
