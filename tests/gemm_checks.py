@@ -44,7 +44,7 @@ def variant_manifest(out: Path, name: str, timeout_ms: int | None) -> Path:
     from tsgen.render import render, write_if_different
     from tsgen.spec import load_spec, merge, spec_variant
 
-    updates = merge(VARIANTS[name], {"name": "gemm_bf16" if name == "shipped" else f"gemm_{name}"})
+    updates = merge(VARIANTS[name], {} if name == "shipped" else {"name": f"gemm_{name}"})
     if timeout_ms is not None:
         updates = merge(updates, {"sync": {"timeout_ms": timeout_ms}})
     rendered = render(spec_variant(load_spec(SPEC), updates), base=ROOT)
