@@ -17,7 +17,6 @@ import json
 import time
 from pathlib import Path
 
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "specs" / "gemm_bf16.yaml"
@@ -42,18 +41,13 @@ CHECK_VARIANTS = ["shipped", "no_cluster", "cluster_n", "tile_256x128", "one_con
 
 def variant_manifest(out: Path, name: str, timeout_ms: int | None) -> Path:
     """Render the shipped spec with VARIANTS[name] applied into OUT/build; the manifest path."""
-    from tsgen.harness import _merge
     from tsgen.render import render, write_if_different
-    from tsgen.spec import load_spec
+    from tsgen.spec import load_spec, merge, spec_variant
 
-    data = _merge(yaml.safe_load(SPEC.read_text()), VARIANTS[name])  # nested dicts merge
-    data["name"] = "gemm_bf16" if name == "shipped" else f"gemm_{name}"
+    updates = merge(VARIANTS[name], {} if name == "shipped" else {"name": f"gemm_{name}"})
     if timeout_ms is not None:
-        data.setdefault("sync", {})["timeout_ms"] = timeout_ms
-    spec_path = out / "build" / "specs" / f"{data['name']}.yaml"
-    spec_path.parent.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
-    rendered = render(load_spec(spec_path), base=spec_path.parent.parent)
+        updates = merge(updates, {"sync": {"timeout_ms": timeout_ms}})
+    rendered = render(spec_variant(load_spec(SPEC), updates), base=ROOT)
     for file, text in rendered.files().items():
         write_if_different(out / "build" / "generated" / file, text)
     return out / "build" / "generated" / f"{rendered.name}.json"

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from conftest import ROOT
 from tsgen.errors import SpecError, ToolchainError
@@ -24,7 +23,7 @@ from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_p
                                  zigzag)
 from tsgen.ops.collectives import to_f64
 from tsgen.render import render
-from tsgen.spec import load_spec
+from tsgen.spec import LoadedSpec, load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
 
 SPEC = ROOT / "specs" / "attention_hd128.yaml"
@@ -55,27 +54,14 @@ def cache(tmp_path_factory):
     mp.undo()
 
 
-def variant(tmp: Path, name: str, **changes) -> Path:
-    """specs/attention_hd128.yaml with some fields changed (nested dicts merge)."""
-    data = yaml.safe_load(SPEC.read_text())
-    data["name"] = name
-
-    def merge(into: dict, new: dict) -> None:
-        for key, value in new.items():
-            if isinstance(value, dict):
-                merge(into.setdefault(key, {}), value)
-            else:
-                into[key] = value
-
-    merge(data, changes)
-    path = tmp / "specs" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(HEAD + yaml.safe_dump(data, sort_keys=False))
-    return path
+def variant(name, **changes):
+    """specs/attention_hd128.yaml with some fields changed (nested dicts merge), named NAME: a spec
+    variant (tsgen.spec.spec_variant), validated as a spec file is."""
+    return spec_variant(load_spec(SPEC), {**changes, "name": name})
 
 
-def rendered_source(spec_path: Path, out: Path) -> Path:
-    r = render(load_spec(spec_path), base=spec_path.parent.parent)
+def rendered_source(loaded: LoadedSpec, out: Path) -> Path:
+    r = render(loaded, base=out)
     for name, text in r.files().items():
         (out / name).write_text(text)
     return out / f"{r.name}.cu"
@@ -128,7 +114,7 @@ def test_shipped_specs():
 
 
 # ---------------------------------------------------------------------------
-# Plan, manifest, rendering
+# Module ABI, manifest, rendering
 # ---------------------------------------------------------------------------
 
 
@@ -160,8 +146,8 @@ def test_plan_and_manifest():
 
 
 def test_float16_and_scale_render(tmp_path):
-    path = variant(tmp_path, "a16", dtype="float16", params={"softmax_scale": 0.5, "head_dim": 64})
-    source = render(load_spec(path), base=tmp_path).source
+    loaded = variant("a16", dtype="float16", params={"softmax_scale": 0.5, "head_dim": 64})
+    source = render(loaded, base=tmp_path).source
     assert "m64n64k16.f32.f16.f16" in source and "using Element = __half;" in source
     assert f"SCALE_LOG2 = {0.5 * math.log2(math.e)!r}f" in source
 
@@ -213,8 +199,8 @@ def test_positions_and_flops():
 
 
 def test_family_reference_and_tolerance(tmp_path):
-    path = variant(tmp_path, "tiny", params={"heads": 4, "kv_heads": 2, "head_dim": 64, "causal": True, "batch": 2})
-    spec = load_spec(path).model
+    loaded = variant("tiny", params={"heads": 4, "kv_heads": 2, "head_dim": 64, "causal": True, "batch": 2})
+    spec = loaded.model
     family = get_family("attention")
     count = 5
     inputs = family.make_inputs(spec, 1, count, np.random.default_rng(1), pattern=False)
@@ -297,7 +283,7 @@ def test_sass(cache, name, head_dim):
     {"params": {"tile": {"n": 176}}},
 ], ids=["f16", "bhsd_gqa8", "no_pingpong_causal", "hd64_waits", "blocks_176"])
 def test_variants_compile(cache, tmp_path, changes):
-    res = compile_source(rendered_source(variant(tmp_path, "v", **changes), tmp_path))
+    res = compile_source(rendered_source(variant("v", **changes), tmp_path))
     entry = res.report["v_w1_kernel"]
     assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
     assert ptxas_problems(res.output) == []
@@ -307,7 +293,7 @@ def test_variants_compile(cache, tmp_path, changes):
 def test_printing_wait_diagnostic_serializes(cache, tmp_path):
     """Why kv_wait_diagnostic is off by default: its printf is a call, and ptxas then
     serializes every wgmma of the kernel (C7510)."""
-    res = compile_source(rendered_source(variant(tmp_path, "d", params={"kv_waits": True,
+    res = compile_source(rendered_source(variant("d", params={"kv_waits": True,
                                                                        "kv_wait_diagnostic": True}), tmp_path))
     assert any("C7510" in line for line in ptxas_problems(res.output))
 
@@ -369,8 +355,8 @@ PROBLEMS = [  # batch, q_len, kv_len, q_offset, q_split (None: q_len), q_offset2
 @pytest.mark.parametrize("causal", [False, True])
 def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal):
     name = "w"
-    path = variant(tmp_path, name, params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
-    exe = walker(rendered_source(path, tmp_path), name, tmp_path)
+    loaded = variant(name, params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
+    exe = walker(rendered_source(loaded, tmp_path), name, tmp_path)
     M, N = 128, 176
     for b, sq, skv, qo, split, qo2, ko in PROBLEMS:
         split = sq if split is None else split
@@ -410,7 +396,7 @@ def tool():
 
 def test_gpu_tool_variants_are_valid_specs(tmp_path, tool):
     for name in tool.VARIANTS:
-        load_spec(tool.variant_spec(tmp_path, name))
+        tool.variant_spec(name)  # raises SpecError if the variant is not a valid spec
     assert set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS) | set(tool.TUNE_VARIANTS) <= set(tool.VARIANTS)
 
 

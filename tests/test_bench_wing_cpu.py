@@ -17,7 +17,7 @@ from tsgen.bench.timing import MIN_CALL_US, Timing, time_calls
 from tsgen.errors import RuntimeSetupError
 from tsgen.ops import families, get_family
 from tsgen.ops.conventions import BenchCase
-from tsgen.spec import load_spec
+from tsgen.spec import load_spec, spec_variant
 
 # GEMMs shrunk so the NumPy references stay fast (N and K are compile-time)
 SMALL = {"gemm": {"params": {"n": 256, "k": 256}}, "allgather_gemm": {"params": {"n": 256, "k": 256}},
@@ -290,12 +290,12 @@ def test_collective_size_conventions(op, nbytes, world, count):
     from tsgen.ops.collectives_bench import busbw_factor
 
     fam = get_family(op)
-    spec = spec_of(op)[1]
-    case = fam.bench.case(fam, spec.model_copy(update={"dtype": "bfloat16"}), world, nbytes)
+    loaded = load_spec(spec_of(op)[0])
+    case = fam.bench.case(fam, spec_variant(loaded, {"dtype": "bfloat16"}).model, world, nbytes)
     assert case.count == count and case.bw_bytes == nbytes
     assert case.link_bytes == pytest.approx(nbytes * busbw_factor(op, world))
     with pytest.raises(RuntimeSetupError, match="multiple of"):
-        fam.bench.case(fam, spec.model_copy(update={"dtype": "float32"}), 3, 1002)
+        fam.bench.case(fam, spec_variant(loaded, {"dtype": "float32"}).model, 3, 1002)
 
 
 def test_text_table_columns():
@@ -317,8 +317,6 @@ def test_sampled_rows_check_agrees_with_the_reference(kind):
     """check_rows (what the bench compares after timing) against the family's full NumPy
     reference: the right outputs pass, one corrupted sampled row fails."""
     import numpy as np
-
-    from tsgen.harness import spec_variant
 
     path, world, _ = case_of(kind)
     spec = spec_variant(load_spec(path), SMALL[kind]).model

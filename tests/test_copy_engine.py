@@ -14,7 +14,9 @@ import pytest
 from conftest import ROOT, compile_test
 
 from tsgen.ops import get_family
-from tsgen.plan import SignalRef, stream_program, verify
+from tsgen.plan.ir import SignalRef
+from tsgen.plan.lower import stream_program
+from tsgen.plan.verifier import verify
 from tsgen.spec import load_spec
 from tsgen.toolchain import compile_source, find_nvcc
 

@@ -9,7 +9,6 @@ import subprocess
 
 import numpy as np
 import pytest
-import yaml
 
 from conftest import ROOT
 from test_gemm_cpu import needs_nvcc, needs_sass
@@ -17,28 +16,16 @@ from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import to_f64
 from tsgen.render import render
-from tsgen.spec import load_spec
+from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 SPECS = [ROOT / "specs" / "allgather_gemm.yaml", ROOT / "specs" / "allgather_gemm_plain.yaml"]
 
 
-def variant(tmp, name, **changes):
-    data = yaml.safe_load(SPECS[0].read_text())
-    data["name"] = name
-
-    def merge(into, new):
-        for k, v in new.items():
-            if isinstance(v, dict):
-                merge(into.setdefault(k, {}), v)
-            else:
-                into[k] = v
-
-    merge(data, changes)
-    path = tmp / "specs" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+def variant(name, **changes):
+    """The shipped spec with some fields changed (nested dicts merge), named NAME: a spec
+    variant (tsgen.spec.spec_variant), validated as a spec file is."""
+    return spec_variant(load_spec(SPECS[0]), {**changes, "name": name})
 
 
 @pytest.mark.parametrize("changes,expected", [
@@ -50,7 +37,7 @@ def variant(tmp, name, **changes):
 ])
 def test_bad_spec(tmp_path, changes, expected):
     with pytest.raises(SpecError, match=expected):
-        load_spec(variant(tmp_path, "bad", **changes))
+        variant("bad", **changes)
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
@@ -70,8 +57,7 @@ def test_render_and_manifest(path):
 
 def test_reference_tiny():
     fam = get_family("allgather_gemm")
-    spec = load_spec(SPECS[0]).model
-    spec = spec.model_copy(update={"params": spec.params.model_copy(update={"n": 256, "k": 64})})
+    spec = spec_variant(load_spec(SPECS[0]), {"params": {"n": 256, "k": 64}}).model
     inputs = fam.make_inputs(spec, 3, 5, np.random.default_rng(0), pattern=False)
     ref = fam.reference(spec, 3, 5, inputs)["c"]
     for r in range(3):
@@ -127,9 +113,9 @@ int main(int argc, char** argv) {
 
 @needs_nvcc
 def test_batched_schedule(tmp_path):
-    path = variant(tmp_path, "w", params={"n": 512, "k": 128})
-    spec = load_spec(path).model
-    r = render(load_spec(path), base=tmp_path)
+    loaded = variant("w", params={"n": 512, "k": 128})
+    spec = loaded.model
+    r = render(loaded, base=tmp_path)
     src = tmp_path / "w.cu"
     src.write_text(r.source)
     main = tmp_path / "walk.cu"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from conftest import ROOT, compile_test
 from tsgen.errors import SpecError, ToolchainError
@@ -20,7 +19,7 @@ from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.gemm import SMEM_LIMIT, smem_bytes
 from tsgen.render import render
-from tsgen.spec import load_spec
+from tsgen.spec import LoadedSpec, load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
 
 SPEC = ROOT / "specs" / "gemm_bf16.yaml"
@@ -42,27 +41,14 @@ needs_nvcc = compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
 needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
 
 
-def variant(tmp: Path, name: str, **changes) -> Path:
-    """The shipped spec with some fields changed (nested dicts merge), written as specs/NAME.yaml."""
-    data = yaml.safe_load(SPEC.read_text())
-    data["name"] = name
-
-    def merge(into: dict, new: dict) -> None:
-        for key, value in new.items():
-            if isinstance(value, dict):
-                merge(into.setdefault(key, {}), value)
-            else:
-                into[key] = value
-
-    merge(data, changes)
-    path = tmp / "specs" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(HEAD + yaml.safe_dump(data, sort_keys=False))
-    return path
+def variant(name, **changes):
+    """The shipped spec with some fields changed (nested dicts merge), named NAME: a spec
+    variant (tsgen.spec.spec_variant), validated as a spec file is."""
+    return spec_variant(load_spec(SPEC), {**changes, "name": name})
 
 
-def rendered_source(spec_path: Path, out: Path) -> Path:
-    r = render(load_spec(spec_path), base=spec_path.parent.parent)
+def rendered_source(loaded: LoadedSpec, out: Path) -> Path:
+    r = render(loaded, base=out)
     for name, text in r.files().items():
         (out / name).write_text(text)
     return out / f"{r.name}.cu"
@@ -124,7 +110,7 @@ def test_shipped_spec():
 
 
 # ---------------------------------------------------------------------------
-# Plan, manifest, rendering
+# Module ABI, manifest, rendering
 # ---------------------------------------------------------------------------
 
 
@@ -157,8 +143,8 @@ def test_plan_and_manifest():
 
 
 def test_float16_renders_f16_wgmma(tmp_path):
-    path = variant(tmp_path, "g16", dtype="float16")
-    source = render(load_spec(path), base=tmp_path).source
+    loaded = variant("g16", dtype="float16")
+    source = render(loaded, base=tmp_path).source
     assert "m64n256k16.f32.f16.f16" in source and "using Element = __half;" in source
 
 
@@ -169,8 +155,8 @@ def test_float16_renders_f16_wgmma(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_reference_on_a_tiny_case(tmp_path, dtype):
-    path = variant(tmp_path, "tiny", dtype=dtype, params={"n": 256, "k": 64})
-    spec = load_spec(path).model
+    loaded = variant("tiny", dtype=dtype, params={"n": 256, "k": 64})
+    spec = loaded.model
     family = get_family("gemm")
     count = 3
     rng = np.random.default_rng(7)
@@ -246,7 +232,7 @@ def test_sass():
     {"params": {"tile": {"m": 128, "n": 128}, "stages": 6}, "launch": {"threads": 256}},
 ], ids=["f16", "no_cluster", "cluster_n", "tile_256x128", "one_consumer"])
 def test_variants_compile(tmp_path, changes):
-    source = rendered_source(variant(tmp_path, "v", **changes), tmp_path)
+    source = rendered_source(variant("v", **changes), tmp_path)
     entry = compile_source(source).report["v_w1_kernel"]
     assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
 
@@ -287,10 +273,10 @@ def walker(source: Path, module: str, tmp: Path) -> Path:
     {"cluster": {"size": 1}, "tile": {"m": 256, "n": 128}},
 ], ids=["shipped", "cluster_n", "no_cluster"])
 def test_schedule_covers_every_tile_once(tmp_path, params):
-    path = variant(tmp_path, "s", params={"n": 2048, "k": 128, **params})
-    spec = load_spec(path).model
+    loaded = variant("s", params={"n": 2048, "k": 128, **params})
+    spec = loaded.model
     p = spec.params
-    exe = walker(rendered_source(path, tmp_path), "s", tmp_path)
+    exe = walker(rendered_source(loaded, tmp_path), "s", tmp_path)
     size, along = p.cluster.size, p.cluster.along
     for rows in (1, 77, 129, 257, 1000, 8192 + 77):
         for ctas in (2, 6, 132):

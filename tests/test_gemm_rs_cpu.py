@@ -9,7 +9,6 @@ import subprocess
 
 import numpy as np
 import pytest
-import yaml
 
 from conftest import ROOT
 from test_gemm_cpu import needs_nvcc, needs_sass
@@ -17,7 +16,7 @@ from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.render import render
-from tsgen.spec import load_spec
+from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 SPECS = [ROOT / "specs" / "gemm_reduce_scatter.yaml", ROOT / "specs" / "gemm_reduce_scatter_plain.yaml",
@@ -28,22 +27,10 @@ OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "
            "gemm_reduce_scatter_push_add": "push add"}
 
 
-def variant(tmp, name, **changes):
-    data = yaml.safe_load(SPECS[0].read_text())
-    data["name"] = name
-
-    def merge(into, new):
-        for k, v in new.items():
-            if isinstance(v, dict):
-                merge(into.setdefault(k, {}), v)
-            else:
-                into[k] = v
-
-    merge(data, changes)
-    path = tmp / "specs" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+def variant(name, **changes):
+    """The shipped spec with some fields changed (nested dicts merge), named NAME: a spec
+    variant (tsgen.spec.spec_variant), validated as a spec file is."""
+    return spec_variant(load_spec(SPECS[0]), {**changes, "name": name})
 
 
 @pytest.mark.parametrize("changes,expected", [
@@ -63,18 +50,18 @@ def variant(tmp, name, **changes):
 ])
 def test_bad_spec(tmp_path, changes, expected):
     with pytest.raises(SpecError, match=expected):
-        load_spec(variant(tmp_path, "bad", **changes))
+        variant("bad", **changes)
 
 
 def test_reserve_sms_matters_to_pull_only(tmp_path):
     """push and none leave no SMs to a side kernel: an odd reserve_sms is not their problem."""
-    assert load_spec(variant(tmp_path, "push15", params={"overlap": "push", "reserve_sms": 15})).model
+    assert variant("push15", params={"overlap": "push", "reserve_sms": 15}).model
     with pytest.raises(SpecError, match="reserve_sms"):
-        load_spec(variant(tmp_path, "pull15", params={"overlap": "pull", "reserve_sms": 15}))
+        variant("pull15", params={"overlap": "pull", "reserve_sms": 15})
 
 
 def test_world_3_when_k_divides(tmp_path):
-    spec = load_spec(variant(tmp_path, "w3", world_sizes=[2, 3, 4], params={"k": 12288})).model
+    spec = variant("w3", world_sizes=[2, 3, 4], params={"k": 12288}).model
     assert spec.world_sizes == [2, 3, 4]
 
 
@@ -120,8 +107,7 @@ def test_render_and_manifest(path):
 
 def test_reference_tiny():
     fam = get_family("gemm_reduce_scatter")
-    spec = load_spec(SPECS[0]).model
-    spec = spec.model_copy(update={"params": spec.params.model_copy(update={"n": 256, "k": 256})})
+    spec = spec_variant(load_spec(SPECS[0]), {"params": {"n": 256, "k": 256}}).model
     world, count = 4, 5
     inputs = fam.make_inputs(spec, world, count, np.random.default_rng(0), pattern=False)
     assert inputs["a"][0].size == world * count * 64 and inputs["b"][0].size == 256 * 256
@@ -143,6 +129,8 @@ def test_reference_pattern_exact():
     """Small integers: every product and sum is exact, so the reference is exactly A . B."""
     fam = get_family("gemm_reduce_scatter")
     spec = load_spec(SPECS[1]).model
+    # not a spec variant: n = 64 is below tile.n, too small a shape for a valid spec (the
+    # reference alone does not care), so no spec_variant can make it
     spec = spec.model_copy(update={"params": spec.params.model_copy(update={"n": 64, "k": 128})})
     inputs = fam.make_inputs(spec, 2, 3, np.random.default_rng(0), pattern=True)
     ref = fam.reference(spec, 2, 3, inputs)["c"]
@@ -207,10 +195,10 @@ def test_schedule_own_block_last(tmp_path, order):
     walk deals tiles over the blocks in turn. Either way the arrivals the hook counts per
     block (CTA tiles x consumer warpgroups) match the tiles the schedule hands out."""
     overlap = "push" if order == "interleaved" else "pull"
-    path = variant(tmp_path, "w", params={"n": 512, "k": 512, "overlap": overlap, "batch_order": order})
-    spec = load_spec(path).model
+    loaded = variant("w", params={"n": 512, "k": 512, "overlap": overlap, "batch_order": order})
+    spec = loaded.model
     src = tmp_path / "w.cu"
-    src.write_text(render(load_spec(path), base=tmp_path).source)
+    src.write_text(render(loaded, base=tmp_path).source)
     main = tmp_path / "walk.cu"
     main.write_text(WALK.replace("SOURCE", str(src)).replace("MODULE", "w").replace("WORLD", "4"))
     exe = tmp_path / "walk"

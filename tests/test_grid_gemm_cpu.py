@@ -12,7 +12,6 @@ import subprocess
 
 import numpy as np
 import pytest
-import yaml
 
 from conftest import ROOT
 from test_gemm_cpu import needs_nvcc, needs_sass
@@ -21,29 +20,17 @@ from tsgen.ops import get_family
 from tsgen.ops.collectives import to_f64
 from tsgen.ops.grid_gemm import A, B, schedule, walk
 from tsgen.render import render
-from tsgen.spec import load_spec
+from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 OPS = ["cannon", "summa"]
 SPECS = [ROOT / "specs" / f"{op}.yaml" for op in OPS]
 
 
-def variant(tmp, name, op="cannon", **changes):
-    data = yaml.safe_load((ROOT / "specs" / f"{op}.yaml").read_text())
-    data["name"] = name
-
-    def merge(into, new):
-        for k, v in new.items():
-            if isinstance(v, dict):
-                merge(into.setdefault(k, {}), v)
-            else:
-                into[k] = v
-
-    merge(data, changes)
-    path = tmp / "specs" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+def variant(name, op="cannon", **changes):
+    """specs/OP.yaml with some fields changed (nested dicts merge), named NAME: a spec variant
+    (tsgen.spec.spec_variant), validated as a spec file is."""
+    return spec_variant(load_spec(ROOT / "specs" / f"{op}.yaml"), {**changes, "name": name})
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -58,7 +45,7 @@ def variant(tmp, name, op="cannon", **changes):
 ])
 def test_bad_spec(tmp_path, op, changes, expected):
     with pytest.raises(SpecError, match=expected):
-        load_spec(variant(tmp_path, "bad", op, **changes))
+        variant("bad", op, **changes)
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
@@ -155,7 +142,7 @@ def test_cannon_walk_meets_arrivals():
 @pytest.mark.parametrize("op", OPS)
 def test_reference_tiny(tmp_path, op):
     fam = get_family(op)
-    spec = load_spec(variant(tmp_path, "tiny", op, params={"n": 1024, "k": 256})).model
+    spec = variant("tiny", op, params={"n": 1024, "k": 256}).model
     world, count = 4, 5
     inputs = fam.make_inputs(spec, world, count, np.random.default_rng(0), pattern=False)
     assert inputs["a"][0].size == count * 128 and inputs["b"][0].size == 128 * 512
@@ -223,8 +210,8 @@ int main() {
 
 @needs_nvcc
 def test_k_block_walk(tmp_path):
-    path = variant(tmp_path, "w", params={"n": 1024, "k": 512})
-    r = render(load_spec(path), base=tmp_path)
+    loaded = variant("w", params={"n": 1024, "k": 512})
+    r = render(loaded, base=tmp_path)
     src = tmp_path / "w.cu"
     src.write_text(r.source)
     main = tmp_path / "walk.cu"

@@ -12,18 +12,18 @@ import pytest
 from conftest import ROOT, SPECS
 
 from tsgen.ops import get_family
-from tsgen.plan import SignalRef, c_tables, default_schedules, straight_line_groups, verify
+from tsgen.plan.ir import SignalRef
+from tsgen.plan.lower import c_tables, straight_line_groups
+from tsgen.plan.verifier import default_schedules, job_plan, plan_jobs, verify
 from tsgen.render import render
-from tsgen.spec import load_spec
-from tsgen.verify_plans import job_plan, plan_jobs
+from tsgen.spec import load_spec, spec_variant
 
 COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")
                and not get_family(load_spec(s).model.op).is_multimem(load_spec(s).model)]
 
 
 def _plan(spec_path, w):
-    spec = load_spec(spec_path).model
-    spec = spec.model_copy(update={"world_sizes": [w]})
+    spec = spec_variant(load_spec(spec_path), {"world_sizes": [w]}).model
     return get_family(spec.op).comm_plan(spec, w)
 
 
@@ -89,7 +89,7 @@ def test_missing_wait_for_peer_entry_fails():
         # keep the entry signals awaited by something so only the race remains
         plan.ranks[r].steps.append(dataclasses.replace(plan.ranks[r].steps[-1], op="none", dst=None, srcs=(),
                                    waits=tuple(("entry", q) for q in range(3) if q != r), signals=()))
-    from tsgen.plan import schedule
+    from tsgen.plan.ir import schedule
 
     plan = schedule(3, plan.nblocks, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
                     signals=plan.signals, expected=plan.expected)
@@ -103,7 +103,7 @@ def test_wrong_signal_index_fails():
     st = plan.ranks[2].steps[i]
     bad = SignalRef(st.signals[0].rank, st.signals[0].name, (st.signals[0].index + 1) % 4)
     plan.ranks[2].steps[i] = dataclasses.replace(st, signals=(bad,))
-    from tsgen.plan import schedule
+    from tsgen.plan.ir import schedule
 
     plan = schedule(4, plan.nblocks, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
                     signals=plan.signals, expected=plan.expected)
@@ -125,7 +125,7 @@ def test_deadlock_is_reported():
     for r in range(2):
         steps = plan.ranks[r].steps
         steps[0] = dataclasses.replace(steps[0], waits=(("arrive", 1 - r),))
-    from tsgen.plan import schedule
+    from tsgen.plan.ir import schedule
 
     plan = schedule(2, 1, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
                     signals=plan.signals, expected=plan.expected)
@@ -163,7 +163,7 @@ def test_verify_cli_jobs_keep_the_order():
 def test_opening_signal_hoisted(spec, w, mask_of):
     """Each rank's entry step leaves block 0's share list when hoisted and comes back as
     (buffer index, counter index, peer mask): what plan<W>::open raises at kernel start."""
-    from tsgen.plan import opening_signal
+    from tsgen.plan.lower import opening_signal
 
     plan = _plan(spec, w)
     index = {n: i for i, n in enumerate(["calls", *plan.buffers, *plan.signals])}
@@ -178,7 +178,7 @@ def test_opening_signal_hoisted(spec, w, mask_of):
 
 
 def test_opening_signal_needs_a_signal_only_first_share():
-    from tsgen.plan import opening_signal
+    from tsgen.plan.lower import opening_signal
 
     plan = _plan("specs/allgather.yaml", 2)
     st = plan.ranks[0].steps[plan.ranks[0].blocks[0][0].step]
@@ -252,7 +252,7 @@ def _straight_worlds(name):
     spec = load_spec(ROOT / "specs" / f"{name}.yaml").model
     family = get_family(spec.op)
     worlds = sorted(family.template_vars(spec)["straight_line"])
-    assert [k.world_size for k in family.plan(spec).kernels if k.min_blocks == 1] == worlds
+    assert [k.world_size for k in family.abi(spec).kernels if k.min_blocks == 1] == worlds
     return worlds
 
 
@@ -267,13 +267,12 @@ def test_which_shipped_plans_are_straight_line(name, worlds):
     assert _straight_worlds(name) == worlds
 
 
-def test_plan_code_tables_renders_no_straight_line_code(tmp_path):
+def test_plan_code_tables_renders_no_straight_line_code():
     """launch.plan_code: tables (the A/B baseline) keeps every world size on the table
     interpreter; the tables themselves are the same either way."""
-    path = ROOT / "specs" / "all_reduce_one_shot.yaml"
-    forced = tmp_path / "all_reduce_one_shot.yaml"
-    forced.write_text(path.read_text().replace("launch:\n", "launch:\n  plan_code: tables\n"))
-    auto, tables = render(load_spec(path)).source, render(load_spec(forced)).source
+    loaded = load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml")
+    forced = spec_variant(loaded, {"launch": {"plan_code": "tables"}})
+    auto, tables = render(loaded).source, render(forced).source
     for w in (2, 3, 4, 8):
         assert f"plan<{w}>::run<T, UNROLL>(rank, epoch" in auto
         assert f"tsgen_run_share<T, UNROLL>(steps_w{w}[" in auto
@@ -286,13 +285,22 @@ def _tables_text(source):
     return source[source.index("static __device__ const tsgen_step steps_w"):source.index("template <int WORLD> struct plan;")]
 
 
-def test_more_than_512_threads_keep_the_tables(tmp_path):
+def test_more_than_512_threads_keep_the_tables():
     """With 1024 threads ptxas caps a thread at 64 registers, fewer than straight-line
     reductions keep in flight: such specs run the table interpreter."""
-    path = ROOT / "specs" / "all_reduce_one_shot.yaml"
-    wide = tmp_path / "all_reduce_one_shot.yaml"
-    wide.write_text(path.read_text().replace("threads: 512", "threads: 1024"))
-    spec = load_spec(wide).model
+    wide = spec_variant(load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml"), {"launch": {"threads": 1024}})
+    spec = wide.model
     assert spec.launch.threads == 1024
     assert get_family(spec.op).template_vars(spec)["straight_line"] == {}
-    assert "::run<T, UNROLL>" not in render(load_spec(wide)).source
+    assert "::run<T, UNROLL>" not in render(wide).source
+
+
+def test_table_limits_match_the_header():
+    """The limits of a plan's table rows (tsgen.plan.ir) are the array sizes of
+    templates/include/tsgen_plan.cuh: checked here rather than kept equal by hand."""
+    from tsgen.plan import ir
+
+    header = (ROOT / "templates/include/tsgen_plan.cuh").read_text()
+    defined = dict(re.findall(r"^#define TSGEN_(MAX_\w+) (\d+)$", header, re.M))
+    assert {k: int(v) for k, v in defined.items()} == {
+        k: getattr(ir, k) for k in ("MAX_SRCS", "MAX_WAITS", "MAX_SIGNALS", "MAX_ALSO")}

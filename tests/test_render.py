@@ -77,7 +77,7 @@ def test_manifest(path):
     m = json.loads((ROOT / "generated" / f"{path.stem}.json").read_text())
     loaded = load_spec(path)
     spec = loaded.model
-    plan = get_family(spec.op).plan(spec)
+    abi = get_family(spec.op).abi(spec)
     name = spec.name
     assert m["tsgen_version"] == __version__
     assert (m["name"], m["op"], m["source"]) == (name, spec.op, f"{name}.cu")
@@ -88,8 +88,8 @@ def test_manifest(path):
     assert m["blocks_wait"] == get_family(spec.op).blocks_wait
     assert m["constants"]["BLOCKS"] == spec.launch.blocks
     assert m["constants"]["THREADS"] == spec.launch.threads
-    assert [b["name"] for b in m["buffers"]] == [b.name for b in plan.buffers]
-    for b, pb in zip(m["buffers"], plan.buffers):
+    assert [b["name"] for b in m["buffers"]] == [b.name for b in abi.buffers]
+    for b, pb in zip(m["buffers"], abi.buffers):
         assert b["dtype"] == pb.dtype and b["role"] == pb.role
         assert b["elems"] == {"per_count": pb.per_count, "per_world_count": pb.per_world_count, "fixed": pb.fixed}
         assert b["role"] in ("input", "output", "inout", "scratch", "signal")
@@ -112,7 +112,7 @@ def test_manifest(path):
         if m["host_launch"]:  # the launcher runs device kernels named <kernel>_<part>
             assert re.search(rf'extern "C" __global__ void [^;{{]*\b{k["name"]}_\w+\(', source), k["name"]
         else:  # straight-line kernels are compiled for one block per SM
-            min_blocks = next(pk.min_blocks for pk in plan.kernels if pk.name == k["name"])
+            min_blocks = next(pk.min_blocks for pk in abi.kernels if pk.name == k["name"])
             bounds = f"{spec.launch.threads}, {min_blocks}" if min_blocks else f"{spec.launch.threads}"
             assert f'extern "C" __global__ void __launch_bounds__({bounds}) {k["name"]}({params})' in source
         launcher_params = ", ".join(f"{a['ctype']} {a['name']}" for a in k["launcher_args"])

@@ -12,12 +12,11 @@ import pytest
 
 from conftest import ROOT, SPECS
 from tsgen.errors import RuntimeSetupError, SpecError
-from tsgen.harness import describe_variant, spec_variant
 from tsgen.ops import get_family
 from tsgen.render import render
 from tsgen.runtime.placement import (fit_blocks, mps_active, place_ranks, ranks_per_gpu, residency_problem,
                                      share_from_env)
-from tsgen.spec import load_spec
+from tsgen.spec import describe_variant, load_spec, spec_variant
 
 # ---------------------------------------------------------------------------
 # placement and residency arithmetic
@@ -119,7 +118,7 @@ def test_fitted_variant_of_every_shipped_spec(path, sms):
         updates = family.shared_fit(at_world.model, world, sms)
         variant = spec_variant(at_world, updates)  # raises SpecError if a check fails
         spec = variant.model
-        kernel = next(k for k in family.plan(spec).kernels if k.world_size == world)
+        kernel = next(k for k in family.abi(spec).kernels if k.world_size == world)
         assert world * (kernel.grid + _reserve(spec)) <= sms, (world, kernel.grid, describe_variant(updates))
         assert updates == {} or set(updates) <= {"launch", "params"}
         if not updates:  # unchanged only where it already fit
@@ -134,7 +133,7 @@ def test_one_rank_per_gpu_changes_nothing():
 
 def test_fitted_plans_verify():
     """The variants change the grid a plan is scheduled on; the CPU verifier passes them."""
-    from tsgen.plan import verify
+    from tsgen.plan.verifier import verify
 
     for name, world in [("all_reduce_ring", 4), ("allgather", 8), ("reduce_scatter", 3), ("broadcast_ring", 8)]:
         loaded = load_spec(ROOT / "specs" / f"{name}.yaml")

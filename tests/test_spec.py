@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, SPECS, run_cli
 from tsgen.errors import SpecError, ToolchainError
 from tsgen.ops import family_names
-from tsgen.spec import load_spec
+from tsgen.spec import load_spec, spec_variant
 
 HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
 OPS = ", ".join(family_names())
@@ -349,3 +349,37 @@ def test_description_source_compiles(tmp_path, monkeypatch):
     assert run_cli("build", "specs", "-o", "out").code == 0
     res = compile_source("out/evil.cu")
     assert set(res.report) >= {"evil_w2"}
+
+
+# ---------------------------------------------------------------------------
+# variants (spec_variant: the one way to make a spec with some fields changed)
+# ---------------------------------------------------------------------------
+
+
+def test_variant_is_deterministic_and_its_banner_says_so():
+    from tsgen.render import render
+
+    loaded = load_spec(ROOT / "specs" / "allgather.yaml")
+    v = spec_variant(loaded, {"launch": {"blocks": 16}})
+    assert v == spec_variant(loaded, {"launch": {"blocks": 16}}) and v.sha256 != loaded.sha256
+    assert v.name == loaded.name and v.changes == ("launch.blocks = 16",) and loaded.changes == ()
+    again = spec_variant(v, {"world_sizes": [2]})
+    assert again.changes == ("launch.blocks = 16", "world_sizes = [2]")
+    assert again.text.endswith("# variant: launch.blocks = 16\n\n# variant: world_sizes = [2]\n")
+    assert spec_variant(loaded, {"name": "allgather_b16"}).name == "allgather_b16"
+
+    def banner(x):
+        return render(x, base=ROOT).source.split("DO NOT EDIT")[0]
+
+    assert f"// spec sha256 {again.sha256}\n// variant: launch.blocks = 16\n// variant: world_sizes = [2]\n" in banner(again)
+    assert "variant" not in banner(loaded)
+
+
+def test_variant_problems_read_like_the_loaders():
+    loaded = load_spec(ROOT / "specs" / "allgather.yaml")
+    with pytest.raises(SpecError) as e:
+        spec_variant(loaded, {"launch": {"threads": 33}, "bogus": 1})
+    assert sorted(e.value.problems) == [
+        f"{loaded.path}:1:1: bogus: unknown key (in the variant bogus = 1, launch.threads = 33)",
+        f"{loaded.path}:1:1: launch.threads: Input should be a multiple of 32 (in the variant bogus = 1, launch.threads = 33)",
+    ]

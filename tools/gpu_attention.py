@@ -43,7 +43,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -116,39 +115,30 @@ TUNE_SEQS = {128: SEQS, 64: [8192, 16384]}  # by head dim
 # ---------------------------------------------------------------------------
 
 
-def variant_spec(out: Path, name: str, timeout_ms: int | None = 3000) -> Path:
-    data = yaml.safe_load(SPEC.read_text())
-    data["name"] = f"att_{name}"
+def variant_spec(name: str, timeout_ms: int | None = 3000):
+    """specs/attention_hd128.yaml with VARIANTS[name] (and the timeout) applied, named att_NAME
+    (tsgen.spec.spec_variant: validated as a spec file is)."""
+    from tsgen.spec import load_spec, merge, spec_variant
 
-    def merge(into: dict, new: dict) -> None:
-        for key, value in new.items():
-            if isinstance(value, dict):
-                merge(into.setdefault(key, {}), value)
-            else:
-                into[key] = value
-
-    merge(data, VARIANTS[name])
+    updates = merge(VARIANTS[name], {"name": f"att_{name}"})
     if timeout_ms is not None:
-        data.setdefault("sync", {})["timeout_ms"] = timeout_ms
-    path = out / "build" / "specs" / f"{data['name']}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+        updates = merge(updates, {"sync": {"timeout_ms": timeout_ms}})
+    return spec_variant(load_spec(SPEC), updates)
 
 
 def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
     """Render and compile variant `name`: {"manifest", "library", "spec"}."""
     from tsgen.render import render, write_if_different
-    from tsgen.spec import load_spec
     from tsgen.toolchain import compile_source
 
-    path = variant_spec(out, name, timeout_ms)
-    rendered = render(load_spec(path), base=path.parent.parent)
+    loaded = variant_spec(name, timeout_ms)
+    rendered = render(loaded, base=ROOT)
     gen = out / "build" / "generated"
     for file, text in rendered.files().items():
         write_if_different(gen / file, text)
     lib = compile_source(gen / f"{rendered.name}.cu", mode="shared").output
-    return {"manifest": str(gen / f"{rendered.name}.json"), "library": str(lib), "spec": str(path)}
+    return {"manifest": str(gen / f"{rendered.name}.json"), "library": str(lib), "spec": str(SPEC),
+            "softmax_scale": loaded.model.params.softmax_scale}
 
 
 class Op:
@@ -160,8 +150,7 @@ class Op:
         self.head_dim, self.heads, self.kv_heads = c["HEAD_DIM"], c["HEADS"], c["KV_HEADS"]
         self.causal, self.bhsd, self.waits = bool(c["CAUSAL"]), bool(c["BHSD"]), bool(c["KV_WAITS"])
         self.dtype = self.manifest["buffers"][1]["dtype"]
-        spec = yaml.safe_load(Path(built["spec"]).read_text())
-        scale = spec["params"].get("softmax_scale")
+        scale = built["softmax_scale"]
         self.scale = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
         lib = ctypes.CDLL(built["library"])
         self.fn = getattr(lib, self.manifest["kernels"][0]["name"] + "_forward")

@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from tsgen.ops import get_family  # noqa: E402
 from tsgen.render import render  # noqa: E402
-from tsgen.spec import load_spec, name_problem  # noqa: E402
+from tsgen.spec import load_spec  # noqa: E402
+from tsgen.spec_types import name_problem  # noqa: E402
 from tsgen.toolchain import find_device_lib, find_nvcc, gencode_flags, nvcc_version  # noqa: E402
 
 _DECLARED = re.compile(r'error: "([A-Za-z_]\w*)" has already been declared in the current scope')
@@ -49,7 +50,7 @@ def clashes(spec_path: Path) -> tuple[set[str], set[str]]:
     nvcc = str(find_nvcc())
     rendered = render(load_spec(spec_path), base=ROOT)
     flags = ["-std=c++17", "-x", "cu", *gencode_flags("sm_90a")]
-    if rendered.plan.family.device_libs(rendered.plan.spec):
+    if rendered.abi.family.device_libs(rendered.abi.spec):
         flags.append(f"-I{find_device_lib('nvshmem').include}")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.cu"

@@ -213,7 +213,7 @@ def build(
                          "give it folders, not spec files")
     rendered = render_all(paths, out_dir)
     outputs = {out_dir / name: text.encode() for r in rendered for name, text in r.files().items()}
-    spec_of = {out_dir / name: r.plan.spec.name for r in rendered for name in r.files()}
+    spec_of = {out_dir / name: r.abi.spec.name for r in rendered for name in r.files()}
     orphans, kept = find_orphans(out_dir, rendered, folders) if folders else ([], [])
     result = BuildResult(rendered, orphans=orphans, kept=kept)
     if check:

@@ -226,25 +226,9 @@ def verify(paths, worlds, schedules, seed, jobs):
     element is written exactly once per call, no read or write crosses a call boundary,
     every wait is matched by signals, and no schedule deadlocks. Exit 1 on any problem.
     Plans and their schedules are verified --jobs at a time; the output is in spec order."""
-    from .errors import CheckFailed
-    from .verify_plans import plan_jobs, verify_jobs
+    from .plan.verifier import verify_specs
 
-    sizes = world_sizes(worlds)
-    failed = checked = 0
-    for job, problems in verify_jobs(plan_jobs(list(paths) or [Path("specs")], sizes, schedules), seed, jobs):
-        if job.skip:
-            click.echo(f"{job.label}: skipped ({job.skip})")
-            continue
-        checked += 1
-        if problems:
-            failed += 1
-            click.echo(f"{job.label}: FAIL")
-            for p in problems[:8]:
-                click.echo("    " + p.replace("\n", "\n    "))
-        else:
-            click.echo(f"{job.label}: ok ({job.schedules + 3} schedules x 2 calls)")
-    if failed:
-        raise CheckFailed(f"{failed} of {checked} plans failed verification")
+    checked = verify_specs(list(paths) or [Path("specs")], world_sizes(worlds), schedules, seed, jobs, click.echo)
     click.echo(f"tsgen: {checked} plans verified")
 
 

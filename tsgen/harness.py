@@ -24,51 +24,8 @@ import numpy as np
 from .errors import RuntimeSetupError
 from .ops import get_family
 from .render import render, write_if_different
-from .spec import LoadedSpec, load_spec
+from .spec import LoadedSpec, describe_variant, load_spec, spec_variant
 from .toolchain import cache_dir, cache_error
-
-
-def _merge(base: dict, updates: dict) -> dict:
-    out = dict(base)
-    for key, value in updates.items():
-        out[key] = _merge(base.get(key) or {}, value) if isinstance(value, dict) else value
-    return out
-
-
-def _flat(updates: dict, prefix: str = "") -> list[tuple[str, object]]:
-    out = []
-    for key, value in sorted(updates.items()):
-        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
-    return out
-
-
-def spec_variant(loaded: LoadedSpec, updates: dict) -> LoadedSpec:
-    """The spec with `updates` merged in (nested: {"launch": {"blocks": 64}}), validated as
-    the loader validates a spec file (field types, then the family's cross-field checks).
-    The changes are appended to its text as comments, so its hash (and the cache entry and
-    banner made from it) says what was changed. Problems raise SpecError."""
-    from .errors import SpecError
-
-    if not updates:
-        return loaded
-    data = _merge(loaded.model.model_dump(), updates)
-    family = get_family(loaded.model.op)
-    where = f"{loaded.path}:1:1"
-    changed = f"(in the variant {describe_variant(updates)})"
-    try:
-        model = family.Spec.model_validate(data)
-    except Exception as e:  # pydantic ValidationError
-        raise SpecError([f"{where}: {changed}: {e}"]) from None
-    problems = family.check(model)
-    if problems:
-        raise SpecError([f"{where}: {'.'.join(map(str, path))}: {msg} {changed}" for path, msg in problems])
-    note = "".join(f"\n# variant: {k} = {v}" for k, v in _flat(updates))
-    return LoadedSpec(loaded.path, loaded.text + note + "\n", model)
-
-
-def describe_variant(updates: dict) -> str:
-    """`launch.blocks = 66, world_sizes = [8]`: what a variant changed, for output and results."""
-    return ", ".join(f"{k} = {v}" for k, v in _flat(updates))
 
 
 def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -> LoadedSpec:
@@ -91,7 +48,7 @@ def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -
     variant = spec_variant(loaded, updates)
     fitted = f"fitted variant: {describe_variant(updates)}" if updates else "the spec fits as it is"
     if updates and hasattr(family, "comm_plan"):
-        from .plan import verify as verify_plan
+        from .plan.verifier import verify as verify_plan
 
         problems = verify_plan(family.comm_plan(variant.model, world.size), schedules=4, seed=0)
         if problems:
@@ -279,7 +236,7 @@ def run_settings(spec, count: int | None, iters: int | None) -> tuple[int, int]:
     within the same bounds (TestConfig); RuntimeSetupError naming the option otherwise."""
     from pydantic import ValidationError
 
-    from .spec import TestConfig
+    from .spec_types import TestConfig
 
     values = {"count": spec.test.count if count is None else count,
               "iters": spec.test.iters if iters is None else iters}
@@ -375,8 +332,7 @@ def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeou
     spec = loaded.model
     if not get_family(spec.op).blocks_wait:
         raise RuntimeSetupError(f"{spec_path}: op {spec.op} never waits; probe a signal or barrier spec")
-    short = spec.model_copy(update={"sync": spec.sync.model_copy(update={"timeout_ms": timeout_ms})})
-    probe = LoadedSpec(loaded.path, loaded.text + f"\n# probe timeout_ms={timeout_ms}\n", short)
+    probe = spec_variant(loaded, {"sync": {"timeout_ms": timeout_ms}})
     manifest = materialize(probe)
     with World(gpus, share_gpus=share_gpus) as world, gpu_turn():
         module = world.load(manifest, arch=arch)

@@ -19,7 +19,7 @@ import jinja2
 from . import __version__
 from .files import atomic_write, sweep_temps
 from .ops import get_family
-from .ops.base import Plan
+from .ops.base import ModuleAbi
 from .spec import LoadedSpec
 
 
@@ -51,7 +51,7 @@ def environment() -> jinja2.Environment:
         return f"{rule}\n// Inlined from templates/include/{name}\n{rule}\n{text.rstrip()}\n"
 
     env.globals["inline_header"] = inline_header
-    from .plan import c_slice, c_tables
+    from .plan.lower import c_slice, c_tables
 
     env.globals["c_tables"] = c_tables
     env.globals["c_slice"] = c_slice
@@ -88,7 +88,7 @@ class Rendered:
     name: str
     source: str  # NAME.cu
     manifest: str  # NAME.json
-    plan: Plan
+    abi: ModuleAbi  # the module ABI: buffers, kernels and constants
 
     def files(self) -> dict[str, str]:
         return {f"{self.name}.cu": self.source, f"{self.name}.json": self.manifest}
@@ -101,7 +101,7 @@ def render(loaded: LoadedSpec, base: Path | None = None, skew: int | None = None
     or fence shows up as it would over NVLink. Ops with their own entry points ignore it."""
     spec = loaded.model
     family = get_family(spec.op)
-    plan = family.plan(spec)
+    plan = family.abi(spec)  # the module ABI (`plan`: the template input name, unchanged)
     spec_path = spec_display_path(loaded.path, base if base is not None else Path.cwd())
     timeout_ns = spec.sync.timeout_ms * 1_000_000
     kargs = plan.kernels[0].args
@@ -113,6 +113,8 @@ def render(loaded: LoadedSpec, base: Path | None = None, skew: int | None = None
     banner = [
         banner_first_line(__version__, spec_path),
         f"spec sha256 {loaded.sha256}",
+        # a variant (spec.spec_variant) says so: the file's fields, with these changed
+        *(f"variant: {change}" for change in loaded.changes),
         "DO NOT EDIT: change the spec and run `tsgen build` again.",
         "",
         f"op {spec.op}: {family.summary}",

@@ -1,4 +1,5 @@
-"""Spec loading: YAML file -> typed, validated model of one op kind.
+"""Spec loading: YAML file -> typed, validated model of one op kind; and variants of a
+loaded spec (spec_variant), validated the same way.
 
 Every problem is reported as ``FILE:LINE:COL: field: what is wrong``; a
 problem anywhere means nothing is rendered. The YAML is composed into nodes
@@ -10,142 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-)
+from pydantic import ValidationError
 
 from .errors import SpecError
-
-# ---------------------------------------------------------------------------
-# Field types shared by every op kind
-# ---------------------------------------------------------------------------
-
-_C_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# Every keyword of C23 and C++23 with the alternative tokens (`and`, `xor`, ...): a name is
-# a namespace, kernel-name prefix and file name of one generated source.
-_C_KEYWORDS = frozenset(
-    """alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t
-    char16_t char32_t class co_await co_return co_yield compl concept const const_cast consteval
-    constexpr constinit continue decltype default delete do double dynamic_cast else enum
-    explicit export extern false float for friend goto if inline int long mutable namespace new
-    noexcept not not_eq nullptr operator or or_eq private protected public register
-    reinterpret_cast requires restrict return short signed sizeof static static_assert
-    static_cast struct switch template this thread_local throw true try typedef typeid typename
-    typeof typeof_unqual union unsigned using virtual void volatile wchar_t while xor xor_eq""".split()
-)
-# Prefixes of whole families of declared names: tsgen's own (tsgen_call_begin, TSGEN_TIMEOUT_NS)
-# and the CUDA headers' (cudaMalloc, cuMemAlloc, CUresult, nv_bfloat16, NVSHMEM..., PFN_cu...).
-_RESERVED_PREFIX = re.compile(r"(?i:tsgen)|cuda|cu[A-Z]|CU|nv[A-Z_]|nvshmem|NV|PFN_")
-
-
-def name_problem(value: str, header_names: bool = True) -> str | None:
-    """Why `value` cannot be a spec's name, or None. `header_names`: also refuse what the
-    headers of a generated source declare (tsgen/header_names.py, from tools/reserved_names.py)."""
-    if not _C_IDENT.match(value):
-        return f"{value!r} is not a C identifier (letters, digits and '_', not starting with a digit)"
-    if value in _C_KEYWORDS:
-        return f"{value!r} is a C/C++ keyword"
-    if value.startswith("_") or len(value) > 64:
-        return f"{value!r}: names may not start with '_' or exceed 64 characters"
-    if value.upper() == value:
-        return f"{value!r}: a name needs a lowercase letter (all capitals is the macro namespace: EOF, NULL, ...)"
-    if _RESERVED_PREFIX.match(value):
-        return f"{value!r}: names starting with tsgen, cuda, cu[A-Z], CU, nv[A-Z_], nvshmem, NV or PFN_ are reserved"
-    if header_names:
-        from .header_names import HEADER_NAMES
-
-        if value in HEADER_NAMES:
-            return f"{value!r} is already declared in a generated source (by the CUDA, C or NVSHMEM headers it includes)"
-    return None
-
-
-def _check_c_identifier(value: str) -> str:
-    problem = name_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
-CIdentifier = Annotated[str, AfterValidator(_check_c_identifier)]
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, int) and not isinstance(value, bool) else value
-
-
-def _check_world_sizes(value: list[int]) -> list[int]:
-    if len(set(value)) != len(value):
-        raise ValueError(f"world sizes {value} repeat a value")
-    return sorted(value)
-
-
-WorldSize = Annotated[int, Field(ge=2, le=8)]
-WorldSizes = Annotated[
-    list[WorldSize],
-    BeforeValidator(_as_list),
-    Field(min_length=1, max_length=7),
-    AfterValidator(_check_world_sizes),
-]
-
-Dtype = Literal["uint8", "int32", "uint32", "float32", "float16", "bfloat16"]
-Scope = Literal["cta", "gpu", "sys"]
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class Launch(StrictModel):
-    """Launch shape and copy tuning; compile-time constants of the kernel."""
-
-    blocks: int = Field(32, ge=1, le=1024, description="thread blocks per rank")
-    threads: int = Field(512, ge=32, le=1024, multiple_of=32, description="threads per block")
-    unroll: int = Field(4, ge=1, le=16, description="16-byte loads in flight per thread")
-
-
-class Sync(StrictModel):
-    """Waiting behaviour of every spin loop in the kernel."""
-
-    timeout_ms: int = Field(
-        10000,
-        ge=0,
-        le=3_600_000,
-        description="a wait that sees no signal for this long prints who waited for what "
-        "and traps; 0 turns the timeout off",
-    )
-
-
-class TestConfig(StrictModel):
-    """Defaults for `tsgen test` (the command line can override them)."""
-
-    count: int = Field(1_000_003, ge=1, le=1 << 31, description="elements per rank")
-    iters: int = Field(100, ge=1, le=100_000, description="back-to-back calls, no reset")
-
-
-class SpecBase(StrictModel):
-    """Fields every spec has; op families subclass this and add `op` and `params`."""
-
-    name: CIdentifier = Field(description="module name: file name and kernel-name prefix")
-    description: str = Field("", max_length=2000, description="free text, kept in a comment")
-    world_sizes: WorldSizes = Field(
-        description="ranks the kernels are compiled for (one kernel per world size)"
-    )
-    launch: Launch = Launch()
-    sync: Sync = Sync()
-    test: TestConfig = TestConfig()
-
+from .ops import family_names, get_family
+from .spec_types import SpecBase
 
 # ---------------------------------------------------------------------------
 # YAML with positions
@@ -272,6 +148,8 @@ class LoadedSpec:
     path: Path
     text: str
     model: SpecBase
+    # a variant's changes to the spec file, `key = value` (spec_variant); () for the file itself
+    changes: tuple[str, ...] = ()
 
     @property
     def sha256(self) -> str:
@@ -344,8 +222,6 @@ def _pydantic_message(err: dict) -> str:
 
 def load_spec(path: str | Path, display_path: str | None = None) -> LoadedSpec:
     """Read, parse and validate one spec file; raise SpecError listing every problem."""
-    from .ops import get_family, family_names  # late import: ops import this module
-
     path = Path(path)
     shown = Path(display_path) if display_path else path
     text = _read_text(path, shown)
@@ -371,21 +247,72 @@ def load_spec(path: str | Path, display_path: str | None = None) -> LoadedSpec:
             [_fmt(shown, loc.find(("op",)), "op", f"unknown op {op!r}; one of: {', '.join(family_names())}")]
         ) from None
 
+    return LoadedSpec(path=shown, text=text, model=_validate(family, data, shown, loc))
+
+
+def _validate(family, data: dict, shown: Path, loc: _Located, after: str = "") -> SpecBase:
+    """The family's model of `data`: field types, then the family's cross-field checks; every
+    problem of the first that has any as a SpecError, each line ending in `after`."""
     try:
         model = family.Spec.model_validate(data)
     except ValidationError as e:
         problems = []
         for err in e.errors():
             field_path = tuple(err["loc"])
-            problems.append(_fmt(shown, loc.find(field_path), _dotted(field_path), _pydantic_message(err)))
+            problems.append(_fmt(shown, loc.find(field_path), _dotted(field_path), _pydantic_message(err)) + after)
         raise SpecError(problems) from None
     problems = [
-        _fmt(shown, loc.find(field_path), _dotted(field_path), msg)
+        _fmt(shown, loc.find(field_path), _dotted(field_path), msg) + after
         for field_path, msg in family.check(model)
     ]
     if problems:
         raise SpecError(problems)
-    return LoadedSpec(path=shown, text=text, model=model)
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Variants: a spec with some fields changed (spec_variant)
+# ---------------------------------------------------------------------------
+
+
+def merge(base: dict, updates: dict) -> dict:
+    """`base` with `updates` merged in, nested mappings key by key ({"launch": {"blocks": 64}}
+    changes only launch.blocks); neither is modified."""
+    out = dict(base)
+    for key, value in updates.items():
+        out[key] = merge(base.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
+def _flat(updates: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in sorted(updates.items()):
+        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return out
+
+
+def describe_variant(updates: dict) -> str:
+    """`launch.blocks = 66, world_sizes = [8]`: what a variant changed, for output and results."""
+    return ", ".join(f"{k} = {v}" for k, v in _flat(updates))
+
+
+def spec_variant(loaded: LoadedSpec, updates: dict) -> LoadedSpec:
+    """THE way to make "this spec with these changes": `loaded` with `updates` merged in
+    (nested: {"launch": {"blocks": 64}}), validated exactly as load_spec validates a file
+    (field types, then the family's cross-field checks; problems as SpecError, each ending in
+    "(in the variant ...)"). Deterministic: the same spec and updates give the same variant.
+    Its name is the spec's unless `updates` sets `name` (the dtype matrix does). Each change is
+    appended to its text as a `# variant: key = value` line, so its sha256 (and the cache
+    entry, manifest and banner made from it) names the variant, and recorded in `changes`,
+    which the banner of a variant's source lists. No updates: `loaded` itself."""
+    if not updates:
+        return loaded
+    family = get_family(loaded.model.op)
+    data = merge(loaded.model.model_dump(), updates)
+    model = _validate(family, data, loaded.path, _Located(), f" (in the variant {describe_variant(updates)})")
+    changes = tuple(f"{k} = {v}" for k, v in _flat(updates))
+    note = "".join(f"\n# variant: {c}" for c in changes)
+    return LoadedSpec(loaded.path, loaded.text + note + "\n", model, loaded.changes + changes)
 
 
 def spec_files(paths: list[str | Path]) -> list[Path]:

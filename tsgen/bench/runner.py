@@ -29,10 +29,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import RuntimeSetupError
-from ..harness import materialize, poison_byte, shared_gpu_variant, spec_variant, wrong_elements
+from ..harness import materialize, poison_byte, shared_gpu_variant, wrong_elements
 from ..ops import get_family
 from ..ops.conventions import BenchCase
-from ..spec import load_spec
+from ..spec import load_spec, spec_variant
 from .baselines import INPROCESS, MULTIPROCESS, Measured, check_names, run_multiprocess
 from .ceilings import ceilings_for, fraction_of_ceiling, guard
 from .results import device_of

@@ -33,8 +33,8 @@ import yaml
 from pydantic import Field, ValidationError
 
 from ..errors import SpecError
-from ..harness import spec_variant
-from ..spec import StrictModel, load_spec
+from ..spec import load_spec, spec_variant
+from ..spec_types import StrictModel
 from .sizes import parse_sizes
 
 SUITES_DIR = Path("suites")

@@ -1,6 +1,6 @@
 """Registry of op families: the table of what exists.
 
-Adding an op kind = one module here with its family (spec schema, plan,
+Adding an op kind = one module here with its family (spec schema, module ABI,
 reference) + one template under templates/ops/, listed in _MODULES.
 """
 

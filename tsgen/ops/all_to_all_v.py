@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import Field
 
 from ..runtime.placement import fit_blocks
-from ..spec import SpecBase, StrictModel
+from ..spec_types import SpecBase, StrictModel
 from .base import Buffer, OpFamily
 from .collectives import CollectiveDtype, _values
 from .collectives_bench import CollectiveBench

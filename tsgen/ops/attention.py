@@ -38,8 +38,8 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BeforeValidator, Field
 
-from ..spec import SpecBase, StrictModel, _as_list
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
+from ..spec_types import SpecBase, StrictModel, _as_list
+from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, ModuleAbi
 from .collectives import from_f64, to_f64
 
 # sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -183,7 +183,7 @@ class AttentionFamily(OpFamily):
         scale = scale_of(spec)
         return {"softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
 
-    def plan(self, spec):
+    def abi(self, spec):
         buffers = (CALLS,) + self.buffers(spec)
         args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
             Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS
@@ -193,7 +193,7 @@ class AttentionFamily(OpFamily):
                    smem=smem_bytes(spec), args=args)
             for w in spec.world_sizes
         )
-        return Plan(self, spec, buffers, kernels, self.constants(spec))
+        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):

@@ -1,4 +1,4 @@
-"""What every op family provides, and the plan data it hands the renderer.
+"""What every op family provides, and the module ABI it hands the renderer.
 
 An op family is small and declarative: a spec model (its `params`), a
 template, the symmetric buffers its kernels use, a NumPy reference, and the
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..runtime.placement import fit_blocks
-from ..spec import SpecBase
+from ..spec_types import SpecBase
 from .conventions import BenchConventions
 
 # dtype name -> (C type, numpy dtype)
@@ -116,7 +116,7 @@ class Kernel:
 
 
 @dataclass
-class Plan:
+class ModuleAbi:
     """Everything the template renders from and the manifest records."""
 
     family: "OpFamily"
@@ -181,12 +181,12 @@ class OpFamily:
         return True
 
     def template_vars(self, spec: Any) -> dict[str, Any]:
-        """Extra names the op's template uses (beyond spec, plan, constants)."""
+        """Extra names the op's template uses (beyond spec, the module ABI, constants)."""
         return {}
 
     # -- shared-GPU worlds -------------------------------------------------------
     def shared_fit(self, spec: Any, colocated: int, sms: int) -> dict[str, Any]:
-        """Spec fields to change (nested, for harness.spec_variant) so that `colocated` ranks'
+        """Spec fields to change (nested, for spec.spec_variant) so that `colocated` ranks'
         grids are all resident at once on one GPU of `sms` SMs; {} when the spec fits as it is.
         The bound is one block per SM, whatever the kernel's occupancy. Pure."""
         if colocated == 1:
@@ -194,7 +194,7 @@ class OpFamily:
         blocks = fit_blocks(spec.launch.blocks, colocated, sms)
         return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
 
-    # -- plan ---------------------------------------------------------------
+    # -- module ABI: buffers, kernel arguments, constants ---------------------
     def buffers(self, spec: Any) -> tuple[Buffer, ...]:
         raise NotImplementedError
 
@@ -202,7 +202,7 @@ class OpFamily:
         """Compile-time constants beyond the launch shape (e.g. SHIFT)."""
         return {}
 
-    def plan(self, spec: Any) -> Plan:
+    def abi(self, spec: Any) -> ModuleAbi:
         # Every module's heap starts with its call counter: [0] calls completed,
         # [1] blocks finished (the last block of a call advances [0]).
         buffers = (CALLS,) + tuple(self.buffers(spec))
@@ -226,7 +226,7 @@ class OpFamily:
             "UNROLL": spec.launch.unroll,
         }
         constants.update(self.constants(spec))
-        return Plan(self, spec, buffers, kernels, constants)
+        return ModuleAbi(self, spec, buffers, kernels, constants)
 
     # -- reference ----------------------------------------------------------
     def make_inputs(

@@ -1,6 +1,6 @@
 """Collectives as plans: allgather, reduce_scatter, all_to_all, all_reduce, broadcast.
 
-Each family builds, for every world size, a CommPlan (tsgen/plan.py): the
+Each family builds, for every world size, a CommPlan (tsgen/plan/ir.py): the
 steps every rank takes, the signals between them, and the contributions
 every output slice must end up with. The template renders the plan as
 tables that one interpreter kernel executes (templates/include/
@@ -25,10 +25,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from ..plan import (MAX_WAITS, STRAIGHT_LINE_MAX_CALLS, CommPlan, ShareGroup, SignalRef, Slice, Step, schedule,
-                    straight_line_groups, stream_program)
-from ..spec import Launch, SpecBase, StrictModel
-from .base import CALLS, Arg, Buffer, OpFamily, Plan, fill
+from ..plan.ir import MAX_WAITS, CommPlan, SignalRef, Slice, Step, schedule
+from ..plan.lower import STRAIGHT_LINE_MAX_CALLS, ShareGroup, straight_line_groups, stream_program
+from ..spec_types import Launch, SpecBase, StrictModel
+from .base import CALLS, Arg, Buffer, ModuleAbi, OpFamily, fill
 from .collectives_bench import AllReduceBench, CollectiveBench
 
 CollectiveDtype = Literal["bfloat16", "float16", "float32", "int32"]
@@ -172,22 +172,22 @@ class CollectiveFamily(OpFamily):
     def device_libs(self, spec: Any) -> tuple[str, ...]:
         return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
 
-    def plan(self, spec: Any) -> Plan:
-        plan = super().plan(spec)
+    def abi(self, spec: Any) -> ModuleAbi:
+        abi = super().abi(spec)
         if self.copy_engine(spec):
             # The host launcher also needs the peer table in host memory (memcpy addresses).
             kernels = []
-            for k in plan.kernels:
+            for k in abi.kernels:
                 args = k.args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + k.args[1:]
                 kernels.append(dataclasses.replace(k, launcher_args=args))
-            plan.kernels = tuple(kernels)
+            abi.kernels = tuple(kernels)
         # Straight-line code keeps every source of a reduction in flight at once, which takes
         # more registers than the interpreter; ptxas's default may cap them at what a second
         # block per SM leaves and spill. Collectives run one block per SM (at most 132).
         straight = self.straight_line(spec)
-        plan.kernels = tuple(dataclasses.replace(k, min_blocks=1) if k.world_size in straight else k
-                             for k in plan.kernels)
-        return plan
+        abi.kernels = tuple(dataclasses.replace(k, min_blocks=1) if k.world_size in straight else k
+                             for k in abi.kernels)
+        return abi
 
     def straight_line(self, spec: Any, plans: dict[int, CommPlan] | None = None) -> dict[int, list[list[ShareGroup]]]:
         """World size -> each rank's block groups, for the world sizes whose SM kernel runs its
@@ -318,7 +318,7 @@ class CollectiveFamily(OpFamily):
         out |= {"hoist_opening": self.template_for(spec) == self.template, "straight_line": self.straight_line(spec, plans)}
         if self.copy_engine(spec):
             out["stream_programs"] = {w: [stream_program(cp, r) for r in range(w)] for w, cp in plans.items()}
-            out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in self.plan(spec).kernels[0].launcher_args)
+            out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in self.abi(spec).kernels[0].launcher_args)
         return out
 
     # -- reference ----------------------------------------------------------

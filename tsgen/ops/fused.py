@@ -27,8 +27,8 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from ..spec import SpecBase, WorldSizes
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
+from ..spec_types import SpecBase, WorldSizes
+from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, ModuleAbi
 from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
@@ -134,7 +134,7 @@ class AllgatherGemmFamily(OpFamily):
     def constants(self, spec):
         return GemmFamily().constants(spec)
 
-    def plan(self, spec):
+    def abi(self, spec):
         buffers = (CALLS,) + self.buffers(spec)
         args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
             Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
@@ -144,11 +144,11 @@ class AllgatherGemmFamily(OpFamily):
             Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
                    smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
             for w in spec.world_sizes)
-        return Plan(self, spec, buffers, kernels, self.constants(spec))
+        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
 
     # -- reference ----------------------------------------------------------
     def template_vars(self, spec):
-        args = self.plan(spec).kernels[0].launcher_args
+        args = self.abi(spec).kernels[0].launcher_args
         return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args)}
 
     def make_inputs(self, spec, world, count, rng, pattern):
@@ -333,7 +333,7 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
         bufs.append(Buffer("sig", "uint64", "signal", per_count=0, fixed=RS_SIGNALS))
         return tuple(bufs)
 
-    def plan(self, spec):
+    def abi(self, spec):
         # the launcher takes every op's leading arguments + one pointer per buffer
         buffers = (CALLS,) + self.buffers(spec)
         args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
@@ -345,10 +345,10 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
             Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
                    smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
             for w in spec.world_sizes)
-        return Plan(self, spec, buffers, kernels, self.constants(spec))
+        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
 
     def template_vars(self, spec):
-        k = self.plan(spec).kernels[0]
+        k = self.abi(spec).kernels[0]
         return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in (k.launcher_args or k.args))}
 
     # -- reference ----------------------------------------------------------

@@ -25,8 +25,8 @@ import numpy as np
 from pydantic import BeforeValidator, Field
 
 from ..runtime.placement import fit_blocks
-from ..spec import SpecBase, StrictModel, _as_list
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
+from ..spec_types import SpecBase, StrictModel, _as_list
+from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, ModuleAbi
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
@@ -212,7 +212,7 @@ class GemmFamily(OpFamily):
             "SMEM_BYTES": smem_bytes(spec),
         }
 
-    def plan(self, spec):
+    def abi(self, spec):
         # `args` are the launcher's: every op's calling convention. The device kernel,
         # <kernel>_kernel, takes the TMA descriptors the launcher encodes, and M.
         buffers = (CALLS,) + self.buffers(spec)
@@ -224,7 +224,7 @@ class GemmFamily(OpFamily):
                    smem=smem_bytes(spec), args=args)
             for w in spec.world_sizes
         )
-        return Plan(self, spec, buffers, kernels, self.constants(spec))
+        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):

@@ -43,8 +43,8 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from ..spec import SpecBase, WorldSizes
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, Plan
+from ..spec_types import SpecBase, WorldSizes
+from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, ModuleAbi
 from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
@@ -236,7 +236,7 @@ class CannonFamily(OpFamily):
         c["RESERVE_SMS"] = spec.params.reserve_sms
         return c
 
-    def plan(self, spec):
+    def abi(self, spec):
         buffers = (CALLS,) + self.buffers(spec)
         args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
             Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
@@ -245,10 +245,10 @@ class CannonFamily(OpFamily):
             Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
                    smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
             for w in spec.world_sizes)
-        return Plan(self, spec, buffers, kernels, self.constants(spec))
+        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
 
     def template_vars(self, spec):
-        args = self.plan(spec).kernels[0].launcher_args
+        args = self.abi(spec).kernels[0].launcher_args
         return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
                 "schedules": {w: schedule(self.kind, grid_side(w)) for w in spec.world_sizes},
                 "grid_sides": {w: grid_side(w) for w in spec.world_sizes}}

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 from pydantic import Field
 
-from ..spec import SpecBase, StrictModel
+from ..spec_types import SpecBase, StrictModel
 from .base import Buffer, OpFamily
 from .conventions import BenchCase, BenchConventions
 

@@ -1,146 +1,21 @@
-"""Communication plans as data, and their CPU verifier.
-
-A collective's plan says, for every rank, what each block of the kernel
-does, in order: wait for signals, copy or reduce one slice of memory (its
-share of a step), raise signals. The generated kernel is an interpreter of
-exactly this table (rendered as a __constant__ array), or for a small plan
-straight-line code making the same share calls, and `tsgen verify`
-executes the same table on the CPU under many interleavings of ranks and
-blocks, so what is verified is what runs.
-
-Memory is named by Slice: a buffer, an offset in units of the run-time
-`count`, and a piece of that unit (a unit split into `pieces` parts with
-16-byte aligned boundaries). Signals are u64 counters that only grow: a
-wait in call `epoch` waits until the counter reaches epoch x (the number of
-adds the counter receives per call), which the plan computes, so every
-wait is matched by construction and nothing is reset between calls.
-"""
+"""The CPU verifier of plans: every schedule executes the plan's shares as the generated
+kernel would, checking outputs, writes, call boundaries and waits; and `tsgen verify` over
+spec files (plan_jobs, verify_jobs, verify_specs). See tsgen/plan/__init__.py."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
-MAX_SRCS = 8
-MAX_WAITS = 8
-MAX_SIGNALS = 8
-MAX_ALSO = 7
-
-
-@dataclass(frozen=True, order=True)
-class Slice:
-    buffer: str
-    unit: int = 0
-    piece: int = 0
-    pieces: int = 1
-
-    def __str__(self) -> str:
-        p = f"[{self.piece}/{self.pieces}]" if self.pieces > 1 else ""
-        return f"{self.buffer}@{self.unit}{p}"
-
-
-@dataclass(frozen=True)
-class SignalRef:
-    rank: int  # whose memory holds the counter
-    name: str  # signal buffer
-    index: int
-
-
-@dataclass(frozen=True)
-class Step:
-    """One action of one rank, split evenly over `blocks` blocks.
-
-    op: "copy" (dst = src), "reduce" (dst = sum of srcs, fp32 accumulation)
-    or "none" (only waits and signals). Each block doing a share waits for
-    `waits` (counters in this rank's memory) first, and raises each of
-    `signals` by one after its share is written. `also` (reduce only): more
-    destinations that get the same values as dst (a reduced part stored to
-    every rank at once, instead of re-read and copied once per peer).
-    """
-
-    op: str
-    dst: tuple[int, Slice] | None = None  # (rank whose memory is written, slice)
-    also: tuple[tuple[int, Slice], ...] = ()  # further (rank, slice) written with dst's values
-    srcs: tuple[tuple[int, Slice], ...] = ()
-    waits: tuple[tuple[str, int], ...] = ()
-    signals: tuple[SignalRef, ...] = ()
-    blocks: int = 1
-    note: str = ""
-    lane: str | None = None  # steps of one lane run in order on the same blocks (a pipeline)
-
-
-@dataclass(frozen=True)
-class Share:
-    step: int  # index into the rank's steps
-    share: int  # which share of the step this block does
-    shares: int
-
-
-@dataclass
-class RankPlan:
-    steps: list[Step]
-    blocks: list[list[Share]] = field(default_factory=list)  # per block, in order
-
-
-@dataclass
-class CommPlan:
-    """Everything a collective does at one world size."""
-
-    world: int
-    nblocks: int
-    ranks: list[RankPlan]
-    buffers: dict[str, str]  # name -> role: input | output | scratch | inout
-    signals: dict[str, int]  # name -> number of u64 counters per rank
-    expected: dict[tuple[int, Slice], Counter]  # (rank, output slice) -> contributions
-    per_call: dict[tuple[int, str, int], int] = field(default_factory=dict)
-
-    def wait_target(self, rank: int, name: str, index: int) -> int:
-        return self.per_call.get((rank, name, index), 0)
-
-
-def schedule(world: int, nblocks: int | None, steps_per_rank: list[list[Step]], **kw) -> CommPlan:
-    """Assign shares of steps to blocks and count the adds each signal receives per call.
-
-    nblocks None: as many blocks as the widest rank's groups need (copy-engine plans,
-    whose "blocks" are streams).
-    Steps are grouped: the steps of one lane form a group (they run in order on
-    the same blocks, so piece i+1 of a pipeline starts after piece i); every
-    other step is a group of its own. Groups take consecutive blocks in order
-    of first appearance, wrapping around when the grid is smaller than the work."""
-    if nblocks is None:
-        nblocks = max(sum(max(steps[i].blocks for i in g) for g in _groups(steps).values())
-                      for steps in steps_per_rank)
-    ranks = []
-    for steps in steps_per_rank:
-        groups = _groups(steps)
-        blocks: list[list[Share]] = [[] for _ in range(nblocks)]
-        base = 0
-        for members in groups.values():
-            width = max(steps[i].blocks for i in members)
-            for i in members:
-                for s in range(steps[i].blocks):
-                    blocks[(base + s) % nblocks].append(Share(i, s, steps[i].blocks))
-            base += width
-        ranks.append(RankPlan(steps, blocks))
-    plan = CommPlan(world=world, nblocks=nblocks, ranks=ranks, **kw)
-    per_call: Counter = Counter()
-    for rp in ranks:
-        for step in rp.steps:
-            for sig in step.signals:
-                per_call[(sig.rank, sig.name, sig.index)] += step.blocks
-    plan.per_call = dict(per_call)
-    return plan
-
-
-def _groups(steps: list[Step]) -> dict[object, list[int]]:
-    """Step indices by group: one group per lane, every other step alone, in order."""
-    groups: dict[object, list[int]] = {}
-    for i, step in enumerate(steps):
-        groups.setdefault(step.lane if step.lane is not None else ("step", i), []).append(i)
-    return groups
-
+from ..errors import CheckFailed, SpecError
+from ..ops import get_family
+from ..spec import load_spec, spec_files, spec_variant
+from .ir import MAX_ALSO, MAX_SIGNALS, MAX_SRCS, MAX_WAITS, CommPlan, Slice
 
 # ---------------------------------------------------------------------------
 # Verification
@@ -579,216 +454,107 @@ def _fmt(value: Iterable) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Rendering the plan as C tables (used by templates/ops/collective.cu.j2)
+# `tsgen verify`: the plans of many specs and world sizes, verified in a pool of processes.
+#
+# Each plan's schedules are cut into chunks of CHUNK; the pool runs chunks of all plans at
+# once, and the results come back per plan in the order the plans were listed, whatever the
+# order the chunks finish in. Every schedule stands alone (verify), so a plan's problems are
+# those of its first chunk that has any: the same as one process running its schedules in order.
 # ---------------------------------------------------------------------------
 
-_OPS = {"none": "TSGEN_OP_NONE", "copy": "TSGEN_OP_COPY", "reduce": "TSGEN_OP_REDUCE"}
-
-
-def c_slice(plan: CommPlan, buffer_index: dict[str, int], rank_slice: tuple[int, Slice] | None) -> str:
-    """Initializer of a tsgen_slice."""
-    if rank_slice is None:
-        return "{0, 0, 0, 1, 0, 0}"
-    rank, s = rank_slice
-    ro = 1 if plan.buffers.get(s.buffer) == "input" else 0
-    return f"{{{rank}, {buffer_index[s.buffer]}, {ro}, {s.pieces}, {s.unit}, {s.piece}}}"
-
-
-SHARES_PER_LINE = 8
-
-
-def opening_signal(plan: CommPlan, r: int) -> tuple[str, int, int] | None:
-    """(signal name, index, peer mask) when rank r's block 0 opens with a step that only
-    signals (no op, no waits, one block): the same counter raised once at each of some
-    peers -- every collective's entry step. Such a step can be rendered as straight code
-    at kernel start instead of a table walk (the plan and its verification are unchanged:
-    it is the first thing block 0 does either way). None otherwise."""
-    blocks = plan.ranks[r].blocks
-    if not blocks or not blocks[0]:
-        return None
-    st = plan.ranks[r].steps[blocks[0][0].step]
-    if st.op != "none" or st.waits or st.blocks != 1 or not st.signals:
-        return None
-    names = {(g.name, g.index) for g in st.signals}
-    targets = [g.rank for g in st.signals]
-    if len(names) != 1 or r in targets or len(set(targets)) != len(targets):
-        return None
-    (name, index), = names
-    return name, index, sum(1 << q for q in targets)
-
-
-def _openings(plan: CommPlan, hoist_opening: bool) -> list[tuple[str, int, int] | None]:
-    """Per rank, the opening signal rendered as code (see opening_signal), or None: hoisted
-    only when asked and every opening raises a counter of the same signal buffer."""
-    opens = [opening_signal(plan, r) if hoist_opening else None for r in range(plan.world)]
-    return [None] * plan.world if len({o[0] for o in opens if o}) > 1 else opens
-
-
-def block_shares(plan: CommPlan, hoist_opening: bool = False) -> list[list[list[Share]]]:
-    """Per rank, per block, the shares the kernel runs through its tables or straight-line
-    code: the plan's, less block 0's opening signal where that is hoisted into code."""
-    opens = _openings(plan, hoist_opening)
-    return [[lst[1:] if b == 0 and opens[r] else list(lst) for b, lst in enumerate(rp.blocks)]
-            for r, rp in enumerate(plan.ranks)]
-
-
-def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool = False) -> dict:
-    """Initializer text of the step / share / block tables: one commented line per step;
-    the shares of each block under one comment, SHARES_PER_LINE {step, share, shares}
-    entries a line (a ring plan has tens of thousands). `nshares` counts the entries.
-    hoist_opening: each rank's opening signal (see opening_signal) leaves block 0's share
-    list; `opening` then has, per rank, (buffer index, counter index, peer mask) or None."""
-
-    def sl(rank_slice: tuple[int, Slice] | None) -> str:
-        return c_slice(plan, buffer_index, rank_slice)
-
-    steps, step_base, shares, first = [], [], [], []
-    nshares = 0
-    for r, (rp, blocks) in enumerate(zip(plan.ranks, block_shares(plan, hoist_opening))):
-        step_base.append(len(steps))
-        for i, st in enumerate(rp.steps):
-            srcs = ", ".join(sl(x) for x in st.srcs)
-            waits = ", ".join(f"{{{buffer_index[n]}, 0, {idx}, {plan.wait_target(r, n, idx)}}}" for n, idx in st.waits)
-            sigs = ", ".join(f"{{{g.rank}, {buffer_index[g.name]}, {g.index}}}" for g in st.signals)
-            also = ", ".join(sl(x) for x in st.also)
-            what = _describe(r, st)
-            steps.append((f"{{{_OPS[st.op]}, {len(st.srcs)}, {len(st.waits)}, {len(st.signals)}, {len(st.also)}, "
-                          f"{sl(st.dst)}, {{{srcs}}}, {{{also}}}, {{{waits}}}, {{{sigs}}}}}",
-                          f"rank {r} step {i}: {what}"))
-        row = []
-        for b, lst in enumerate(blocks):
-            row.append(nshares)
-            entries = [f"{{{sh.step}, {sh.share}, {sh.shares}}}" for sh in lst]
-            lines = [", ".join(entries[i:i + SHARES_PER_LINE]) for i in range(0, len(entries), SHARES_PER_LINE)]
-            if lines:
-                shares.append((f"rank {r} block {b}: shares {nshares}..{nshares + len(lst) - 1} ({{step, share, of}})",
-                               lines))
-            nshares += len(lst)
-        row.append(nshares)
-        first.append(row)
-    opening = [None if o is None else (buffer_index[o[0]], o[1], o[2]) for o in _openings(plan, hoist_opening)]
-    return {"steps": steps, "step_base": step_base, "shares": shares, "nshares": nshares, "first": first,
-            "opening": opening}
-
-
-def _describe(r: int, st: Step) -> str:
-    parts = [st.note or st.op]
-    if st.waits:
-        parts.append("wait " + ", ".join(f"{n}[{i}]" for n, i in st.waits))
-    if st.op != "none":
-        srcs = " + ".join(f"r{q}:{s}" for q, s in st.srcs)
-        dsts = " = ".join(f"r{q}:{sl}" for q, sl in (st.dst,) + st.also)
-        parts.append(f"{dsts} = {srcs}")
-    if st.signals:
-        parts.append("signal " + ", ".join(f"r{g.rank}:{g.name}[{g.index}]" for g in st.signals))
-    if st.blocks > 1:
-        parts.append(f"{st.blocks} blocks")
-    return "; ".join(parts)
-
-
-# ---------------------------------------------------------------------------
-# Small plans as straight-line code (plan<W>::run in templates/ops/plan_tables.cu.j2)
-# ---------------------------------------------------------------------------
-
-# A plan runs as straight-line code (launch.plan_code: auto) when that code makes at most
-# this many share calls over all ranks. Each call inlines a copy or reduce loop (world-size-4
-# reduce_scatter: 40 calls, 16k SASS instructions against the interpreter's 1.7k), so this
-# bounds the kernel's size and compile time. Shipped specs: one_shot, two_shot_pull and
-# broadcast push take at most 24 calls at any world size; the allgather / all_to_all /
-# reduce_scatter push plans 28 to 40 at world size 4 and 80 to 160 at 8; the ring plans and
-# the 8-piece pipelines (all_reduce two_shot, reduce_scatter_large) fold their thousands of
-# shares into 32 to 50 calls at world size 2 (broadcast ring also at 3), 66 or more beyond.
-STRAIGHT_LINE_MAX_CALLS = 64
+CHUNK = 8  # schedules a worker verifies per task
 
 
 @dataclass(frozen=True)
-class ShareGroup:
-    """Blocks lo..hi-1 of one rank that run the same steps the same way: block lo + i
-    runs, in order, share sh.share + i of sh.shares of step sh.step for each sh in
-    `shares` (block lo's list)."""
+class PlanJob:
+    """The plan of spec `path` at `world` size, verified under `schedules` random
+    interleavings (plus the fixed ones); `skip` says why it is not verified. world None:
+    the whole spec is skipped."""
 
-    lo: int
-    hi: int
-    shares: tuple[Share, ...]
+    name: str
+    path: Path
+    world: int | None
+    schedules: int = 0
+    skip: str | None = None
 
-
-def straight_line_groups(plan: CommPlan, hoist_opening: bool = False) -> tuple[list[list[ShareGroup]], int]:
-    """Each rank's blocks as groups for straight-line code, and how many share calls that
-    code makes (the groups' list lengths summed over all ranks). Consecutive blocks join a
-    group when their share lists, as the tables hold them (block_shares), have the same
-    length, steps and splits, and each entry's share is its block-lo share plus the
-    distance from lo: one call site then serves every block of the group. Blocks with
-    nothing to do are in no group."""
-    groups, calls = [], 0
-    for blocks in block_shares(plan, hoist_opening):
-        mine = []
-        b = 0
-        while b < len(blocks):
-            lo, first = b, blocks[b]
-            b += 1
-            while b < len(blocks) and _continues(first, blocks[b], b - lo):
-                b += 1
-            if first:
-                mine.append(ShareGroup(lo, b, tuple(first)))
-                calls += len(first)
-        groups.append(mine)
-    return groups, calls
+    @property
+    def label(self) -> str:
+        return self.name if self.world is None else f"{self.name} world {self.world}"
 
 
-def _continues(first: list[Share], shares: list[Share], i: int) -> bool:
-    """`shares` is what a block i blocks after the one running `first` runs in its group."""
-    return len(shares) == len(first) and all(
-        (s.step, s.share, s.shares) == (f.step, f.share + i, f.shares) for s, f in zip(shares, first))
+def plan_jobs(paths: Iterable[Path], worlds: Iterable[int], schedules: int | None = None) -> list[PlanJob]:
+    """Every collective plan of the specs under `paths` at each world size, in order.
+    schedules None: default_schedules(world)."""
+    jobs = []
+    for path in spec_files(list(paths)):
+        loaded = load_spec(path)
+        family = get_family(loaded.model.op)
+        if not hasattr(family, "comm_plan"):
+            continue
+        if family.is_multimem(loaded.model):
+            jobs.append(PlanJob(loaded.name, path, None, skip="multimem variant: no plan to verify, compiled only"))
+            continue
+        for w in worlds:
+            try:
+                spec_variant(loaded, {"world_sizes": [w]})
+                skip = None
+            except SpecError as e:  # the family does not plan this world size
+                skip = e.problems[0]
+            jobs.append(PlanJob(loaded.name, path, w, default_schedules(w) if schedules is None else schedules,
+                                skip=skip))
+    return jobs
 
 
-# ---------------------------------------------------------------------------
-# Copy-engine plans: each block of the schedule is a stream
-# ---------------------------------------------------------------------------
+@lru_cache(maxsize=4)  # a worker mostly gets consecutive chunks of one plan
+def job_plan(path: Path, world: int) -> CommPlan:
+    spec = spec_variant(load_spec(path), {"world_sizes": [world]}).model
+    return get_family(spec.op).comm_plan(spec, world)
 
 
-@dataclass(frozen=True)
-class StreamOp:
-    """One thing the host launcher enqueues on a stream.
-
-    kind "sync": a one-block kernel that raises the signals of step
-    `signal_step` (a step whose op has just finished on this stream), then
-    waits for the waits of step `wait_step` (the next step's); -1 = none.
-    kind "copy": cudaMemcpyAsync of step `step`; kind "reduce": a kernel
-    over the whole grid that computes step `step`.
-    """
-
-    kind: str
-    step: int = -1
-    signal_step: int = -1
-    wait_step: int = -1
+def _verify_chunk(path: Path, world: int, schedules: int, seed: int, first: int, stop: int) -> list[str]:
+    return verify(job_plan(path, world), schedules=schedules, seed=seed, trials=range(first, stop))
 
 
-def stream_program(plan: CommPlan, rank: int) -> list[list[StreamOp]]:
-    """What each stream of `rank` enqueues, in order: the plan's shares with every
-    step's waits before its op and its signals after, adjacent signal/wait pairs
-    merged into one sync kernel. Same order as the interpreter, so the verified
-    plan is what runs."""
-    steps = plan.ranks[rank].steps
-    program = []
-    for shares in plan.ranks[rank].blocks:
-        ops: list[StreamOp] = []
-        pending = -1  # step whose signals are still to be raised
-        for sh in shares:
-            if steps[sh.step].also:
-                raise ValueError(f"rank {rank}: step {sh.step} has several destinations; the copy-engine "
-                                 "transport copies to one")
-            if sh.shares != 1:
-                raise ValueError(f"rank {rank}: step {sh.step} is split over {sh.shares} streams; "
-                                 "copy-engine steps are one transfer each")
-            st = steps[sh.step]
-            if st.waits or pending >= 0:
-                ops.append(StreamOp("sync", signal_step=pending, wait_step=sh.step if st.waits else -1))
-                pending = -1
-            if st.op in ("copy", "reduce"):
-                ops.append(StreamOp(st.op, step=sh.step))
-            if st.signals:
-                pending = sh.step
-        if pending >= 0:
-            ops.append(StreamOp("sync", signal_step=pending))
-        program.append(ops)
-    return program
+def _chunks(job: PlanJob, seed: int) -> list[tuple]:
+    n = len(schedule_orders(job.schedules))
+    return [(job.path, job.world, job.schedules, seed, lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
+
+
+def verify_jobs(jobs: list[PlanJob], seed: int = 0, processes: int = 1) -> Iterator[tuple[PlanJob, list[str]]]:
+    """Each job with its problems ([] = verified, or skipped), in the order of `jobs`.
+    processes > 1: a pool of that many processes verifies chunks of every job at once."""
+    todo = [(job, [] if job.skip else _chunks(job, seed)) for job in jobs]
+    if processes <= 1:
+        for job, chunks in todo:
+            yield job, next((p for c in chunks if (p := _verify_chunk(*c))), [])
+        return
+    pool = ProcessPoolExecutor(processes)
+    try:
+        submitted = [(job, [pool.submit(_verify_chunk, *c) for c in chunks]) for job, chunks in todo]
+        for job, futures in submitted:
+            yield job, next((p for f in futures if (p := f.result())), [])
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def verify_specs(paths: list[Path], sizes: list[int], schedules: int | None, seed: int, processes: int,
+                 echo: Callable[[str], None]) -> int:
+    """`tsgen verify`: every plan of the specs under `paths` at each world size in `sizes`,
+    one line each through `echo`, in spec order; the number of plans verified. CheckFailed
+    when any fails."""
+    failed = checked = 0
+    for job, problems in verify_jobs(plan_jobs(paths, sizes, schedules), seed, processes):
+        if job.skip:
+            echo(f"{job.label}: skipped ({job.skip})")
+            continue
+        checked += 1
+        if problems:
+            failed += 1
+            echo(f"{job.label}: FAIL")
+            for p in problems[:8]:
+                echo("    " + p.replace("\n", "\n    "))
+        else:
+            echo(f"{job.label}: ok ({job.schedules + 3} schedules x 2 calls)")
+    if failed:
+        raise CheckFailed(f"{failed} of {checked} plans failed verification")
+    return checked
