@@ -39,7 +39,7 @@ import numpy as np
 from pydantic import BeforeValidator, Field
 
 from ..spec_types import SpecBase, StrictModel, _as_list
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, ModuleAbi
+from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
 
 # sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -184,16 +184,7 @@ class AttentionFamily(OpFamily):
         return {"softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
 
     def abi(self, spec):
-        buffers = (CALLS,) + self.buffers(spec)
-        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
-            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS
-        )
-        kernels = tuple(
-            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-                   smem=smem_bytes(spec), args=args)
-            for w in spec.world_sizes
-        )
-        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
+        return one_kernel_abi(self, spec, smem=smem_bytes(spec), constants=self.constants(spec))
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):

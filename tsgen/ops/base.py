@@ -203,30 +203,13 @@ class OpFamily:
         return {}
 
     def abi(self, spec: Any) -> ModuleAbi:
-        # Every module's heap starts with its call counter: [0] calls completed,
-        # [1] blocks finished (the last block of a call advances [0]).
-        buffers = (CALLS,) + tuple(self.buffers(spec))
-        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
-            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS
-        )
-        kernels = tuple(
-            Kernel(
-                name=f"{spec.name}_w{w}",
-                world_size=w,
-                grid=spec.launch.blocks,
-                block=spec.launch.threads,
-                smem=0,
-                args=args,
-            )
-            for w in spec.world_sizes
-        )
         constants = {
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "UNROLL": spec.launch.unroll,
         }
         constants.update(self.constants(spec))
-        return ModuleAbi(self, spec, buffers, kernels, constants)
+        return one_kernel_abi(self, spec, smem=0, constants=constants)
 
     # -- reference ----------------------------------------------------------
     def make_inputs(
@@ -270,3 +253,20 @@ def fill(dtype: str, n: int, rng: np.random.Generator, pattern: bool, rank: int)
         return rng.standard_normal(n).astype(npdt)
     info = np.iinfo(npdt)
     return rng.integers(info.min, info.max, size=n, endpoint=True, dtype=npdt)
+
+
+def one_kernel_abi(family: OpFamily, spec: Any, smem: int, constants: dict[str, int]) -> ModuleAbi:
+    """The ABI of a module with one kernel per world size taking the calling convention
+    (LEADING_ARGS, then one pointer per buffer) on a grid of launch.blocks x launch.threads."""
+    # Every module's heap starts with its call counter: [0] calls completed,
+    # [1] blocks finished (the last block of a call advances [0]).
+    buffers = (CALLS,) + tuple(family.buffers(spec))
+    args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
+        Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS
+    )
+    kernels = tuple(
+        Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
+               smem=smem, args=args)
+        for w in spec.world_sizes
+    )
+    return ModuleAbi(family, spec, buffers, kernels, constants)
