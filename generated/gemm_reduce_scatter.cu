@@ -2,7 +2,7 @@
 // spec sha256 d22b74932ca96c7176a5897921ce9163e983aa08c298830e03d4e770db868d67
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32
+// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32 meanwhile (overlap pull, reduce slots)
 // kernels: gemm_reduce_scatter_w2, gemm_reduce_scatter_w4 (one per world size; grid 132 x 384 threads)
 // count unit: rows
 //

@@ -2,7 +2,7 @@
 // spec sha256 bde45eade79b28c5b877ca496fb1e55e1fe7908fb7ee2a8fee3401070544ae09
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32
+// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials, then a signal exchange; each owner pulls its row block from every rank and sums in fp32 (overlap none, reduce slots)
 // kernels: gemm_reduce_scatter_plain_w2, gemm_reduce_scatter_plain_w4 (one per world size; grid 132 x 384 threads)
 // count unit: rows
 //

@@ -2,7 +2,7 @@
 // spec sha256 a82cfc0c6747470e6b3453559cb5505b70dd8c5484715f435c3fa4577bf548ae
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32
+// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM whose epilogue adds each row block's tiles into its owner's C (TMA reduce-add over NVLink, 16-bit adds) and signals it; no sum kernel (overlap push, reduce add)
 // kernels: gemm_reduce_scatter_push_add_w2, gemm_reduce_scatter_push_add_w4 (one per world size; grid 132 x 384 threads)
 // count unit: rows
 //

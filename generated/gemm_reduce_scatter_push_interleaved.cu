@@ -2,7 +2,7 @@
 // spec sha256 766ec5bd848c3fe077c9ce8e651f9b9779b4abcaa841550e9b7b337c56ee0987
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32
+// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM that stores each row block's 16-bit tiles into its owner's partial slots (TMA over NVLink) and signals it; the owner sums its slots in fp32 (overlap push, reduce slots)
 // kernels: gemm_reduce_scatter_push_interleaved_w2, gemm_reduce_scatter_push_interleaved_w4 (one per world size; grid 132 x 384 threads)
 // count unit: rows
 //

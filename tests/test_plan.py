@@ -269,7 +269,8 @@ def test_which_shipped_plans_are_straight_line(name, worlds):
 
 def test_plan_code_tables_renders_no_straight_line_code(tmp_path):
     """launch.plan_code: tables (the A/B baseline) keeps every world size on the table
-    interpreter; the tables themselves are the same either way."""
+    interpreter, with its share and block tables; straight-line world sizes keep only the
+    step table (the code names its entries), and it is the same either way."""
     path = ROOT / "specs" / "all_reduce_one_shot.yaml"
     forced = tmp_path / "all_reduce_one_shot.yaml"
     forced.write_text(path.read_text().replace("launch:\n", "launch:\n  plan_code: tables\n"))
@@ -277,13 +278,16 @@ def test_plan_code_tables_renders_no_straight_line_code(tmp_path):
     for w in (2, 3, 4, 8):
         assert f"plan<{w}>::run<T, UNROLL>(rank, epoch" in auto
         assert f"tsgen_run_share<T, UNROLL>(steps_w{w}[" in auto
-        assert f"static __device__ const tsgen_share shares_w{w}[]" in tables
+        assert f"static __device__ const tsgen_share_table<" in tables and f" shares_w{w} =" in tables
+        assert f" shares_w{w} =" not in auto and f"first_w{w}[" not in auto
+        assert _step_table(auto, w) == _step_table(tables, w)
     assert "tsgen_run_share<T, UNROLL>(steps_w" not in tables and "::run<T, UNROLL>" not in tables
-    assert _tables_text(auto) == _tables_text(tables)
 
 
-def _tables_text(source):
-    return source[source.index("static __device__ const tsgen_step steps_w"):source.index("template <int WORLD> struct plan;")]
+def _step_table(source, w):
+    """World size w's step table and step bases, as the source writes them."""
+    start = source.index(f"static __device__ const tsgen_step steps_w{w}[]")
+    return source[start:source.index("\n", source.index(f"step_base_w{w}[", start))]
 
 
 def test_more_than_512_threads_keep_the_tables(tmp_path):

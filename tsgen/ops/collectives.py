@@ -372,6 +372,12 @@ class AllgatherFamily(CollectiveFamily):
     summary = "every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)"
     multimem_switch = ("direction", "multimem")
 
+    def summary_of(self, spec):
+        how = {"push": "each rank writes its input into every peer", "pull": "each rank reads every peer's input",
+               "ring": "chunks pass around the ring r -> r+1 in pieces",
+               "multimem": "one NVLink-multicast store per element"}[spec.params.direction]
+        return f"every rank ends with all ranks' inputs, rank j's at offset j*count ({spec.params.direction}: {how})"
+
     def data_buffers(self, spec):
         if spec.params.in_place:
             return {"dst": ("inout", "W")}
@@ -657,6 +663,14 @@ class AllReduceFamily(CollectiveFamily):
     bench = AllReduceBench()  # + PyTorch SymmetricMemory's one- and two-shot all-reduce
     summary = "every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)"
     multimem_switch = ("algorithm", "multimem")
+
+    def summary_of(self, spec):
+        how = {"one_shot": "every rank reads and reduces every peer's input",
+               "two_shot": "reduce-scatter by push into inboxes, then allgather by push",
+               "two_shot_pull": "each rank reads and reduces its part from every peer, then pushes it",
+               "ring": "ring reduce-scatter then ring allgather, r -> r+1 in pieces",
+               "multimem": "two-shot with multimem.ld_reduce + multimem.st"}[spec.params.algorithm]
+        return f"every rank ends with the sum of all ranks' inputs ({spec.params.algorithm}: {how})"
 
     def data_buffers(self, spec):
         if spec.params.algorithm == "ring":  # the inbox holds one partial sum per part
