@@ -362,7 +362,8 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
 
     def template_vars(self, spec):
         k = self.plan(spec).kernels[0]
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in (k.launcher_args or k.args))}
+        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in (k.launcher_args or k.args)),
+                "launcher_arg_names": ", ".join(a.name for a in (k.launcher_args or k.args))}
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
