@@ -149,7 +149,8 @@ class AllgatherGemmFamily(OpFamily):
     # -- reference ----------------------------------------------------------
     def template_vars(self, spec):
         args = self.plan(spec).kernels[0].launcher_args
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args)}
+        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
+                "launcher_arg_names": ", ".join(a.name for a in args)}
 
     def make_inputs(self, spec, world, count, rng, pattern):
         p = spec.params
