@@ -2,7 +2,7 @@
 // spec sha256 084a51875244dd72034b9a90f558b9ab707a3257c2f91a2b1b637d9dcf4a0a48
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op broadcast: every rank ends with the root's input (the root pushes to every peer)
+// op broadcast: every rank ends with the root's input (push: the root pushes to every peer)
 // kernels: broadcast_w2, broadcast_w3, broadcast_w4, broadcast_w8 (one per world size; grid 64 x 512 threads)
 // count unit: elements
 //

@@ -2,7 +2,7 @@
 // spec sha256 56dfc535ea6af1f99cf2193048635bc1d8126fe796573d0eee173a94dc1dce44
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op broadcast: every rank ends with the root's input (the root pushes to every peer)
+// op broadcast: every rank ends with the root's input (ring: a chain root -> root+1 -> ... in signalled pieces)
 // kernels: broadcast_ring_w2, broadcast_ring_w3, broadcast_ring_w4, broadcast_ring_w8 (one per world size; grid 128 x 512 threads)
 // count unit: elements
 //

@@ -2,7 +2,7 @@
 // spec sha256 e2454672cdc136f4c1bc2b0a784dfc0eed7f0f44c2bbfa5e8df81b5844065db7
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op reduce_scatter: rank r ends with the sum over ranks of chunk r (push chunks into peers' inboxes, pipelined in pieces, reduce locally in fp32)
+// op reduce_scatter: rank r ends with the sum over ranks of chunk r (ring: partial sums travel r -> r+1, each rank adds its part and forwards)
 // kernels: reduce_scatter_ring_w2, reduce_scatter_ring_w3, reduce_scatter_ring_w4, reduce_scatter_ring_w8 (one per world size; grid 128 x 512 threads)
 // count unit: elements
 //

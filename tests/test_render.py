@@ -342,3 +342,5 @@ def test_banner_summary_is_the_variants():
     assert "reduce-add" in push_add and "pull" not in push_add and "overlap push, reduce add" in push_add
     assert "overlap pull, reduce slots" in op_line("gemm_reduce_scatter") and "pulls" in op_line("gemm_reduce_scatter")
     assert "(ring: " in op_line("allgather_ring") and "(pull: " in op_line("allgather_pull")
+    assert "(ring: " in op_line("reduce_scatter_ring") and "inboxes" not in op_line("reduce_scatter_ring")
+    assert "(ring: " in op_line("broadcast_ring") and "pushes" not in op_line("broadcast_ring")

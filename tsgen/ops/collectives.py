@@ -493,6 +493,12 @@ class ReduceScatterFamily(CollectiveFamily):
     summary = ("rank r ends with the sum over ranks of chunk r (push chunks into peers' inboxes, "
                "pipelined in pieces, reduce locally in fp32)")
 
+    def summary_of(self, spec):
+        if spec.params.algorithm == "ring":
+            return ("rank r ends with the sum over ranks of chunk r (ring: partial sums travel r -> r+1, each "
+                    "rank adds its part and forwards)")
+        return self.summary
+
     def data_buffers(self, spec):
         if spec.params.in_place:
             return {"dst": ("inout", "W"), "inbox": ("scratch", "W")}
@@ -858,6 +864,13 @@ class BroadcastFamily(CollectiveFamily):
     kind = "broadcast"
     Params = BroadcastParams
     summary = "every rank ends with the root's input (the root pushes to every peer)"
+
+    def summary_of(self, spec):
+        how = {"push": "the root pushes to every peer",
+               "scatter_allgather": "the root writes part j into rank j, then every rank writes its part into "
+                                    "the other non-root ranks",
+               "ring": "a chain root -> root+1 -> ... in signalled pieces"}[spec.params.algorithm]
+        return f"every rank ends with the root's input ({spec.params.algorithm}: {how})"
 
     def extra_check(self, spec):
         bad = [w for w in spec.world_sizes if spec.params.root >= w]
