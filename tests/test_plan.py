@@ -236,6 +236,25 @@ def test_straight_line_groups_are_the_tables(spec, w, hoist):
     assert calls == sum(len(g.shares) for rank in groups for g in rank)
 
 
+@pytest.mark.parametrize("hoist", [False, True], ids=["plain", "hoisted"])
+@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in load_spec(s).model.world_sizes],
+                         ids=lambda x: x.stem if hasattr(x, "stem") else f"w{x}")
+def test_share_runs_expand_to_the_table(spec, w, hoist):
+    """The run-length encoded share table the source writes (render.share_runs, expanded by
+    tsgen_expand_shares at compile time) is, entry for entry, the table c_tables lists."""
+    from tsgen.render import share_runs
+
+    plan = _plan(spec, w)
+    runs = share_runs(plan, hoist_opening=hoist)
+    expanded = [(step + k * dstep, share + k * dshare, shares)
+                for rank in runs for step, share, shares, n, dstep, dshare in rank for k in range(n)]
+    table = [e for rank in _table_shares(plan, hoist) for block in rank for e in block]
+    assert expanded == table
+    assert [sum(run[3] for run in r) for r in runs] == [sum(map(len, rank)) for rank in _table_shares(plan, hoist)]
+    assert all(0 <= x < 2**16 for r in runs for run in r for x in run[:4])
+    assert all(-2**15 <= x < 2**15 for r in runs for run in r for x in run[4:])
+
+
 def test_straight_line_groups_merge_blocks():
     """one_shot at world size 4: per rank, blocks 1..32 run shares 0..31 of the reduce (one
     group, one call) and block 33 the final wait; block 0 only opens (hoisted)."""
