@@ -2,7 +2,7 @@
 // spec sha256 e13c06afeb8e87580ba72d0b65e5661ca20e1cae311681710d016175fa93d0aa
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op all_reduce: every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)
+// op all_reduce: every rank ends with the sum of all ranks' inputs (multimem: two-shot with multimem.ld_reduce + multimem.st)
 // kernels: all_reduce_multimem_w2, all_reduce_multimem_w4, all_reduce_multimem_w8 (one per world size; grid 32 x 512 threads)
 // count unit: elements
 //
@@ -917,6 +917,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1311,23 +1333,11 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w2(char* c
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_multimem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) {
-  all_reduce_multimem_w2<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, dst, barrier);
-  return cudaGetLastError();
-}
-
 // World size 4: grid 32, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_reduce_multimem::run<4>(peers, rank, epoch, count, src, dst, barrier);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_multimem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) {
-  all_reduce_multimem_w4<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, dst, barrier);
-  return cudaGetLastError();
 }
 
 // World size 8: grid 32, block 512, 0 bytes of shared memory.
@@ -1337,9 +1347,16 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w8(char* c
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_multimem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) {
-  all_reduce_multimem_w8<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, dst, barrier);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through all_reduce_multimem::launch.
+namespace all_reduce_multimem {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, barrier);
   return cudaGetLastError();
 }
+}  // namespace all_reduce_multimem
 
+extern "C" cudaError_t all_reduce_multimem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return all_reduce_multimem::launch<all_reduce_multimem_w2, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
+extern "C" cudaError_t all_reduce_multimem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return all_reduce_multimem::launch<all_reduce_multimem_w4, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
+extern "C" cudaError_t all_reduce_multimem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return all_reduce_multimem::launch<all_reduce_multimem_w8, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }

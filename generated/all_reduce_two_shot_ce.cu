@@ -2,7 +2,7 @@
 // spec sha256 562e2f5332bda18f2cb6a76700c3cba4de7d5bae7e64393385fdac3eb95f5967
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op all_reduce: every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)
+// op all_reduce: every rank ends with the sum of all ranks' inputs (two_shot: reduce-scatter by push into inboxes, then allgather by push)
 // kernels: all_reduce_two_shot_ce_w2, all_reduce_two_shot_ce_w3, all_reduce_two_shot_ce_w4, all_reduce_two_shot_ce_w8 (one per world size; grid 64 x 512 threads)
 // count unit: elements
 //
@@ -921,6 +921,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1416,6 +1438,24 @@ typedef __nv_bfloat16 T;
 //   7: gathered
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+// One call = the plan's steps spread over streams (the schedule's blocks):
+// copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
+// signals of the step before it on its stream and waits for the step after it.
+template <int WORLD>
+static __device__ __forceinline__ void sync(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, int sig, int wait) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
+  tsgen_ce_sync(plan<WORLD>::steps(rank), sig, wait, rank, epoch, bufs, peers, buffer_names);
+}
+
+template <int WORLD>
+static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, int step) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
+  tsgen_ce_reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 28 steps, 28 block shares over 5 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1479,28 +1519,16 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 14 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 0 block 4: shares 13..13 ({step, share, of})
-    {13, 0, 1},
-    // rank 1 block 0: shares 14..14 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 15..18 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 19..22 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 3: shares 23..26 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 1 block 4: shares 27..27 ({step, share, of})
-    {13, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w2[] = {
+    // rank 0: shares 0..13
+    {0, 0, 1, 14, 1, 0},
+    // rank 1: shares 14..27
+    {0, 0, 1, 14, 1, 0},
 };
+static __device__ const tsgen_share_table<28> shares_w2 =
+    tsgen_expand_shares<28>(share_runs_w2);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][6] = {
     { 0, 1, 5, 9, 13, 14 },
@@ -1646,50 +1674,18 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 22, 44 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 0 block 4: shares 13..16 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 0 block 5: shares 17..20 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 0 block 6: shares 21..21 ({step, share, of})
-    {21, 0, 1},
-    // rank 1 block 0: shares 22..22 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 23..26 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 27..30 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 3: shares 31..34 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 1 block 4: shares 35..38 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 1 block 5: shares 39..42 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 1 block 6: shares 43..43 ({step, share, of})
-    {21, 0, 1},
-    // rank 2 block 0: shares 44..44 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 45..48 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 2 block 2: shares 49..52 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 2 block 3: shares 53..56 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 2 block 4: shares 57..60 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 2 block 5: shares 61..64 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 2 block 6: shares 65..65 ({step, share, of})
-    {21, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w3[] = {
+    // rank 0: shares 0..21
+    {0, 0, 1, 22, 1, 0},
+    // rank 1: shares 22..43
+    {0, 0, 1, 22, 1, 0},
+    // rank 2: shares 44..65
+    {0, 0, 1, 22, 1, 0},
 };
+static __device__ const tsgen_share_table<66> shares_w3 =
+    tsgen_expand_shares<66>(share_runs_w3);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][8] = {
     { 0, 1, 5, 9, 13, 17, 21, 22 },
@@ -1952,88 +1948,20 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 31, 62, 93 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 0 block 4: shares 13..16 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 0 block 5: shares 17..20 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 0 block 6: shares 21..24 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 0 block 7: shares 25..28 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 0 block 8: shares 29..29 ({step, share, of})
-    {29, 0, 1},
-    // rank 0 block 9: shares 30..30 ({step, share, of})
-    {30, 0, 1},
-    // rank 1 block 0: shares 31..31 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 32..35 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 36..39 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 3: shares 40..43 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 1 block 4: shares 44..47 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 1 block 5: shares 48..51 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 1 block 6: shares 52..55 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 1 block 7: shares 56..59 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 1 block 8: shares 60..60 ({step, share, of})
-    {29, 0, 1},
-    // rank 1 block 9: shares 61..61 ({step, share, of})
-    {30, 0, 1},
-    // rank 2 block 0: shares 62..62 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 63..66 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 2 block 2: shares 67..70 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 2 block 3: shares 71..74 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 2 block 4: shares 75..78 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 2 block 5: shares 79..82 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 2 block 6: shares 83..86 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 2 block 7: shares 87..90 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 2 block 8: shares 91..91 ({step, share, of})
-    {29, 0, 1},
-    // rank 2 block 9: shares 92..92 ({step, share, of})
-    {30, 0, 1},
-    // rank 3 block 0: shares 93..93 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 94..97 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 3 block 2: shares 98..101 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 3 block 3: shares 102..105 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 3 block 4: shares 106..109 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 3 block 5: shares 110..113 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 3 block 6: shares 114..117 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 3 block 7: shares 118..121 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 3 block 8: shares 122..122 ({step, share, of})
-    {29, 0, 1},
-    // rank 3 block 9: shares 123..123 ({step, share, of})
-    {30, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w4[] = {
+    // rank 0: shares 0..30
+    {0, 0, 1, 31, 1, 0},
+    // rank 1: shares 31..61
+    {0, 0, 1, 31, 1, 0},
+    // rank 2: shares 62..92
+    {0, 0, 1, 31, 1, 0},
+    // rank 3: shares 93..123
+    {0, 0, 1, 31, 1, 0},
 };
+static __device__ const tsgen_share_table<124> shares_w4 =
+    tsgen_expand_shares<124>(share_runs_w4);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][11] = {
     { 0, 1, 5, 9, 13, 17, 21, 25, 29, 30, 31 },
@@ -3089,328 +3017,28 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 0 block 4: shares 13..16 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 0 block 5: shares 17..20 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 0 block 6: shares 21..24 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 0 block 7: shares 25..28 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 0 block 8: shares 29..32 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 0 block 9: shares 33..36 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 0 block 10: shares 37..40 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 0 block 11: shares 41..44 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 0 block 12: shares 45..48 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 0 block 13: shares 49..52 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 0 block 14: shares 53..56 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 0 block 15: shares 57..60 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 0 block 16: shares 61..61 ({step, share, of})
-    {61, 0, 1},
-    // rank 0 block 17: shares 62..62 ({step, share, of})
-    {62, 0, 1},
-    // rank 0 block 18: shares 63..63 ({step, share, of})
-    {63, 0, 1},
-    // rank 0 block 19: shares 64..64 ({step, share, of})
-    {64, 0, 1},
-    // rank 1 block 0: shares 65..65 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 66..69 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 70..73 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 3: shares 74..77 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 1 block 4: shares 78..81 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 1 block 5: shares 82..85 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 1 block 6: shares 86..89 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 1 block 7: shares 90..93 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 1 block 8: shares 94..97 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 1 block 9: shares 98..101 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 1 block 10: shares 102..105 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 1 block 11: shares 106..109 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 1 block 12: shares 110..113 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 1 block 13: shares 114..117 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 1 block 14: shares 118..121 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 1 block 15: shares 122..125 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 1 block 16: shares 126..126 ({step, share, of})
-    {61, 0, 1},
-    // rank 1 block 17: shares 127..127 ({step, share, of})
-    {62, 0, 1},
-    // rank 1 block 18: shares 128..128 ({step, share, of})
-    {63, 0, 1},
-    // rank 1 block 19: shares 129..129 ({step, share, of})
-    {64, 0, 1},
-    // rank 2 block 0: shares 130..130 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 131..134 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 2 block 2: shares 135..138 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 2 block 3: shares 139..142 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 2 block 4: shares 143..146 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 2 block 5: shares 147..150 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 2 block 6: shares 151..154 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 2 block 7: shares 155..158 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 2 block 8: shares 159..162 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 2 block 9: shares 163..166 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 2 block 10: shares 167..170 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 2 block 11: shares 171..174 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 2 block 12: shares 175..178 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 2 block 13: shares 179..182 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 2 block 14: shares 183..186 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 2 block 15: shares 187..190 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 2 block 16: shares 191..191 ({step, share, of})
-    {61, 0, 1},
-    // rank 2 block 17: shares 192..192 ({step, share, of})
-    {62, 0, 1},
-    // rank 2 block 18: shares 193..193 ({step, share, of})
-    {63, 0, 1},
-    // rank 2 block 19: shares 194..194 ({step, share, of})
-    {64, 0, 1},
-    // rank 3 block 0: shares 195..195 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 196..199 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 3 block 2: shares 200..203 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 3 block 3: shares 204..207 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 3 block 4: shares 208..211 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 3 block 5: shares 212..215 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 3 block 6: shares 216..219 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 3 block 7: shares 220..223 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 3 block 8: shares 224..227 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 3 block 9: shares 228..231 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 3 block 10: shares 232..235 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 3 block 11: shares 236..239 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 3 block 12: shares 240..243 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 3 block 13: shares 244..247 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 3 block 14: shares 248..251 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 3 block 15: shares 252..255 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 3 block 16: shares 256..256 ({step, share, of})
-    {61, 0, 1},
-    // rank 3 block 17: shares 257..257 ({step, share, of})
-    {62, 0, 1},
-    // rank 3 block 18: shares 258..258 ({step, share, of})
-    {63, 0, 1},
-    // rank 3 block 19: shares 259..259 ({step, share, of})
-    {64, 0, 1},
-    // rank 4 block 0: shares 260..260 ({step, share, of})
-    {0, 0, 1},
-    // rank 4 block 1: shares 261..264 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 4 block 2: shares 265..268 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 4 block 3: shares 269..272 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 4 block 4: shares 273..276 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 4 block 5: shares 277..280 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 4 block 6: shares 281..284 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 4 block 7: shares 285..288 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 4 block 8: shares 289..292 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 4 block 9: shares 293..296 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 4 block 10: shares 297..300 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 4 block 11: shares 301..304 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 4 block 12: shares 305..308 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 4 block 13: shares 309..312 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 4 block 14: shares 313..316 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 4 block 15: shares 317..320 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 4 block 16: shares 321..321 ({step, share, of})
-    {61, 0, 1},
-    // rank 4 block 17: shares 322..322 ({step, share, of})
-    {62, 0, 1},
-    // rank 4 block 18: shares 323..323 ({step, share, of})
-    {63, 0, 1},
-    // rank 4 block 19: shares 324..324 ({step, share, of})
-    {64, 0, 1},
-    // rank 5 block 0: shares 325..325 ({step, share, of})
-    {0, 0, 1},
-    // rank 5 block 1: shares 326..329 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 5 block 2: shares 330..333 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 5 block 3: shares 334..337 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 5 block 4: shares 338..341 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 5 block 5: shares 342..345 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 5 block 6: shares 346..349 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 5 block 7: shares 350..353 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 5 block 8: shares 354..357 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 5 block 9: shares 358..361 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 5 block 10: shares 362..365 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 5 block 11: shares 366..369 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 5 block 12: shares 370..373 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 5 block 13: shares 374..377 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 5 block 14: shares 378..381 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 5 block 15: shares 382..385 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 5 block 16: shares 386..386 ({step, share, of})
-    {61, 0, 1},
-    // rank 5 block 17: shares 387..387 ({step, share, of})
-    {62, 0, 1},
-    // rank 5 block 18: shares 388..388 ({step, share, of})
-    {63, 0, 1},
-    // rank 5 block 19: shares 389..389 ({step, share, of})
-    {64, 0, 1},
-    // rank 6 block 0: shares 390..390 ({step, share, of})
-    {0, 0, 1},
-    // rank 6 block 1: shares 391..394 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 6 block 2: shares 395..398 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 6 block 3: shares 399..402 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 6 block 4: shares 403..406 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 6 block 5: shares 407..410 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 6 block 6: shares 411..414 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 6 block 7: shares 415..418 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 6 block 8: shares 419..422 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 6 block 9: shares 423..426 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 6 block 10: shares 427..430 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 6 block 11: shares 431..434 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 6 block 12: shares 435..438 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 6 block 13: shares 439..442 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 6 block 14: shares 443..446 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 6 block 15: shares 447..450 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 6 block 16: shares 451..451 ({step, share, of})
-    {61, 0, 1},
-    // rank 6 block 17: shares 452..452 ({step, share, of})
-    {62, 0, 1},
-    // rank 6 block 18: shares 453..453 ({step, share, of})
-    {63, 0, 1},
-    // rank 6 block 19: shares 454..454 ({step, share, of})
-    {64, 0, 1},
-    // rank 7 block 0: shares 455..455 ({step, share, of})
-    {0, 0, 1},
-    // rank 7 block 1: shares 456..459 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 7 block 2: shares 460..463 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 7 block 3: shares 464..467 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 7 block 4: shares 468..471 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 7 block 5: shares 472..475 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 7 block 6: shares 476..479 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 7 block 7: shares 480..483 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 7 block 8: shares 484..487 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 7 block 9: shares 488..491 ({step, share, of})
-    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
-    // rank 7 block 10: shares 492..495 ({step, share, of})
-    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
-    // rank 7 block 11: shares 496..499 ({step, share, of})
-    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
-    // rank 7 block 12: shares 500..503 ({step, share, of})
-    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
-    // rank 7 block 13: shares 504..507 ({step, share, of})
-    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
-    // rank 7 block 14: shares 508..511 ({step, share, of})
-    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
-    // rank 7 block 15: shares 512..515 ({step, share, of})
-    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
-    // rank 7 block 16: shares 516..516 ({step, share, of})
-    {61, 0, 1},
-    // rank 7 block 17: shares 517..517 ({step, share, of})
-    {62, 0, 1},
-    // rank 7 block 18: shares 518..518 ({step, share, of})
-    {63, 0, 1},
-    // rank 7 block 19: shares 519..519 ({step, share, of})
-    {64, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..64
+    {0, 0, 1, 65, 1, 0},
+    // rank 1: shares 65..129
+    {0, 0, 1, 65, 1, 0},
+    // rank 2: shares 130..194
+    {0, 0, 1, 65, 1, 0},
+    // rank 3: shares 195..259
+    {0, 0, 1, 65, 1, 0},
+    // rank 4: shares 260..324
+    {0, 0, 1, 65, 1, 0},
+    // rank 5: shares 325..389
+    {0, 0, 1, 65, 1, 0},
+    // rank 6: shares 390..454
+    {0, 0, 1, 65, 1, 0},
+    // rank 7: shares 455..519
+    {0, 0, 1, 65, 1, 0},
 };
+static __device__ const tsgen_share_table<520> shares_w8 =
+    tsgen_expand_shares<520>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][21] = {
     { 0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 62, 63, 64, 65 },
@@ -3423,43 +3051,27 @@ static __device__ const uint16_t first_w8[8][21] = {
     { 455, 456, 460, 464, 468, 472, 476, 480, 484, 488, 492, 496, 500, 504, 508, 512, 516, 517, 518, 519, 520 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
-// One call = the plan's steps spread over streams (the schedule's blocks):
-// copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
-// signals of the step before it on its stream and waits for the step after it.
-template <int WORLD>
-static __device__ __forceinline__ void sync(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, int sig, int wait) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  tsgen_ce_sync(plan<WORLD>::steps(rank), sig, wait, rank, epoch, bufs, peers, buffer_names);
-}
-
-template <int WORLD>
-static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, int step) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  tsgen_ce_reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
-}
 
 }  // namespace all_reduce_two_shot_ce
 

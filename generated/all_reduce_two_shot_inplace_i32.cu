@@ -2,7 +2,7 @@
 // spec sha256 9bc49b880265cd9104066584dfa893c67baf03c777df161681ce0e61d9277246
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op all_reduce: every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)
+// op all_reduce: every rank ends with the sum of all ranks' inputs (two_shot: reduce-scatter by push into inboxes, then allgather by push)
 // kernels: all_reduce_two_shot_inplace_i32_w2, all_reduce_two_shot_inplace_i32_w3, all_reduce_two_shot_inplace_i32_w4, all_reduce_two_shot_inplace_i32_w8 (one per world size; grid 64 x 512 threads)
 // count unit: elements
 //
@@ -916,6 +916,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1255,6 +1277,18 @@ typedef int32_t T;
 //   6: gathered
 static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 16 steps, 194 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1294,209 +1328,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 8 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..1 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 2..3 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 4..5 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 6..7 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 8..9 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 10..11 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 12..13 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 14..15 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 16..17 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 18..19 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 20..21 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 22..23 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 24..25 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 26..27 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 28..29 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 30..31 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 32..33 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 34..35 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 36..37 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 38..39 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 40..41 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 42..43 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 44..45 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 46..47 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 48..49 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 50..51 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 52..53 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 54..55 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 56..57 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 58..59 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 60..61 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 62..63 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 64..65 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 66..67 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 68..69 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 70..71 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 72..73 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 74..75 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 76..77 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 78..79 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 80..81 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 82..83 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 84..85 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 86..87 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 88..89 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 90..91 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 92..93 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 94..95 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 0 block 49: shares 96..96 ({step, share, of})
-    {7, 0, 1},
-    // rank 1 block 1: shares 97..98 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 99..100 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 101..102 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 103..104 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 105..106 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 107..108 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 109..110 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 111..112 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 113..114 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 115..116 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 117..118 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 119..120 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 121..122 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 123..124 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 125..126 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 127..128 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 129..130 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 131..132 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 133..134 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 135..136 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 137..138 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 139..140 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 141..142 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 143..144 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 145..146 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 147..148 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 149..150 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 151..152 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 153..154 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 155..156 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 157..158 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 159..160 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 161..162 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 163..164 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 165..166 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 167..168 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 169..170 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 171..172 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 173..174 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 175..176 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 177..178 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 179..180 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 181..182 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 183..184 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 185..186 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 187..188 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 189..190 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 191..192 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 49: shares 193..193 ({step, share, of})
-    {7, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97 },
-    { 97, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161, 163, 165, 167, 169, 171, 173, 175, 177, 179, 181, 183, 185, 187, 189, 191, 193, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 36 steps, 483 block shares over 64 blocks.
@@ -1577,398 +1409,7 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 12, 24 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 2..5 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 0 block 2: shares 6..9 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 0 block 3: shares 10..13 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 0 block 4: shares 14..17 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 0 block 5: shares 18..21 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 0 block 6: shares 22..25 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 0 block 7: shares 26..29 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 0 block 8: shares 30..33 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 0 block 9: shares 34..37 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 0 block 10: shares 38..41 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 0 block 11: shares 42..45 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 0 block 12: shares 46..49 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 0 block 13: shares 50..53 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 0 block 14: shares 54..57 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 0 block 15: shares 58..61 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 0 block 16: shares 62..65 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 0 block 17: shares 66..68 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
-    // rank 0 block 18: shares 69..70 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 71..72 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 73..74 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 75..76 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 77..78 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 79..80 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 81..82 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 83..84 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 85..86 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 87..88 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 89..90 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 91..92 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 93..94 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 95..96 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 97..98 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 99..100 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 101..102 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 103..104 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 105..106 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 107..108 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 109..110 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 111..112 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 113..114 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 115..116 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 117..118 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 119..120 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 121..122 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 123..124 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 125..126 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 127..128 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 129..130 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 0 block 49: shares 131..132 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16},
-    // rank 0 block 50: shares 133..134 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 135..136 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 137..138 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 139..140 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 141..142 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 143..144 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 145..146 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 147..148 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 149..150 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 151..152 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 153..154 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 155..156 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 157..158 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 159..160 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 161..162 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 163..166 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 1 block 2: shares 167..170 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 1 block 3: shares 171..174 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 1 block 4: shares 175..178 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 1 block 5: shares 179..182 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 1 block 6: shares 183..186 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 1 block 7: shares 187..190 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 1 block 8: shares 191..194 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 1 block 9: shares 195..198 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 1 block 10: shares 199..202 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 1 block 11: shares 203..206 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 1 block 12: shares 207..210 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 1 block 13: shares 211..214 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 1 block 14: shares 215..218 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 1 block 15: shares 219..222 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 1 block 16: shares 223..226 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 1 block 17: shares 227..229 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
-    // rank 1 block 18: shares 230..231 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 232..233 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 234..235 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 236..237 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 238..239 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 240..241 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 242..243 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 244..245 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 246..247 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 248..249 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 250..251 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 252..253 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 254..255 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 256..257 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 258..259 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 260..261 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 262..263 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 264..265 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 266..267 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 268..269 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 270..271 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 272..273 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 274..275 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 276..277 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 278..279 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 280..281 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 282..283 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 284..285 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 286..287 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 288..289 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 290..291 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 49: shares 292..293 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16},
-    // rank 1 block 50: shares 294..295 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 296..297 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 298..299 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 300..301 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 302..303 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 304..305 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 306..307 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 308..309 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 310..311 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 312..313 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 314..315 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 316..317 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 318..319 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 320..321 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 322..323 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 324..327 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 2 block 2: shares 328..331 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 2 block 3: shares 332..335 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 2 block 4: shares 336..339 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 2 block 5: shares 340..343 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 2 block 6: shares 344..347 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 2 block 7: shares 348..351 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 2 block 8: shares 352..355 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 2 block 9: shares 356..359 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 2 block 10: shares 360..363 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 2 block 11: shares 364..367 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 2 block 12: shares 368..371 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 2 block 13: shares 372..375 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 2 block 14: shares 376..379 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 2 block 15: shares 380..383 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 2 block 16: shares 384..387 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 2 block 17: shares 388..390 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
-    // rank 2 block 18: shares 391..392 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 2 block 19: shares 393..394 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 2 block 20: shares 395..396 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 2 block 21: shares 397..398 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 2 block 22: shares 399..400 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 2 block 23: shares 401..402 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 2 block 24: shares 403..404 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 2 block 25: shares 405..406 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 2 block 26: shares 407..408 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 2 block 27: shares 409..410 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 2 block 28: shares 411..412 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 2 block 29: shares 413..414 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 2 block 30: shares 415..416 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 2 block 31: shares 417..418 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 2 block 32: shares 419..420 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 2 block 33: shares 421..422 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 2 block 34: shares 423..424 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 2 block 35: shares 425..426 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 2 block 36: shares 427..428 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 2 block 37: shares 429..430 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 2 block 38: shares 431..432 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 2 block 39: shares 433..434 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 2 block 40: shares 435..436 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 2 block 41: shares 437..438 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 2 block 42: shares 439..440 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 2 block 43: shares 441..442 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 2 block 44: shares 443..444 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 2 block 45: shares 445..446 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 2 block 46: shares 447..448 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 2 block 47: shares 449..450 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 2 block 48: shares 451..452 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 2 block 49: shares 453..454 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16},
-    // rank 2 block 50: shares 455..456 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 457..458 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 459..460 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 461..462 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 463..464 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 465..466 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 467..468 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 469..470 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 471..472 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 473..474 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 475..476 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 477..478 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 479..480 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 481..482 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161 },
-    { 161, 163, 167, 171, 175, 179, 183, 187, 191, 195, 199, 203, 207, 211, 215, 219, 223, 227, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322 },
-    { 322, 324, 328, 332, 336, 340, 344, 348, 352, 356, 360, 364, 368, 372, 376, 380, 384, 388, 391, 393, 395, 397, 399, 401, 403, 405, 407, 409, 411, 413, 415, 417, 419, 421, 423, 425, 427, 429, 431, 433, 435, 437, 439, 441, 443, 445, 447, 449, 451, 453, 455, 457, 459, 461, 463, 465, 467, 469, 471, 473, 475, 477, 479, 481, 483 },
-};
+// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 4: 64 steps, 900 block shares over 64 blocks.
@@ -2105,520 +1546,132 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 16, 32, 48 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 2..5 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 0 block 2: shares 6..9 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 0 block 3: shares 10..13 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 0 block 4: shares 14..17 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 0 block 5: shares 18..21 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 0 block 6: shares 22..25 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 0 block 7: shares 26..29 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 0 block 8: shares 30..33 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 0 block 9: shares 34..37 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 0 block 10: shares 38..41 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 0 block 11: shares 42..45 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 0 block 12: shares 46..49 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 0 block 13: shares 50..53 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 0 block 14: shares 54..57 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 0 block 15: shares 58..61 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 0 block 16: shares 62..65 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 0 block 17: shares 66..69 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 0 block 18: shares 70..73 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 0 block 19: shares 74..77 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 0 block 20: shares 78..81 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 0 block 21: shares 82..85 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 0 block 22: shares 86..89 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 0 block 23: shares 90..93 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 0 block 24: shares 94..97 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 0 block 25: shares 98..101 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 0 block 26: shares 102..105 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 0 block 27: shares 106..109 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 0 block 28: shares 110..113 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 0 block 29: shares 114..117 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 0 block 30: shares 118..121 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 0 block 31: shares 122..125 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 0 block 32: shares 126..129 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 0 block 33: shares 130..133 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 0 block 34: shares 134..137 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 0 block 35: shares 138..141 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 0 block 36: shares 142..145 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 0 block 37: shares 146..149 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 0 block 38: shares 150..153 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 0 block 39: shares 154..157 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 0 block 40: shares 158..161 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 0 block 41: shares 162..165 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 0 block 42: shares 166..169 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 0 block 43: shares 170..173 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 0 block 44: shares 174..177 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 0 block 45: shares 178..181 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 0 block 46: shares 182..185 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 0 block 47: shares 186..189 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 0 block 48: shares 190..193 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 0 block 49: shares 194..196 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 0 block 50: shares 197..198 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 199..200 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 201..202 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 203..204 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 205..206 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 207..208 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 209..210 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 211..212 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 213..214 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 215..216 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 217..218 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 219..220 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 221..222 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 223..224 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 225..226 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 227..230 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 1 block 2: shares 231..234 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 1 block 3: shares 235..238 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 1 block 4: shares 239..242 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 1 block 5: shares 243..246 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 1 block 6: shares 247..250 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 1 block 7: shares 251..254 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 1 block 8: shares 255..258 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 1 block 9: shares 259..262 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 1 block 10: shares 263..266 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 1 block 11: shares 267..270 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 1 block 12: shares 271..274 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 1 block 13: shares 275..278 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 1 block 14: shares 279..282 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 1 block 15: shares 283..286 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 1 block 16: shares 287..290 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 1 block 17: shares 291..294 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 1 block 18: shares 295..298 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 1 block 19: shares 299..302 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 1 block 20: shares 303..306 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 1 block 21: shares 307..310 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 1 block 22: shares 311..314 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 1 block 23: shares 315..318 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 1 block 24: shares 319..322 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 1 block 25: shares 323..326 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 1 block 26: shares 327..330 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 1 block 27: shares 331..334 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 1 block 28: shares 335..338 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 1 block 29: shares 339..342 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 1 block 30: shares 343..346 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 1 block 31: shares 347..350 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 1 block 32: shares 351..354 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 1 block 33: shares 355..358 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 1 block 34: shares 359..362 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 1 block 35: shares 363..366 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 1 block 36: shares 367..370 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 1 block 37: shares 371..374 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 1 block 38: shares 375..378 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 1 block 39: shares 379..382 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 1 block 40: shares 383..386 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 1 block 41: shares 387..390 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 1 block 42: shares 391..394 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 1 block 43: shares 395..398 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 1 block 44: shares 399..402 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 1 block 45: shares 403..406 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 1 block 46: shares 407..410 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 1 block 47: shares 411..414 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 1 block 48: shares 415..418 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 1 block 49: shares 419..421 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 1 block 50: shares 422..423 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 424..425 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 426..427 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 428..429 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 430..431 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 432..433 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 434..435 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 436..437 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 438..439 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 440..441 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 442..443 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 444..445 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 446..447 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 448..449 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 450..451 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 452..455 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 2 block 2: shares 456..459 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 2 block 3: shares 460..463 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 2 block 4: shares 464..467 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 2 block 5: shares 468..471 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 2 block 6: shares 472..475 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 2 block 7: shares 476..479 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 2 block 8: shares 480..483 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 2 block 9: shares 484..487 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 2 block 10: shares 488..491 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 2 block 11: shares 492..495 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 2 block 12: shares 496..499 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 2 block 13: shares 500..503 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 2 block 14: shares 504..507 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 2 block 15: shares 508..511 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 2 block 16: shares 512..515 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 2 block 17: shares 516..519 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 2 block 18: shares 520..523 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 2 block 19: shares 524..527 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 2 block 20: shares 528..531 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 2 block 21: shares 532..535 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 2 block 22: shares 536..539 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 2 block 23: shares 540..543 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 2 block 24: shares 544..547 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 2 block 25: shares 548..551 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 2 block 26: shares 552..555 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 2 block 27: shares 556..559 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 2 block 28: shares 560..563 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 2 block 29: shares 564..567 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 2 block 30: shares 568..571 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 2 block 31: shares 572..575 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 2 block 32: shares 576..579 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 2 block 33: shares 580..583 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 2 block 34: shares 584..587 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 2 block 35: shares 588..591 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 2 block 36: shares 592..595 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 2 block 37: shares 596..599 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 2 block 38: shares 600..603 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 2 block 39: shares 604..607 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 2 block 40: shares 608..611 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 2 block 41: shares 612..615 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 2 block 42: shares 616..619 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 2 block 43: shares 620..623 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 2 block 44: shares 624..627 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 2 block 45: shares 628..631 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 2 block 46: shares 632..635 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 2 block 47: shares 636..639 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 2 block 48: shares 640..643 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 2 block 49: shares 644..646 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 2 block 50: shares 647..648 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 649..650 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 651..652 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 653..654 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 655..656 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 657..658 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 659..660 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 661..662 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 663..664 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 665..666 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 667..668 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 669..670 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 671..672 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 673..674 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 3 block 0: shares 675..676 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 3 block 1: shares 677..680 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 3 block 2: shares 681..684 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 3 block 3: shares 685..688 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 3 block 4: shares 689..692 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 3 block 5: shares 693..696 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 3 block 6: shares 697..700 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 3 block 7: shares 701..704 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 3 block 8: shares 705..708 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 3 block 9: shares 709..712 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 3 block 10: shares 713..716 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 3 block 11: shares 717..720 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 3 block 12: shares 721..724 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 3 block 13: shares 725..728 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 3 block 14: shares 729..732 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 3 block 15: shares 733..736 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 3 block 16: shares 737..740 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 3 block 17: shares 741..744 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 3 block 18: shares 745..748 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 3 block 19: shares 749..752 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 3 block 20: shares 753..756 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 3 block 21: shares 757..760 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 3 block 22: shares 761..764 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 3 block 23: shares 765..768 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 3 block 24: shares 769..772 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 3 block 25: shares 773..776 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 3 block 26: shares 777..780 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 3 block 27: shares 781..784 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 3 block 28: shares 785..788 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 3 block 29: shares 789..792 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 3 block 30: shares 793..796 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 3 block 31: shares 797..800 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 3 block 32: shares 801..804 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 3 block 33: shares 805..808 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 3 block 34: shares 809..812 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 3 block 35: shares 813..816 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 3 block 36: shares 817..820 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 3 block 37: shares 821..824 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 3 block 38: shares 825..828 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 3 block 39: shares 829..832 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 3 block 40: shares 833..836 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 3 block 41: shares 837..840 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 3 block 42: shares 841..844 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 3 block 43: shares 845..848 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 3 block 44: shares 849..852 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 3 block 45: shares 853..856 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 3 block 46: shares 857..860 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 3 block 47: shares 861..864 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 3 block 48: shares 865..868 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 3 block 49: shares 869..871 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 3 block 50: shares 872..873 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 3 block 51: shares 874..875 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 3 block 52: shares 876..877 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 3 block 53: shares 878..879 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 3 block 54: shares 880..881 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 3 block 55: shares 882..883 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 3 block 56: shares 884..885 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 3 block 57: shares 886..887 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 3 block 58: shares 888..889 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 3 block 59: shares 890..891 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 3 block 60: shares 892..893 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 3 block 61: shares 894..895 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 3 block 62: shares 896..897 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 3 block 63: shares 898..899 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w4[] = {
+    // rank 0: shares 0..224
+    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
+    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
+    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
+    {7, 14, 16, 2, 1, 0},
+    // rank 1: shares 225..449
+    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
+    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
+    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
+    {7, 14, 16, 2, 1, 0},
+    // rank 2: shares 450..674
+    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
+    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
+    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
+    {7, 14, 16, 2, 1, 0},
+    // rank 3: shares 675..899
+    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
+    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
+    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
+    {7, 14, 16, 2, 1, 0},
 };
+static __device__ const tsgen_share_table<900> shares_w4 =
+    tsgen_expand_shares<900>(share_runs_w4);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
     { 0, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 70, 74, 78, 82, 86, 90, 94, 98, 102, 106, 110, 114, 118, 122, 126, 130, 134, 138, 142, 146, 150, 154, 158, 162, 166, 170, 174, 178, 182, 186, 190, 194, 197, 199, 201, 203, 205, 207, 209, 211, 213, 215, 217, 219, 221, 223, 225 },
@@ -3162,1032 +2215,508 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..5 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 0 block 1: shares 6..13 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 0 block 2: shares 14..21 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 0 block 3: shares 22..29 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 0 block 4: shares 30..37 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 0 block 5: shares 38..45 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 0 block 6: shares 46..53 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 0 block 7: shares 54..61 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 0 block 8: shares 62..69 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 0 block 9: shares 70..77 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 0 block 10: shares 78..85 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 0 block 11: shares 86..93 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 0 block 12: shares 94..101 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 0 block 13: shares 102..109 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 0 block 14: shares 110..117 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 0 block 15: shares 118..125 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 0 block 16: shares 126..133 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 0 block 17: shares 134..141 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 0 block 18: shares 142..149 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 0 block 19: shares 150..157 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 0 block 20: shares 158..165 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 0 block 21: shares 166..173 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 0 block 22: shares 174..181 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 0 block 23: shares 182..189 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 0 block 24: shares 190..197 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 0 block 25: shares 198..205 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 0 block 26: shares 206..213 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 0 block 27: shares 214..221 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 0 block 28: shares 222..229 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 0 block 29: shares 230..237 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 0 block 30: shares 238..245 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 0 block 31: shares 246..253 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 0 block 32: shares 254..261 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 0 block 33: shares 262..269 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 0 block 34: shares 270..277 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 0 block 35: shares 278..285 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 0 block 36: shares 286..293 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 0 block 37: shares 294..301 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 0 block 38: shares 302..309 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 0 block 39: shares 310..317 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 0 block 40: shares 318..325 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 0 block 41: shares 326..333 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 0 block 42: shares 334..341 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 0 block 43: shares 342..349 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 0 block 44: shares 350..357 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 0 block 45: shares 358..365 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 0 block 46: shares 366..373 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 0 block 47: shares 374..381 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 0 block 48: shares 382..389 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 0 block 49: shares 390..396 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 0 block 50: shares 397..403 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 0 block 51: shares 404..409 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 0 block 52: shares 410..415 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 0 block 53: shares 416..421 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 0 block 54: shares 422..427 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 0 block 55: shares 428..433 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 0 block 56: shares 434..439 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 0 block 57: shares 440..445 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 0 block 58: shares 446..451 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 0 block 59: shares 452..457 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 0 block 60: shares 458..463 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 0 block 61: shares 464..469 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 0 block 62: shares 470..475 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 0 block 63: shares 476..481 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 1 block 0: shares 482..487 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 1 block 1: shares 488..495 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 1 block 2: shares 496..503 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 1 block 3: shares 504..511 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 1 block 4: shares 512..519 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 1 block 5: shares 520..527 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 1 block 6: shares 528..535 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 1 block 7: shares 536..543 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 1 block 8: shares 544..551 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 1 block 9: shares 552..559 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 1 block 10: shares 560..567 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 1 block 11: shares 568..575 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 1 block 12: shares 576..583 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 1 block 13: shares 584..591 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 1 block 14: shares 592..599 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 1 block 15: shares 600..607 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 1 block 16: shares 608..615 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 1 block 17: shares 616..623 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 1 block 18: shares 624..631 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 1 block 19: shares 632..639 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 1 block 20: shares 640..647 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 1 block 21: shares 648..655 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 1 block 22: shares 656..663 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 1 block 23: shares 664..671 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 1 block 24: shares 672..679 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 1 block 25: shares 680..687 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 1 block 26: shares 688..695 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 1 block 27: shares 696..703 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 1 block 28: shares 704..711 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 1 block 29: shares 712..719 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 1 block 30: shares 720..727 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 1 block 31: shares 728..735 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 1 block 32: shares 736..743 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 1 block 33: shares 744..751 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 1 block 34: shares 752..759 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 1 block 35: shares 760..767 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 1 block 36: shares 768..775 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 1 block 37: shares 776..783 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 1 block 38: shares 784..791 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 1 block 39: shares 792..799 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 1 block 40: shares 800..807 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 1 block 41: shares 808..815 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 1 block 42: shares 816..823 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 1 block 43: shares 824..831 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 1 block 44: shares 832..839 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 1 block 45: shares 840..847 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 1 block 46: shares 848..855 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 1 block 47: shares 856..863 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 1 block 48: shares 864..871 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 1 block 49: shares 872..878 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 1 block 50: shares 879..885 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 1 block 51: shares 886..891 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 1 block 52: shares 892..897 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 1 block 53: shares 898..903 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 1 block 54: shares 904..909 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 1 block 55: shares 910..915 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 1 block 56: shares 916..921 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 1 block 57: shares 922..927 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 1 block 58: shares 928..933 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 1 block 59: shares 934..939 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 1 block 60: shares 940..945 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 1 block 61: shares 946..951 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 1 block 62: shares 952..957 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 1 block 63: shares 958..963 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 2 block 0: shares 964..969 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 2 block 1: shares 970..977 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 2 block 2: shares 978..985 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 2 block 3: shares 986..993 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 2 block 4: shares 994..1001 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 2 block 5: shares 1002..1009 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 2 block 6: shares 1010..1017 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 2 block 7: shares 1018..1025 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 2 block 8: shares 1026..1033 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 2 block 9: shares 1034..1041 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 2 block 10: shares 1042..1049 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 2 block 11: shares 1050..1057 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 2 block 12: shares 1058..1065 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 2 block 13: shares 1066..1073 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 2 block 14: shares 1074..1081 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 2 block 15: shares 1082..1089 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 2 block 16: shares 1090..1097 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 2 block 17: shares 1098..1105 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 2 block 18: shares 1106..1113 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 2 block 19: shares 1114..1121 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 2 block 20: shares 1122..1129 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 2 block 21: shares 1130..1137 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 2 block 22: shares 1138..1145 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 2 block 23: shares 1146..1153 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 2 block 24: shares 1154..1161 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 2 block 25: shares 1162..1169 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 2 block 26: shares 1170..1177 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 2 block 27: shares 1178..1185 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 2 block 28: shares 1186..1193 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 2 block 29: shares 1194..1201 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 2 block 30: shares 1202..1209 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 2 block 31: shares 1210..1217 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 2 block 32: shares 1218..1225 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 2 block 33: shares 1226..1233 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 2 block 34: shares 1234..1241 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 2 block 35: shares 1242..1249 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 2 block 36: shares 1250..1257 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 2 block 37: shares 1258..1265 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 2 block 38: shares 1266..1273 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 2 block 39: shares 1274..1281 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 2 block 40: shares 1282..1289 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 2 block 41: shares 1290..1297 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 2 block 42: shares 1298..1305 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 2 block 43: shares 1306..1313 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 2 block 44: shares 1314..1321 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 2 block 45: shares 1322..1329 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 2 block 46: shares 1330..1337 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 2 block 47: shares 1338..1345 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 2 block 48: shares 1346..1353 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 2 block 49: shares 1354..1360 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 2 block 50: shares 1361..1367 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 2 block 51: shares 1368..1373 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 2 block 52: shares 1374..1379 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 2 block 53: shares 1380..1385 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 2 block 54: shares 1386..1391 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 2 block 55: shares 1392..1397 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 2 block 56: shares 1398..1403 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 2 block 57: shares 1404..1409 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 2 block 58: shares 1410..1415 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 2 block 59: shares 1416..1421 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 2 block 60: shares 1422..1427 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 2 block 61: shares 1428..1433 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 2 block 62: shares 1434..1439 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 2 block 63: shares 1440..1445 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 3 block 0: shares 1446..1451 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 3 block 1: shares 1452..1459 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 3 block 2: shares 1460..1467 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 3 block 3: shares 1468..1475 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 3 block 4: shares 1476..1483 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 3 block 5: shares 1484..1491 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 3 block 6: shares 1492..1499 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 3 block 7: shares 1500..1507 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 3 block 8: shares 1508..1515 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 3 block 9: shares 1516..1523 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 3 block 10: shares 1524..1531 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 3 block 11: shares 1532..1539 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 3 block 12: shares 1540..1547 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 3 block 13: shares 1548..1555 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 3 block 14: shares 1556..1563 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 3 block 15: shares 1564..1571 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 3 block 16: shares 1572..1579 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 3 block 17: shares 1580..1587 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 3 block 18: shares 1588..1595 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 3 block 19: shares 1596..1603 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 3 block 20: shares 1604..1611 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 3 block 21: shares 1612..1619 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 3 block 22: shares 1620..1627 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 3 block 23: shares 1628..1635 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 3 block 24: shares 1636..1643 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 3 block 25: shares 1644..1651 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 3 block 26: shares 1652..1659 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 3 block 27: shares 1660..1667 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 3 block 28: shares 1668..1675 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 3 block 29: shares 1676..1683 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 3 block 30: shares 1684..1691 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 3 block 31: shares 1692..1699 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 3 block 32: shares 1700..1707 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 3 block 33: shares 1708..1715 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 3 block 34: shares 1716..1723 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 3 block 35: shares 1724..1731 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 3 block 36: shares 1732..1739 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 3 block 37: shares 1740..1747 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 3 block 38: shares 1748..1755 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 3 block 39: shares 1756..1763 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 3 block 40: shares 1764..1771 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 3 block 41: shares 1772..1779 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 3 block 42: shares 1780..1787 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 3 block 43: shares 1788..1795 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 3 block 44: shares 1796..1803 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 3 block 45: shares 1804..1811 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 3 block 46: shares 1812..1819 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 3 block 47: shares 1820..1827 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 3 block 48: shares 1828..1835 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 3 block 49: shares 1836..1842 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 3 block 50: shares 1843..1849 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 3 block 51: shares 1850..1855 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 3 block 52: shares 1856..1861 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 3 block 53: shares 1862..1867 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 3 block 54: shares 1868..1873 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 3 block 55: shares 1874..1879 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 3 block 56: shares 1880..1885 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 3 block 57: shares 1886..1891 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 3 block 58: shares 1892..1897 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 3 block 59: shares 1898..1903 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 3 block 60: shares 1904..1909 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 3 block 61: shares 1910..1915 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 3 block 62: shares 1916..1921 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 3 block 63: shares 1922..1927 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 4 block 0: shares 1928..1933 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 4 block 1: shares 1934..1941 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 4 block 2: shares 1942..1949 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 4 block 3: shares 1950..1957 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 4 block 4: shares 1958..1965 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 4 block 5: shares 1966..1973 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 4 block 6: shares 1974..1981 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 4 block 7: shares 1982..1989 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 4 block 8: shares 1990..1997 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 4 block 9: shares 1998..2005 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 4 block 10: shares 2006..2013 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 4 block 11: shares 2014..2021 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 4 block 12: shares 2022..2029 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 4 block 13: shares 2030..2037 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 4 block 14: shares 2038..2045 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 4 block 15: shares 2046..2053 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 4 block 16: shares 2054..2061 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 4 block 17: shares 2062..2069 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 4 block 18: shares 2070..2077 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 4 block 19: shares 2078..2085 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 4 block 20: shares 2086..2093 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 4 block 21: shares 2094..2101 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 4 block 22: shares 2102..2109 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 4 block 23: shares 2110..2117 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 4 block 24: shares 2118..2125 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 4 block 25: shares 2126..2133 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 4 block 26: shares 2134..2141 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 4 block 27: shares 2142..2149 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 4 block 28: shares 2150..2157 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 4 block 29: shares 2158..2165 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 4 block 30: shares 2166..2173 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 4 block 31: shares 2174..2181 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 4 block 32: shares 2182..2189 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 4 block 33: shares 2190..2197 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 4 block 34: shares 2198..2205 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 4 block 35: shares 2206..2213 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 4 block 36: shares 2214..2221 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 4 block 37: shares 2222..2229 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 4 block 38: shares 2230..2237 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 4 block 39: shares 2238..2245 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 4 block 40: shares 2246..2253 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 4 block 41: shares 2254..2261 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 4 block 42: shares 2262..2269 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 4 block 43: shares 2270..2277 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 4 block 44: shares 2278..2285 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 4 block 45: shares 2286..2293 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 4 block 46: shares 2294..2301 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 4 block 47: shares 2302..2309 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 4 block 48: shares 2310..2317 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 4 block 49: shares 2318..2324 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 4 block 50: shares 2325..2331 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 4 block 51: shares 2332..2337 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 4 block 52: shares 2338..2343 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 4 block 53: shares 2344..2349 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 4 block 54: shares 2350..2355 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 4 block 55: shares 2356..2361 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 4 block 56: shares 2362..2367 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 4 block 57: shares 2368..2373 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 4 block 58: shares 2374..2379 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 4 block 59: shares 2380..2385 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 4 block 60: shares 2386..2391 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 4 block 61: shares 2392..2397 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 4 block 62: shares 2398..2403 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 4 block 63: shares 2404..2409 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 5 block 0: shares 2410..2415 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 5 block 1: shares 2416..2423 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 5 block 2: shares 2424..2431 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 5 block 3: shares 2432..2439 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 5 block 4: shares 2440..2447 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 5 block 5: shares 2448..2455 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 5 block 6: shares 2456..2463 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 5 block 7: shares 2464..2471 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 5 block 8: shares 2472..2479 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 5 block 9: shares 2480..2487 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 5 block 10: shares 2488..2495 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 5 block 11: shares 2496..2503 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 5 block 12: shares 2504..2511 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 5 block 13: shares 2512..2519 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 5 block 14: shares 2520..2527 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 5 block 15: shares 2528..2535 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 5 block 16: shares 2536..2543 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 5 block 17: shares 2544..2551 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 5 block 18: shares 2552..2559 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 5 block 19: shares 2560..2567 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 5 block 20: shares 2568..2575 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 5 block 21: shares 2576..2583 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 5 block 22: shares 2584..2591 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 5 block 23: shares 2592..2599 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 5 block 24: shares 2600..2607 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 5 block 25: shares 2608..2615 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 5 block 26: shares 2616..2623 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 5 block 27: shares 2624..2631 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 5 block 28: shares 2632..2639 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 5 block 29: shares 2640..2647 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 5 block 30: shares 2648..2655 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 5 block 31: shares 2656..2663 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 5 block 32: shares 2664..2671 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 5 block 33: shares 2672..2679 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 5 block 34: shares 2680..2687 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 5 block 35: shares 2688..2695 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 5 block 36: shares 2696..2703 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 5 block 37: shares 2704..2711 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 5 block 38: shares 2712..2719 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 5 block 39: shares 2720..2727 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 5 block 40: shares 2728..2735 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 5 block 41: shares 2736..2743 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 5 block 42: shares 2744..2751 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 5 block 43: shares 2752..2759 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 5 block 44: shares 2760..2767 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 5 block 45: shares 2768..2775 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 5 block 46: shares 2776..2783 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 5 block 47: shares 2784..2791 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 5 block 48: shares 2792..2799 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 5 block 49: shares 2800..2806 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 5 block 50: shares 2807..2813 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 5 block 51: shares 2814..2819 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 5 block 52: shares 2820..2825 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 5 block 53: shares 2826..2831 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 5 block 54: shares 2832..2837 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 5 block 55: shares 2838..2843 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 5 block 56: shares 2844..2849 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 5 block 57: shares 2850..2855 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 5 block 58: shares 2856..2861 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 5 block 59: shares 2862..2867 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 5 block 60: shares 2868..2873 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 5 block 61: shares 2874..2879 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 5 block 62: shares 2880..2885 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 5 block 63: shares 2886..2891 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 6 block 0: shares 2892..2897 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 6 block 1: shares 2898..2905 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 6 block 2: shares 2906..2913 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 6 block 3: shares 2914..2921 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 6 block 4: shares 2922..2929 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 6 block 5: shares 2930..2937 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 6 block 6: shares 2938..2945 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 6 block 7: shares 2946..2953 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 6 block 8: shares 2954..2961 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 6 block 9: shares 2962..2969 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 6 block 10: shares 2970..2977 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 6 block 11: shares 2978..2985 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 6 block 12: shares 2986..2993 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 6 block 13: shares 2994..3001 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 6 block 14: shares 3002..3009 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 6 block 15: shares 3010..3017 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 6 block 16: shares 3018..3025 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 6 block 17: shares 3026..3033 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 6 block 18: shares 3034..3041 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 6 block 19: shares 3042..3049 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 6 block 20: shares 3050..3057 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 6 block 21: shares 3058..3065 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 6 block 22: shares 3066..3073 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 6 block 23: shares 3074..3081 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 6 block 24: shares 3082..3089 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 6 block 25: shares 3090..3097 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 6 block 26: shares 3098..3105 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 6 block 27: shares 3106..3113 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 6 block 28: shares 3114..3121 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 6 block 29: shares 3122..3129 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 6 block 30: shares 3130..3137 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 6 block 31: shares 3138..3145 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 6 block 32: shares 3146..3153 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 6 block 33: shares 3154..3161 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 6 block 34: shares 3162..3169 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 6 block 35: shares 3170..3177 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 6 block 36: shares 3178..3185 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 6 block 37: shares 3186..3193 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 6 block 38: shares 3194..3201 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 6 block 39: shares 3202..3209 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 6 block 40: shares 3210..3217 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 6 block 41: shares 3218..3225 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 6 block 42: shares 3226..3233 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 6 block 43: shares 3234..3241 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 6 block 44: shares 3242..3249 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 6 block 45: shares 3250..3257 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 6 block 46: shares 3258..3265 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 6 block 47: shares 3266..3273 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 6 block 48: shares 3274..3281 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 6 block 49: shares 3282..3288 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 6 block 50: shares 3289..3295 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 6 block 51: shares 3296..3301 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 6 block 52: shares 3302..3307 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 6 block 53: shares 3308..3313 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 6 block 54: shares 3314..3319 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 6 block 55: shares 3320..3325 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 6 block 56: shares 3326..3331 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 6 block 57: shares 3332..3337 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 6 block 58: shares 3338..3343 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 6 block 59: shares 3344..3349 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 6 block 60: shares 3350..3355 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 6 block 61: shares 3356..3361 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 6 block 62: shares 3362..3367 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 6 block 63: shares 3368..3373 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 7 block 0: shares 3374..3379 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 7 block 1: shares 3380..3387 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 7 block 2: shares 3388..3395 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 7 block 3: shares 3396..3403 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 7 block 4: shares 3404..3411 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 7 block 5: shares 3412..3419 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 7 block 6: shares 3420..3427 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 7 block 7: shares 3428..3435 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 7 block 8: shares 3436..3443 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 7 block 9: shares 3444..3451 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 7 block 10: shares 3452..3459 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 7 block 11: shares 3460..3467 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 7 block 12: shares 3468..3475 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 7 block 13: shares 3476..3483 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 7 block 14: shares 3484..3491 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 7 block 15: shares 3492..3499 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 7 block 16: shares 3500..3507 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 7 block 17: shares 3508..3515 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 7 block 18: shares 3516..3523 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 7 block 19: shares 3524..3531 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 7 block 20: shares 3532..3539 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 7 block 21: shares 3540..3547 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 7 block 22: shares 3548..3555 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 7 block 23: shares 3556..3563 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 7 block 24: shares 3564..3571 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 7 block 25: shares 3572..3579 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 7 block 26: shares 3580..3587 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 7 block 27: shares 3588..3595 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 7 block 28: shares 3596..3603 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 7 block 29: shares 3604..3611 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 7 block 30: shares 3612..3619 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 7 block 31: shares 3620..3627 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 7 block 32: shares 3628..3635 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 7 block 33: shares 3636..3643 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 7 block 34: shares 3644..3651 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 7 block 35: shares 3652..3659 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 7 block 36: shares 3660..3667 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 7 block 37: shares 3668..3675 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 7 block 38: shares 3676..3683 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 7 block 39: shares 3684..3691 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 7 block 40: shares 3692..3699 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 7 block 41: shares 3700..3707 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 7 block 42: shares 3708..3715 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 7 block 43: shares 3716..3723 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 7 block 44: shares 3724..3731 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 7 block 45: shares 3732..3739 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 7 block 46: shares 3740..3747 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 7 block 47: shares 3748..3755 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 7 block 48: shares 3756..3763 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 7 block 49: shares 3764..3770 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 7 block 50: shares 3771..3777 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 7 block 51: shares 3778..3783 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 7 block 52: shares 3784..3789 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 7 block 53: shares 3790..3795 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 7 block 54: shares 3796..3801 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 7 block 55: shares 3802..3807 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 7 block 56: shares 3808..3813 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 7 block 57: shares 3814..3819 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 7 block 58: shares 3820..3825 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 7 block 59: shares 3826..3831 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 7 block 60: shares 3832..3837 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 7 block 61: shares 3838..3843 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 7 block 62: shares 3844..3849 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 7 block 63: shares 3850..3855 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..481
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    // rank 1: shares 482..963
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    // rank 2: shares 964..1445
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    // rank 3: shares 1446..1927
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    // rank 4: shares 1928..2409
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    // rank 5: shares 2410..2891
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    // rank 6: shares 2892..3373
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    // rank 7: shares 3374..3855
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
+    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
+    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
+    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
+    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
+    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
+    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
+    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
+    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
+    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
+    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
+    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
+    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
+    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
+    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
+    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
+    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
+    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
+    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
+    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
+    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
+    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
+    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
+    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
+    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
+    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
+    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
+    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
+    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
+    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
+    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
+    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
+    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
+    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
+    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
+    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
+    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
+    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
+    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
+    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
+    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
+    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
+    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
+    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
+    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
+    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
+    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
+    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
+    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
+    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
+    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
+    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
+    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
+    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
+    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
+    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
+    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
+    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
 };
+static __device__ const tsgen_share_table<3856> shares_w8 =
+    tsgen_expand_shares<3856>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
     { 0, 6, 14, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94, 102, 110, 118, 126, 134, 142, 150, 158, 166, 174, 182, 190, 198, 206, 214, 222, 230, 238, 246, 254, 262, 270, 278, 286, 294, 302, 310, 318, 326, 334, 342, 350, 358, 366, 374, 382, 390, 397, 404, 410, 416, 422, 428, 434, 440, 446, 452, 458, 464, 470, 476, 482 },
@@ -4200,11 +2729,8 @@ static __device__ const uint16_t first_w8[8][65] = {
     { 3374, 3380, 3388, 3396, 3404, 3412, 3420, 3428, 3436, 3444, 3452, 3460, 3468, 3476, 3484, 3492, 3500, 3508, 3516, 3524, 3532, 3540, 3548, 3556, 3564, 3572, 3580, 3588, 3596, 3604, 3612, 3620, 3628, 3636, 3644, 3652, 3660, 3668, 3676, 3684, 3692, 3700, 3708, 3716, 3724, 3732, 3740, 3748, 3756, 3764, 3771, 3778, 3784, 3790, 3796, 3802, 3808, 3814, 3820, 3826, 3832, 3838, 3844, 3850, 3856 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -4286,8 +2812,6 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -4460,7 +2984,7 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -4479,7 +3003,7 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -4501,15 +3025,6 @@ template <> struct plan<8> {
   }
 };
 
-
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
 
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
@@ -4536,23 +3051,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_inplace
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_inplace_i32_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_inplace_i32_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_reduce_two_shot_inplace_i32::run<3>(peers, rank, epoch, count, dst, inbox, entry, arrive, reduced, gathered);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_inplace_i32_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -4562,12 +3065,6 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_inplace_i3
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_inplace_i32_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_inplace_i32_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -4575,9 +3072,17 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_inplace_i3
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_inplace_i32_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through all_reduce_two_shot_inplace_i32::launch.
+namespace all_reduce_two_shot_inplace_i32 {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered);
   return cudaGetLastError();
 }
+}  // namespace all_reduce_two_shot_inplace_i32
 
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w2, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w3, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w4, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w8, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }

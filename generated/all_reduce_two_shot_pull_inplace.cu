@@ -2,7 +2,7 @@
 // spec sha256 24546bea7eea78e7e4ec3c3c5e4d84ed972936b49a3c9f17fffbb1e4a56002bd
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op all_reduce: every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)
+// op all_reduce: every rank ends with the sum of all ranks' inputs (two_shot_pull: each rank reads and reduces its part from every peer, then pushes it)
 // kernels: all_reduce_two_shot_pull_inplace_w2, all_reduce_two_shot_pull_inplace_w3, all_reduce_two_shot_pull_inplace_w4, all_reduce_two_shot_pull_inplace_w8 (one per world size; grid 40 x 512 threads)
 // count unit: elements
 //
@@ -915,6 +915,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1251,6 +1273,18 @@ typedef float T;
 //   3: gathered
 static __device__ const char* const buffer_names[] = { "calls", "dst", "entry", "gathered" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)entry, (char*)gathered };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 6 steps, 66 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1270,145 +1304,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 32}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 32},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 32},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 32},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 32},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 32},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 32},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 32},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 32},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 32},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 32},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 32},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 32},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 32},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 32},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 32},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 32},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {1, 16, 32},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {1, 17, 32},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {1, 18, 32},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {1, 19, 32},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {1, 20, 32},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {1, 21, 32},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {1, 22, 32},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {1, 23, 32},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {1, 24, 32},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {1, 25, 32},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {1, 26, 32},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {1, 27, 32},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {1, 28, 32},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {1, 29, 32},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {1, 30, 32},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {1, 31, 32},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 1: shares 33..33 ({step, share, of})
-    {1, 0, 32},
-    // rank 1 block 2: shares 34..34 ({step, share, of})
-    {1, 1, 32},
-    // rank 1 block 3: shares 35..35 ({step, share, of})
-    {1, 2, 32},
-    // rank 1 block 4: shares 36..36 ({step, share, of})
-    {1, 3, 32},
-    // rank 1 block 5: shares 37..37 ({step, share, of})
-    {1, 4, 32},
-    // rank 1 block 6: shares 38..38 ({step, share, of})
-    {1, 5, 32},
-    // rank 1 block 7: shares 39..39 ({step, share, of})
-    {1, 6, 32},
-    // rank 1 block 8: shares 40..40 ({step, share, of})
-    {1, 7, 32},
-    // rank 1 block 9: shares 41..41 ({step, share, of})
-    {1, 8, 32},
-    // rank 1 block 10: shares 42..42 ({step, share, of})
-    {1, 9, 32},
-    // rank 1 block 11: shares 43..43 ({step, share, of})
-    {1, 10, 32},
-    // rank 1 block 12: shares 44..44 ({step, share, of})
-    {1, 11, 32},
-    // rank 1 block 13: shares 45..45 ({step, share, of})
-    {1, 12, 32},
-    // rank 1 block 14: shares 46..46 ({step, share, of})
-    {1, 13, 32},
-    // rank 1 block 15: shares 47..47 ({step, share, of})
-    {1, 14, 32},
-    // rank 1 block 16: shares 48..48 ({step, share, of})
-    {1, 15, 32},
-    // rank 1 block 17: shares 49..49 ({step, share, of})
-    {1, 16, 32},
-    // rank 1 block 18: shares 50..50 ({step, share, of})
-    {1, 17, 32},
-    // rank 1 block 19: shares 51..51 ({step, share, of})
-    {1, 18, 32},
-    // rank 1 block 20: shares 52..52 ({step, share, of})
-    {1, 19, 32},
-    // rank 1 block 21: shares 53..53 ({step, share, of})
-    {1, 20, 32},
-    // rank 1 block 22: shares 54..54 ({step, share, of})
-    {1, 21, 32},
-    // rank 1 block 23: shares 55..55 ({step, share, of})
-    {1, 22, 32},
-    // rank 1 block 24: shares 56..56 ({step, share, of})
-    {1, 23, 32},
-    // rank 1 block 25: shares 57..57 ({step, share, of})
-    {1, 24, 32},
-    // rank 1 block 26: shares 58..58 ({step, share, of})
-    {1, 25, 32},
-    // rank 1 block 27: shares 59..59 ({step, share, of})
-    {1, 26, 32},
-    // rank 1 block 28: shares 60..60 ({step, share, of})
-    {1, 27, 32},
-    // rank 1 block 29: shares 61..61 ({step, share, of})
-    {1, 28, 32},
-    // rank 1 block 30: shares 62..62 ({step, share, of})
-    {1, 29, 32},
-    // rank 1 block 31: shares 63..63 ({step, share, of})
-    {1, 30, 32},
-    // rank 1 block 32: shares 64..64 ({step, share, of})
-    {1, 31, 32},
-    // rank 1 block 33: shares 65..65 ({step, share, of})
-    {2, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][41] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
-    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 9 steps, 99 block shares over 40 blocks.
@@ -1435,212 +1331,7 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 3, 6 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 32},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 32},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 32},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 32},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 32},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 32},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 32},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 32},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 32},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 32},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 32},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 32},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 32},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 32},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 32},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 32},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {1, 16, 32},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {1, 17, 32},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {1, 18, 32},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {1, 19, 32},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {1, 20, 32},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {1, 21, 32},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {1, 22, 32},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {1, 23, 32},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {1, 24, 32},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {1, 25, 32},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {1, 26, 32},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {1, 27, 32},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {1, 28, 32},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {1, 29, 32},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {1, 30, 32},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {1, 31, 32},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 1: shares 33..33 ({step, share, of})
-    {1, 0, 32},
-    // rank 1 block 2: shares 34..34 ({step, share, of})
-    {1, 1, 32},
-    // rank 1 block 3: shares 35..35 ({step, share, of})
-    {1, 2, 32},
-    // rank 1 block 4: shares 36..36 ({step, share, of})
-    {1, 3, 32},
-    // rank 1 block 5: shares 37..37 ({step, share, of})
-    {1, 4, 32},
-    // rank 1 block 6: shares 38..38 ({step, share, of})
-    {1, 5, 32},
-    // rank 1 block 7: shares 39..39 ({step, share, of})
-    {1, 6, 32},
-    // rank 1 block 8: shares 40..40 ({step, share, of})
-    {1, 7, 32},
-    // rank 1 block 9: shares 41..41 ({step, share, of})
-    {1, 8, 32},
-    // rank 1 block 10: shares 42..42 ({step, share, of})
-    {1, 9, 32},
-    // rank 1 block 11: shares 43..43 ({step, share, of})
-    {1, 10, 32},
-    // rank 1 block 12: shares 44..44 ({step, share, of})
-    {1, 11, 32},
-    // rank 1 block 13: shares 45..45 ({step, share, of})
-    {1, 12, 32},
-    // rank 1 block 14: shares 46..46 ({step, share, of})
-    {1, 13, 32},
-    // rank 1 block 15: shares 47..47 ({step, share, of})
-    {1, 14, 32},
-    // rank 1 block 16: shares 48..48 ({step, share, of})
-    {1, 15, 32},
-    // rank 1 block 17: shares 49..49 ({step, share, of})
-    {1, 16, 32},
-    // rank 1 block 18: shares 50..50 ({step, share, of})
-    {1, 17, 32},
-    // rank 1 block 19: shares 51..51 ({step, share, of})
-    {1, 18, 32},
-    // rank 1 block 20: shares 52..52 ({step, share, of})
-    {1, 19, 32},
-    // rank 1 block 21: shares 53..53 ({step, share, of})
-    {1, 20, 32},
-    // rank 1 block 22: shares 54..54 ({step, share, of})
-    {1, 21, 32},
-    // rank 1 block 23: shares 55..55 ({step, share, of})
-    {1, 22, 32},
-    // rank 1 block 24: shares 56..56 ({step, share, of})
-    {1, 23, 32},
-    // rank 1 block 25: shares 57..57 ({step, share, of})
-    {1, 24, 32},
-    // rank 1 block 26: shares 58..58 ({step, share, of})
-    {1, 25, 32},
-    // rank 1 block 27: shares 59..59 ({step, share, of})
-    {1, 26, 32},
-    // rank 1 block 28: shares 60..60 ({step, share, of})
-    {1, 27, 32},
-    // rank 1 block 29: shares 61..61 ({step, share, of})
-    {1, 28, 32},
-    // rank 1 block 30: shares 62..62 ({step, share, of})
-    {1, 29, 32},
-    // rank 1 block 31: shares 63..63 ({step, share, of})
-    {1, 30, 32},
-    // rank 1 block 32: shares 64..64 ({step, share, of})
-    {1, 31, 32},
-    // rank 1 block 33: shares 65..65 ({step, share, of})
-    {2, 0, 1},
-    // rank 2 block 1: shares 66..66 ({step, share, of})
-    {1, 0, 32},
-    // rank 2 block 2: shares 67..67 ({step, share, of})
-    {1, 1, 32},
-    // rank 2 block 3: shares 68..68 ({step, share, of})
-    {1, 2, 32},
-    // rank 2 block 4: shares 69..69 ({step, share, of})
-    {1, 3, 32},
-    // rank 2 block 5: shares 70..70 ({step, share, of})
-    {1, 4, 32},
-    // rank 2 block 6: shares 71..71 ({step, share, of})
-    {1, 5, 32},
-    // rank 2 block 7: shares 72..72 ({step, share, of})
-    {1, 6, 32},
-    // rank 2 block 8: shares 73..73 ({step, share, of})
-    {1, 7, 32},
-    // rank 2 block 9: shares 74..74 ({step, share, of})
-    {1, 8, 32},
-    // rank 2 block 10: shares 75..75 ({step, share, of})
-    {1, 9, 32},
-    // rank 2 block 11: shares 76..76 ({step, share, of})
-    {1, 10, 32},
-    // rank 2 block 12: shares 77..77 ({step, share, of})
-    {1, 11, 32},
-    // rank 2 block 13: shares 78..78 ({step, share, of})
-    {1, 12, 32},
-    // rank 2 block 14: shares 79..79 ({step, share, of})
-    {1, 13, 32},
-    // rank 2 block 15: shares 80..80 ({step, share, of})
-    {1, 14, 32},
-    // rank 2 block 16: shares 81..81 ({step, share, of})
-    {1, 15, 32},
-    // rank 2 block 17: shares 82..82 ({step, share, of})
-    {1, 16, 32},
-    // rank 2 block 18: shares 83..83 ({step, share, of})
-    {1, 17, 32},
-    // rank 2 block 19: shares 84..84 ({step, share, of})
-    {1, 18, 32},
-    // rank 2 block 20: shares 85..85 ({step, share, of})
-    {1, 19, 32},
-    // rank 2 block 21: shares 86..86 ({step, share, of})
-    {1, 20, 32},
-    // rank 2 block 22: shares 87..87 ({step, share, of})
-    {1, 21, 32},
-    // rank 2 block 23: shares 88..88 ({step, share, of})
-    {1, 22, 32},
-    // rank 2 block 24: shares 89..89 ({step, share, of})
-    {1, 23, 32},
-    // rank 2 block 25: shares 90..90 ({step, share, of})
-    {1, 24, 32},
-    // rank 2 block 26: shares 91..91 ({step, share, of})
-    {1, 25, 32},
-    // rank 2 block 27: shares 92..92 ({step, share, of})
-    {1, 26, 32},
-    // rank 2 block 28: shares 93..93 ({step, share, of})
-    {1, 27, 32},
-    // rank 2 block 29: shares 94..94 ({step, share, of})
-    {1, 28, 32},
-    // rank 2 block 30: shares 95..95 ({step, share, of})
-    {1, 29, 32},
-    // rank 2 block 31: shares 96..96 ({step, share, of})
-    {1, 30, 32},
-    // rank 2 block 32: shares 97..97 ({step, share, of})
-    {1, 31, 32},
-    // rank 2 block 33: shares 98..98 ({step, share, of})
-    {2, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][41] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
-    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
-    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99 },
-};
+// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 4: 12 steps, 132 block shares over 40 blocks.
@@ -1673,279 +1364,7 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 3, 6, 9 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 32},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 32},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 32},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 32},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 32},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 32},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 32},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 32},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 32},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 32},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 32},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 32},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 32},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 32},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 32},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 32},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {1, 16, 32},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {1, 17, 32},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {1, 18, 32},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {1, 19, 32},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {1, 20, 32},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {1, 21, 32},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {1, 22, 32},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {1, 23, 32},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {1, 24, 32},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {1, 25, 32},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {1, 26, 32},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {1, 27, 32},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {1, 28, 32},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {1, 29, 32},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {1, 30, 32},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {1, 31, 32},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 1: shares 33..33 ({step, share, of})
-    {1, 0, 32},
-    // rank 1 block 2: shares 34..34 ({step, share, of})
-    {1, 1, 32},
-    // rank 1 block 3: shares 35..35 ({step, share, of})
-    {1, 2, 32},
-    // rank 1 block 4: shares 36..36 ({step, share, of})
-    {1, 3, 32},
-    // rank 1 block 5: shares 37..37 ({step, share, of})
-    {1, 4, 32},
-    // rank 1 block 6: shares 38..38 ({step, share, of})
-    {1, 5, 32},
-    // rank 1 block 7: shares 39..39 ({step, share, of})
-    {1, 6, 32},
-    // rank 1 block 8: shares 40..40 ({step, share, of})
-    {1, 7, 32},
-    // rank 1 block 9: shares 41..41 ({step, share, of})
-    {1, 8, 32},
-    // rank 1 block 10: shares 42..42 ({step, share, of})
-    {1, 9, 32},
-    // rank 1 block 11: shares 43..43 ({step, share, of})
-    {1, 10, 32},
-    // rank 1 block 12: shares 44..44 ({step, share, of})
-    {1, 11, 32},
-    // rank 1 block 13: shares 45..45 ({step, share, of})
-    {1, 12, 32},
-    // rank 1 block 14: shares 46..46 ({step, share, of})
-    {1, 13, 32},
-    // rank 1 block 15: shares 47..47 ({step, share, of})
-    {1, 14, 32},
-    // rank 1 block 16: shares 48..48 ({step, share, of})
-    {1, 15, 32},
-    // rank 1 block 17: shares 49..49 ({step, share, of})
-    {1, 16, 32},
-    // rank 1 block 18: shares 50..50 ({step, share, of})
-    {1, 17, 32},
-    // rank 1 block 19: shares 51..51 ({step, share, of})
-    {1, 18, 32},
-    // rank 1 block 20: shares 52..52 ({step, share, of})
-    {1, 19, 32},
-    // rank 1 block 21: shares 53..53 ({step, share, of})
-    {1, 20, 32},
-    // rank 1 block 22: shares 54..54 ({step, share, of})
-    {1, 21, 32},
-    // rank 1 block 23: shares 55..55 ({step, share, of})
-    {1, 22, 32},
-    // rank 1 block 24: shares 56..56 ({step, share, of})
-    {1, 23, 32},
-    // rank 1 block 25: shares 57..57 ({step, share, of})
-    {1, 24, 32},
-    // rank 1 block 26: shares 58..58 ({step, share, of})
-    {1, 25, 32},
-    // rank 1 block 27: shares 59..59 ({step, share, of})
-    {1, 26, 32},
-    // rank 1 block 28: shares 60..60 ({step, share, of})
-    {1, 27, 32},
-    // rank 1 block 29: shares 61..61 ({step, share, of})
-    {1, 28, 32},
-    // rank 1 block 30: shares 62..62 ({step, share, of})
-    {1, 29, 32},
-    // rank 1 block 31: shares 63..63 ({step, share, of})
-    {1, 30, 32},
-    // rank 1 block 32: shares 64..64 ({step, share, of})
-    {1, 31, 32},
-    // rank 1 block 33: shares 65..65 ({step, share, of})
-    {2, 0, 1},
-    // rank 2 block 1: shares 66..66 ({step, share, of})
-    {1, 0, 32},
-    // rank 2 block 2: shares 67..67 ({step, share, of})
-    {1, 1, 32},
-    // rank 2 block 3: shares 68..68 ({step, share, of})
-    {1, 2, 32},
-    // rank 2 block 4: shares 69..69 ({step, share, of})
-    {1, 3, 32},
-    // rank 2 block 5: shares 70..70 ({step, share, of})
-    {1, 4, 32},
-    // rank 2 block 6: shares 71..71 ({step, share, of})
-    {1, 5, 32},
-    // rank 2 block 7: shares 72..72 ({step, share, of})
-    {1, 6, 32},
-    // rank 2 block 8: shares 73..73 ({step, share, of})
-    {1, 7, 32},
-    // rank 2 block 9: shares 74..74 ({step, share, of})
-    {1, 8, 32},
-    // rank 2 block 10: shares 75..75 ({step, share, of})
-    {1, 9, 32},
-    // rank 2 block 11: shares 76..76 ({step, share, of})
-    {1, 10, 32},
-    // rank 2 block 12: shares 77..77 ({step, share, of})
-    {1, 11, 32},
-    // rank 2 block 13: shares 78..78 ({step, share, of})
-    {1, 12, 32},
-    // rank 2 block 14: shares 79..79 ({step, share, of})
-    {1, 13, 32},
-    // rank 2 block 15: shares 80..80 ({step, share, of})
-    {1, 14, 32},
-    // rank 2 block 16: shares 81..81 ({step, share, of})
-    {1, 15, 32},
-    // rank 2 block 17: shares 82..82 ({step, share, of})
-    {1, 16, 32},
-    // rank 2 block 18: shares 83..83 ({step, share, of})
-    {1, 17, 32},
-    // rank 2 block 19: shares 84..84 ({step, share, of})
-    {1, 18, 32},
-    // rank 2 block 20: shares 85..85 ({step, share, of})
-    {1, 19, 32},
-    // rank 2 block 21: shares 86..86 ({step, share, of})
-    {1, 20, 32},
-    // rank 2 block 22: shares 87..87 ({step, share, of})
-    {1, 21, 32},
-    // rank 2 block 23: shares 88..88 ({step, share, of})
-    {1, 22, 32},
-    // rank 2 block 24: shares 89..89 ({step, share, of})
-    {1, 23, 32},
-    // rank 2 block 25: shares 90..90 ({step, share, of})
-    {1, 24, 32},
-    // rank 2 block 26: shares 91..91 ({step, share, of})
-    {1, 25, 32},
-    // rank 2 block 27: shares 92..92 ({step, share, of})
-    {1, 26, 32},
-    // rank 2 block 28: shares 93..93 ({step, share, of})
-    {1, 27, 32},
-    // rank 2 block 29: shares 94..94 ({step, share, of})
-    {1, 28, 32},
-    // rank 2 block 30: shares 95..95 ({step, share, of})
-    {1, 29, 32},
-    // rank 2 block 31: shares 96..96 ({step, share, of})
-    {1, 30, 32},
-    // rank 2 block 32: shares 97..97 ({step, share, of})
-    {1, 31, 32},
-    // rank 2 block 33: shares 98..98 ({step, share, of})
-    {2, 0, 1},
-    // rank 3 block 1: shares 99..99 ({step, share, of})
-    {1, 0, 32},
-    // rank 3 block 2: shares 100..100 ({step, share, of})
-    {1, 1, 32},
-    // rank 3 block 3: shares 101..101 ({step, share, of})
-    {1, 2, 32},
-    // rank 3 block 4: shares 102..102 ({step, share, of})
-    {1, 3, 32},
-    // rank 3 block 5: shares 103..103 ({step, share, of})
-    {1, 4, 32},
-    // rank 3 block 6: shares 104..104 ({step, share, of})
-    {1, 5, 32},
-    // rank 3 block 7: shares 105..105 ({step, share, of})
-    {1, 6, 32},
-    // rank 3 block 8: shares 106..106 ({step, share, of})
-    {1, 7, 32},
-    // rank 3 block 9: shares 107..107 ({step, share, of})
-    {1, 8, 32},
-    // rank 3 block 10: shares 108..108 ({step, share, of})
-    {1, 9, 32},
-    // rank 3 block 11: shares 109..109 ({step, share, of})
-    {1, 10, 32},
-    // rank 3 block 12: shares 110..110 ({step, share, of})
-    {1, 11, 32},
-    // rank 3 block 13: shares 111..111 ({step, share, of})
-    {1, 12, 32},
-    // rank 3 block 14: shares 112..112 ({step, share, of})
-    {1, 13, 32},
-    // rank 3 block 15: shares 113..113 ({step, share, of})
-    {1, 14, 32},
-    // rank 3 block 16: shares 114..114 ({step, share, of})
-    {1, 15, 32},
-    // rank 3 block 17: shares 115..115 ({step, share, of})
-    {1, 16, 32},
-    // rank 3 block 18: shares 116..116 ({step, share, of})
-    {1, 17, 32},
-    // rank 3 block 19: shares 117..117 ({step, share, of})
-    {1, 18, 32},
-    // rank 3 block 20: shares 118..118 ({step, share, of})
-    {1, 19, 32},
-    // rank 3 block 21: shares 119..119 ({step, share, of})
-    {1, 20, 32},
-    // rank 3 block 22: shares 120..120 ({step, share, of})
-    {1, 21, 32},
-    // rank 3 block 23: shares 121..121 ({step, share, of})
-    {1, 22, 32},
-    // rank 3 block 24: shares 122..122 ({step, share, of})
-    {1, 23, 32},
-    // rank 3 block 25: shares 123..123 ({step, share, of})
-    {1, 24, 32},
-    // rank 3 block 26: shares 124..124 ({step, share, of})
-    {1, 25, 32},
-    // rank 3 block 27: shares 125..125 ({step, share, of})
-    {1, 26, 32},
-    // rank 3 block 28: shares 126..126 ({step, share, of})
-    {1, 27, 32},
-    // rank 3 block 29: shares 127..127 ({step, share, of})
-    {1, 28, 32},
-    // rank 3 block 30: shares 128..128 ({step, share, of})
-    {1, 29, 32},
-    // rank 3 block 31: shares 129..129 ({step, share, of})
-    {1, 30, 32},
-    // rank 3 block 32: shares 130..130 ({step, share, of})
-    {1, 31, 32},
-    // rank 3 block 33: shares 131..131 ({step, share, of})
-    {2, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][41] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
-    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
-    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99 },
-    { 99, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 132, 132, 132, 132, 132, 132 },
-};
+// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 8: 24 steps, 264 block shares over 40 blocks.
@@ -2002,553 +1421,10 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}, {3, 0, 4, 32}, {3, 0, 5, 32}, {3, 0, 6, 32}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 3, 6, 9, 12, 15, 18, 21 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 32},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 32},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 32},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 32},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 32},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 32},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 32},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 32},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 32},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 32},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 32},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 32},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 32},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 32},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 32},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 32},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {1, 16, 32},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {1, 17, 32},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {1, 18, 32},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {1, 19, 32},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {1, 20, 32},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {1, 21, 32},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {1, 22, 32},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {1, 23, 32},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {1, 24, 32},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {1, 25, 32},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {1, 26, 32},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {1, 27, 32},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {1, 28, 32},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {1, 29, 32},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {1, 30, 32},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {1, 31, 32},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 1: shares 33..33 ({step, share, of})
-    {1, 0, 32},
-    // rank 1 block 2: shares 34..34 ({step, share, of})
-    {1, 1, 32},
-    // rank 1 block 3: shares 35..35 ({step, share, of})
-    {1, 2, 32},
-    // rank 1 block 4: shares 36..36 ({step, share, of})
-    {1, 3, 32},
-    // rank 1 block 5: shares 37..37 ({step, share, of})
-    {1, 4, 32},
-    // rank 1 block 6: shares 38..38 ({step, share, of})
-    {1, 5, 32},
-    // rank 1 block 7: shares 39..39 ({step, share, of})
-    {1, 6, 32},
-    // rank 1 block 8: shares 40..40 ({step, share, of})
-    {1, 7, 32},
-    // rank 1 block 9: shares 41..41 ({step, share, of})
-    {1, 8, 32},
-    // rank 1 block 10: shares 42..42 ({step, share, of})
-    {1, 9, 32},
-    // rank 1 block 11: shares 43..43 ({step, share, of})
-    {1, 10, 32},
-    // rank 1 block 12: shares 44..44 ({step, share, of})
-    {1, 11, 32},
-    // rank 1 block 13: shares 45..45 ({step, share, of})
-    {1, 12, 32},
-    // rank 1 block 14: shares 46..46 ({step, share, of})
-    {1, 13, 32},
-    // rank 1 block 15: shares 47..47 ({step, share, of})
-    {1, 14, 32},
-    // rank 1 block 16: shares 48..48 ({step, share, of})
-    {1, 15, 32},
-    // rank 1 block 17: shares 49..49 ({step, share, of})
-    {1, 16, 32},
-    // rank 1 block 18: shares 50..50 ({step, share, of})
-    {1, 17, 32},
-    // rank 1 block 19: shares 51..51 ({step, share, of})
-    {1, 18, 32},
-    // rank 1 block 20: shares 52..52 ({step, share, of})
-    {1, 19, 32},
-    // rank 1 block 21: shares 53..53 ({step, share, of})
-    {1, 20, 32},
-    // rank 1 block 22: shares 54..54 ({step, share, of})
-    {1, 21, 32},
-    // rank 1 block 23: shares 55..55 ({step, share, of})
-    {1, 22, 32},
-    // rank 1 block 24: shares 56..56 ({step, share, of})
-    {1, 23, 32},
-    // rank 1 block 25: shares 57..57 ({step, share, of})
-    {1, 24, 32},
-    // rank 1 block 26: shares 58..58 ({step, share, of})
-    {1, 25, 32},
-    // rank 1 block 27: shares 59..59 ({step, share, of})
-    {1, 26, 32},
-    // rank 1 block 28: shares 60..60 ({step, share, of})
-    {1, 27, 32},
-    // rank 1 block 29: shares 61..61 ({step, share, of})
-    {1, 28, 32},
-    // rank 1 block 30: shares 62..62 ({step, share, of})
-    {1, 29, 32},
-    // rank 1 block 31: shares 63..63 ({step, share, of})
-    {1, 30, 32},
-    // rank 1 block 32: shares 64..64 ({step, share, of})
-    {1, 31, 32},
-    // rank 1 block 33: shares 65..65 ({step, share, of})
-    {2, 0, 1},
-    // rank 2 block 1: shares 66..66 ({step, share, of})
-    {1, 0, 32},
-    // rank 2 block 2: shares 67..67 ({step, share, of})
-    {1, 1, 32},
-    // rank 2 block 3: shares 68..68 ({step, share, of})
-    {1, 2, 32},
-    // rank 2 block 4: shares 69..69 ({step, share, of})
-    {1, 3, 32},
-    // rank 2 block 5: shares 70..70 ({step, share, of})
-    {1, 4, 32},
-    // rank 2 block 6: shares 71..71 ({step, share, of})
-    {1, 5, 32},
-    // rank 2 block 7: shares 72..72 ({step, share, of})
-    {1, 6, 32},
-    // rank 2 block 8: shares 73..73 ({step, share, of})
-    {1, 7, 32},
-    // rank 2 block 9: shares 74..74 ({step, share, of})
-    {1, 8, 32},
-    // rank 2 block 10: shares 75..75 ({step, share, of})
-    {1, 9, 32},
-    // rank 2 block 11: shares 76..76 ({step, share, of})
-    {1, 10, 32},
-    // rank 2 block 12: shares 77..77 ({step, share, of})
-    {1, 11, 32},
-    // rank 2 block 13: shares 78..78 ({step, share, of})
-    {1, 12, 32},
-    // rank 2 block 14: shares 79..79 ({step, share, of})
-    {1, 13, 32},
-    // rank 2 block 15: shares 80..80 ({step, share, of})
-    {1, 14, 32},
-    // rank 2 block 16: shares 81..81 ({step, share, of})
-    {1, 15, 32},
-    // rank 2 block 17: shares 82..82 ({step, share, of})
-    {1, 16, 32},
-    // rank 2 block 18: shares 83..83 ({step, share, of})
-    {1, 17, 32},
-    // rank 2 block 19: shares 84..84 ({step, share, of})
-    {1, 18, 32},
-    // rank 2 block 20: shares 85..85 ({step, share, of})
-    {1, 19, 32},
-    // rank 2 block 21: shares 86..86 ({step, share, of})
-    {1, 20, 32},
-    // rank 2 block 22: shares 87..87 ({step, share, of})
-    {1, 21, 32},
-    // rank 2 block 23: shares 88..88 ({step, share, of})
-    {1, 22, 32},
-    // rank 2 block 24: shares 89..89 ({step, share, of})
-    {1, 23, 32},
-    // rank 2 block 25: shares 90..90 ({step, share, of})
-    {1, 24, 32},
-    // rank 2 block 26: shares 91..91 ({step, share, of})
-    {1, 25, 32},
-    // rank 2 block 27: shares 92..92 ({step, share, of})
-    {1, 26, 32},
-    // rank 2 block 28: shares 93..93 ({step, share, of})
-    {1, 27, 32},
-    // rank 2 block 29: shares 94..94 ({step, share, of})
-    {1, 28, 32},
-    // rank 2 block 30: shares 95..95 ({step, share, of})
-    {1, 29, 32},
-    // rank 2 block 31: shares 96..96 ({step, share, of})
-    {1, 30, 32},
-    // rank 2 block 32: shares 97..97 ({step, share, of})
-    {1, 31, 32},
-    // rank 2 block 33: shares 98..98 ({step, share, of})
-    {2, 0, 1},
-    // rank 3 block 1: shares 99..99 ({step, share, of})
-    {1, 0, 32},
-    // rank 3 block 2: shares 100..100 ({step, share, of})
-    {1, 1, 32},
-    // rank 3 block 3: shares 101..101 ({step, share, of})
-    {1, 2, 32},
-    // rank 3 block 4: shares 102..102 ({step, share, of})
-    {1, 3, 32},
-    // rank 3 block 5: shares 103..103 ({step, share, of})
-    {1, 4, 32},
-    // rank 3 block 6: shares 104..104 ({step, share, of})
-    {1, 5, 32},
-    // rank 3 block 7: shares 105..105 ({step, share, of})
-    {1, 6, 32},
-    // rank 3 block 8: shares 106..106 ({step, share, of})
-    {1, 7, 32},
-    // rank 3 block 9: shares 107..107 ({step, share, of})
-    {1, 8, 32},
-    // rank 3 block 10: shares 108..108 ({step, share, of})
-    {1, 9, 32},
-    // rank 3 block 11: shares 109..109 ({step, share, of})
-    {1, 10, 32},
-    // rank 3 block 12: shares 110..110 ({step, share, of})
-    {1, 11, 32},
-    // rank 3 block 13: shares 111..111 ({step, share, of})
-    {1, 12, 32},
-    // rank 3 block 14: shares 112..112 ({step, share, of})
-    {1, 13, 32},
-    // rank 3 block 15: shares 113..113 ({step, share, of})
-    {1, 14, 32},
-    // rank 3 block 16: shares 114..114 ({step, share, of})
-    {1, 15, 32},
-    // rank 3 block 17: shares 115..115 ({step, share, of})
-    {1, 16, 32},
-    // rank 3 block 18: shares 116..116 ({step, share, of})
-    {1, 17, 32},
-    // rank 3 block 19: shares 117..117 ({step, share, of})
-    {1, 18, 32},
-    // rank 3 block 20: shares 118..118 ({step, share, of})
-    {1, 19, 32},
-    // rank 3 block 21: shares 119..119 ({step, share, of})
-    {1, 20, 32},
-    // rank 3 block 22: shares 120..120 ({step, share, of})
-    {1, 21, 32},
-    // rank 3 block 23: shares 121..121 ({step, share, of})
-    {1, 22, 32},
-    // rank 3 block 24: shares 122..122 ({step, share, of})
-    {1, 23, 32},
-    // rank 3 block 25: shares 123..123 ({step, share, of})
-    {1, 24, 32},
-    // rank 3 block 26: shares 124..124 ({step, share, of})
-    {1, 25, 32},
-    // rank 3 block 27: shares 125..125 ({step, share, of})
-    {1, 26, 32},
-    // rank 3 block 28: shares 126..126 ({step, share, of})
-    {1, 27, 32},
-    // rank 3 block 29: shares 127..127 ({step, share, of})
-    {1, 28, 32},
-    // rank 3 block 30: shares 128..128 ({step, share, of})
-    {1, 29, 32},
-    // rank 3 block 31: shares 129..129 ({step, share, of})
-    {1, 30, 32},
-    // rank 3 block 32: shares 130..130 ({step, share, of})
-    {1, 31, 32},
-    // rank 3 block 33: shares 131..131 ({step, share, of})
-    {2, 0, 1},
-    // rank 4 block 1: shares 132..132 ({step, share, of})
-    {1, 0, 32},
-    // rank 4 block 2: shares 133..133 ({step, share, of})
-    {1, 1, 32},
-    // rank 4 block 3: shares 134..134 ({step, share, of})
-    {1, 2, 32},
-    // rank 4 block 4: shares 135..135 ({step, share, of})
-    {1, 3, 32},
-    // rank 4 block 5: shares 136..136 ({step, share, of})
-    {1, 4, 32},
-    // rank 4 block 6: shares 137..137 ({step, share, of})
-    {1, 5, 32},
-    // rank 4 block 7: shares 138..138 ({step, share, of})
-    {1, 6, 32},
-    // rank 4 block 8: shares 139..139 ({step, share, of})
-    {1, 7, 32},
-    // rank 4 block 9: shares 140..140 ({step, share, of})
-    {1, 8, 32},
-    // rank 4 block 10: shares 141..141 ({step, share, of})
-    {1, 9, 32},
-    // rank 4 block 11: shares 142..142 ({step, share, of})
-    {1, 10, 32},
-    // rank 4 block 12: shares 143..143 ({step, share, of})
-    {1, 11, 32},
-    // rank 4 block 13: shares 144..144 ({step, share, of})
-    {1, 12, 32},
-    // rank 4 block 14: shares 145..145 ({step, share, of})
-    {1, 13, 32},
-    // rank 4 block 15: shares 146..146 ({step, share, of})
-    {1, 14, 32},
-    // rank 4 block 16: shares 147..147 ({step, share, of})
-    {1, 15, 32},
-    // rank 4 block 17: shares 148..148 ({step, share, of})
-    {1, 16, 32},
-    // rank 4 block 18: shares 149..149 ({step, share, of})
-    {1, 17, 32},
-    // rank 4 block 19: shares 150..150 ({step, share, of})
-    {1, 18, 32},
-    // rank 4 block 20: shares 151..151 ({step, share, of})
-    {1, 19, 32},
-    // rank 4 block 21: shares 152..152 ({step, share, of})
-    {1, 20, 32},
-    // rank 4 block 22: shares 153..153 ({step, share, of})
-    {1, 21, 32},
-    // rank 4 block 23: shares 154..154 ({step, share, of})
-    {1, 22, 32},
-    // rank 4 block 24: shares 155..155 ({step, share, of})
-    {1, 23, 32},
-    // rank 4 block 25: shares 156..156 ({step, share, of})
-    {1, 24, 32},
-    // rank 4 block 26: shares 157..157 ({step, share, of})
-    {1, 25, 32},
-    // rank 4 block 27: shares 158..158 ({step, share, of})
-    {1, 26, 32},
-    // rank 4 block 28: shares 159..159 ({step, share, of})
-    {1, 27, 32},
-    // rank 4 block 29: shares 160..160 ({step, share, of})
-    {1, 28, 32},
-    // rank 4 block 30: shares 161..161 ({step, share, of})
-    {1, 29, 32},
-    // rank 4 block 31: shares 162..162 ({step, share, of})
-    {1, 30, 32},
-    // rank 4 block 32: shares 163..163 ({step, share, of})
-    {1, 31, 32},
-    // rank 4 block 33: shares 164..164 ({step, share, of})
-    {2, 0, 1},
-    // rank 5 block 1: shares 165..165 ({step, share, of})
-    {1, 0, 32},
-    // rank 5 block 2: shares 166..166 ({step, share, of})
-    {1, 1, 32},
-    // rank 5 block 3: shares 167..167 ({step, share, of})
-    {1, 2, 32},
-    // rank 5 block 4: shares 168..168 ({step, share, of})
-    {1, 3, 32},
-    // rank 5 block 5: shares 169..169 ({step, share, of})
-    {1, 4, 32},
-    // rank 5 block 6: shares 170..170 ({step, share, of})
-    {1, 5, 32},
-    // rank 5 block 7: shares 171..171 ({step, share, of})
-    {1, 6, 32},
-    // rank 5 block 8: shares 172..172 ({step, share, of})
-    {1, 7, 32},
-    // rank 5 block 9: shares 173..173 ({step, share, of})
-    {1, 8, 32},
-    // rank 5 block 10: shares 174..174 ({step, share, of})
-    {1, 9, 32},
-    // rank 5 block 11: shares 175..175 ({step, share, of})
-    {1, 10, 32},
-    // rank 5 block 12: shares 176..176 ({step, share, of})
-    {1, 11, 32},
-    // rank 5 block 13: shares 177..177 ({step, share, of})
-    {1, 12, 32},
-    // rank 5 block 14: shares 178..178 ({step, share, of})
-    {1, 13, 32},
-    // rank 5 block 15: shares 179..179 ({step, share, of})
-    {1, 14, 32},
-    // rank 5 block 16: shares 180..180 ({step, share, of})
-    {1, 15, 32},
-    // rank 5 block 17: shares 181..181 ({step, share, of})
-    {1, 16, 32},
-    // rank 5 block 18: shares 182..182 ({step, share, of})
-    {1, 17, 32},
-    // rank 5 block 19: shares 183..183 ({step, share, of})
-    {1, 18, 32},
-    // rank 5 block 20: shares 184..184 ({step, share, of})
-    {1, 19, 32},
-    // rank 5 block 21: shares 185..185 ({step, share, of})
-    {1, 20, 32},
-    // rank 5 block 22: shares 186..186 ({step, share, of})
-    {1, 21, 32},
-    // rank 5 block 23: shares 187..187 ({step, share, of})
-    {1, 22, 32},
-    // rank 5 block 24: shares 188..188 ({step, share, of})
-    {1, 23, 32},
-    // rank 5 block 25: shares 189..189 ({step, share, of})
-    {1, 24, 32},
-    // rank 5 block 26: shares 190..190 ({step, share, of})
-    {1, 25, 32},
-    // rank 5 block 27: shares 191..191 ({step, share, of})
-    {1, 26, 32},
-    // rank 5 block 28: shares 192..192 ({step, share, of})
-    {1, 27, 32},
-    // rank 5 block 29: shares 193..193 ({step, share, of})
-    {1, 28, 32},
-    // rank 5 block 30: shares 194..194 ({step, share, of})
-    {1, 29, 32},
-    // rank 5 block 31: shares 195..195 ({step, share, of})
-    {1, 30, 32},
-    // rank 5 block 32: shares 196..196 ({step, share, of})
-    {1, 31, 32},
-    // rank 5 block 33: shares 197..197 ({step, share, of})
-    {2, 0, 1},
-    // rank 6 block 1: shares 198..198 ({step, share, of})
-    {1, 0, 32},
-    // rank 6 block 2: shares 199..199 ({step, share, of})
-    {1, 1, 32},
-    // rank 6 block 3: shares 200..200 ({step, share, of})
-    {1, 2, 32},
-    // rank 6 block 4: shares 201..201 ({step, share, of})
-    {1, 3, 32},
-    // rank 6 block 5: shares 202..202 ({step, share, of})
-    {1, 4, 32},
-    // rank 6 block 6: shares 203..203 ({step, share, of})
-    {1, 5, 32},
-    // rank 6 block 7: shares 204..204 ({step, share, of})
-    {1, 6, 32},
-    // rank 6 block 8: shares 205..205 ({step, share, of})
-    {1, 7, 32},
-    // rank 6 block 9: shares 206..206 ({step, share, of})
-    {1, 8, 32},
-    // rank 6 block 10: shares 207..207 ({step, share, of})
-    {1, 9, 32},
-    // rank 6 block 11: shares 208..208 ({step, share, of})
-    {1, 10, 32},
-    // rank 6 block 12: shares 209..209 ({step, share, of})
-    {1, 11, 32},
-    // rank 6 block 13: shares 210..210 ({step, share, of})
-    {1, 12, 32},
-    // rank 6 block 14: shares 211..211 ({step, share, of})
-    {1, 13, 32},
-    // rank 6 block 15: shares 212..212 ({step, share, of})
-    {1, 14, 32},
-    // rank 6 block 16: shares 213..213 ({step, share, of})
-    {1, 15, 32},
-    // rank 6 block 17: shares 214..214 ({step, share, of})
-    {1, 16, 32},
-    // rank 6 block 18: shares 215..215 ({step, share, of})
-    {1, 17, 32},
-    // rank 6 block 19: shares 216..216 ({step, share, of})
-    {1, 18, 32},
-    // rank 6 block 20: shares 217..217 ({step, share, of})
-    {1, 19, 32},
-    // rank 6 block 21: shares 218..218 ({step, share, of})
-    {1, 20, 32},
-    // rank 6 block 22: shares 219..219 ({step, share, of})
-    {1, 21, 32},
-    // rank 6 block 23: shares 220..220 ({step, share, of})
-    {1, 22, 32},
-    // rank 6 block 24: shares 221..221 ({step, share, of})
-    {1, 23, 32},
-    // rank 6 block 25: shares 222..222 ({step, share, of})
-    {1, 24, 32},
-    // rank 6 block 26: shares 223..223 ({step, share, of})
-    {1, 25, 32},
-    // rank 6 block 27: shares 224..224 ({step, share, of})
-    {1, 26, 32},
-    // rank 6 block 28: shares 225..225 ({step, share, of})
-    {1, 27, 32},
-    // rank 6 block 29: shares 226..226 ({step, share, of})
-    {1, 28, 32},
-    // rank 6 block 30: shares 227..227 ({step, share, of})
-    {1, 29, 32},
-    // rank 6 block 31: shares 228..228 ({step, share, of})
-    {1, 30, 32},
-    // rank 6 block 32: shares 229..229 ({step, share, of})
-    {1, 31, 32},
-    // rank 6 block 33: shares 230..230 ({step, share, of})
-    {2, 0, 1},
-    // rank 7 block 1: shares 231..231 ({step, share, of})
-    {1, 0, 32},
-    // rank 7 block 2: shares 232..232 ({step, share, of})
-    {1, 1, 32},
-    // rank 7 block 3: shares 233..233 ({step, share, of})
-    {1, 2, 32},
-    // rank 7 block 4: shares 234..234 ({step, share, of})
-    {1, 3, 32},
-    // rank 7 block 5: shares 235..235 ({step, share, of})
-    {1, 4, 32},
-    // rank 7 block 6: shares 236..236 ({step, share, of})
-    {1, 5, 32},
-    // rank 7 block 7: shares 237..237 ({step, share, of})
-    {1, 6, 32},
-    // rank 7 block 8: shares 238..238 ({step, share, of})
-    {1, 7, 32},
-    // rank 7 block 9: shares 239..239 ({step, share, of})
-    {1, 8, 32},
-    // rank 7 block 10: shares 240..240 ({step, share, of})
-    {1, 9, 32},
-    // rank 7 block 11: shares 241..241 ({step, share, of})
-    {1, 10, 32},
-    // rank 7 block 12: shares 242..242 ({step, share, of})
-    {1, 11, 32},
-    // rank 7 block 13: shares 243..243 ({step, share, of})
-    {1, 12, 32},
-    // rank 7 block 14: shares 244..244 ({step, share, of})
-    {1, 13, 32},
-    // rank 7 block 15: shares 245..245 ({step, share, of})
-    {1, 14, 32},
-    // rank 7 block 16: shares 246..246 ({step, share, of})
-    {1, 15, 32},
-    // rank 7 block 17: shares 247..247 ({step, share, of})
-    {1, 16, 32},
-    // rank 7 block 18: shares 248..248 ({step, share, of})
-    {1, 17, 32},
-    // rank 7 block 19: shares 249..249 ({step, share, of})
-    {1, 18, 32},
-    // rank 7 block 20: shares 250..250 ({step, share, of})
-    {1, 19, 32},
-    // rank 7 block 21: shares 251..251 ({step, share, of})
-    {1, 20, 32},
-    // rank 7 block 22: shares 252..252 ({step, share, of})
-    {1, 21, 32},
-    // rank 7 block 23: shares 253..253 ({step, share, of})
-    {1, 22, 32},
-    // rank 7 block 24: shares 254..254 ({step, share, of})
-    {1, 23, 32},
-    // rank 7 block 25: shares 255..255 ({step, share, of})
-    {1, 24, 32},
-    // rank 7 block 26: shares 256..256 ({step, share, of})
-    {1, 25, 32},
-    // rank 7 block 27: shares 257..257 ({step, share, of})
-    {1, 26, 32},
-    // rank 7 block 28: shares 258..258 ({step, share, of})
-    {1, 27, 32},
-    // rank 7 block 29: shares 259..259 ({step, share, of})
-    {1, 28, 32},
-    // rank 7 block 30: shares 260..260 ({step, share, of})
-    {1, 29, 32},
-    // rank 7 block 31: shares 261..261 ({step, share, of})
-    {1, 30, 32},
-    // rank 7 block 32: shares 262..262 ({step, share, of})
-    {1, 31, 32},
-    // rank 7 block 33: shares 263..263 ({step, share, of})
-    {2, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][41] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
-    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
-    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99 },
-    { 99, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 132, 132, 132, 132, 132, 132 },
-    { 132, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 165, 165, 165, 165, 165, 165 },
-    { 165, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 197, 198, 198, 198, 198, 198, 198, 198 },
-    { 198, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 231, 231, 231, 231, 231, 231 },
-    { 231, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262, 263, 264, 264, 264, 264, 264, 264, 264 },
-};
+// No share or block tables: world size 8 runs as straight-line code (plan<8>::run below).
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -2598,8 +1474,6 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -2661,8 +1535,6 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -2736,8 +1608,6 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -2859,15 +1729,6 @@ template <> struct plan<8> {
 };
 
 
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)entry, (char*)gathered };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
-
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
 __device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered) {
@@ -2909,23 +1770,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_pull_in
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_pull_inplace_w2<<<40, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, gathered);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 40, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_pull_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_reduce_two_shot_pull_inplace::run<3>(peers, rank, epoch, count, dst, entry, gathered);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_pull_inplace_w3<<<40, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, gathered);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 40, block 512, 0 bytes of shared memory.
@@ -2935,12 +1784,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_pull_in
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_pull_inplace_w4<<<40, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, gathered);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 40, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_pull_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -2948,9 +1791,17 @@ extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_pull_in
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) {
-  all_reduce_two_shot_pull_inplace_w8<<<40, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, gathered);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through all_reduce_two_shot_pull_inplace::launch.
+namespace all_reduce_two_shot_pull_inplace {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, dst, entry, gathered);
   return cudaGetLastError();
 }
+}  // namespace all_reduce_two_shot_pull_inplace
 
+extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_pull_inplace::launch<all_reduce_two_shot_pull_inplace_w2, 40, 512, 0>(peers, rank, calls, count, dst, entry, gathered, stream); }
+extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_pull_inplace::launch<all_reduce_two_shot_pull_inplace_w3, 40, 512, 0>(peers, rank, calls, count, dst, entry, gathered, stream); }
+extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_pull_inplace::launch<all_reduce_two_shot_pull_inplace_w4, 40, 512, 0>(peers, rank, calls, count, dst, entry, gathered, stream); }
+extern "C" cudaError_t all_reduce_two_shot_pull_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, uint64_t* entry, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_pull_inplace::launch<all_reduce_two_shot_pull_inplace_w8, 40, 512, 0>(peers, rank, calls, count, dst, entry, gathered, stream); }

@@ -915,6 +915,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1253,6 +1275,18 @@ typedef int32_t T;
 //   5: sent
 static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive", "sent" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)sent };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 6 steps, 64 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1272,141 +1306,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 1: shares 32..32 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 33..33 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 34..34 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 35..35 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 36..36 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 37..37 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 38..38 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 39..39 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 40..40 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 41..41 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 42..42 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 43..43 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 44..44 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 45..45 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 46..46 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 47..47 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 48..48 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 49..49 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 50..50 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 51..51 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 52..52 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 53..53 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 54..54 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 55..55 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 56..56 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 57..57 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 58..58 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 59..59 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 60..60 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 61..61 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 62..62 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 63..63 ({step, share, of})
-    {2, 15, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32 },
-    { 32, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 15 steps, 192 block shares over 64 blocks.
@@ -1445,398 +1345,7 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 1, 0}, {{2, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {4, 15, 16},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 18..18 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 19..19 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 20..20 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 21..21 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 22..22 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 23..23 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 24..24 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 25..25 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 26..26 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 27..27 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 28..28 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 29..29 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 30..30 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 31..31 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 32..32 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 33..33 ({step, share, of})
-    {3, 0, 16},
-    // rank 0 block 34: shares 34..34 ({step, share, of})
-    {3, 1, 16},
-    // rank 0 block 35: shares 35..35 ({step, share, of})
-    {3, 2, 16},
-    // rank 0 block 36: shares 36..36 ({step, share, of})
-    {3, 3, 16},
-    // rank 0 block 37: shares 37..37 ({step, share, of})
-    {3, 4, 16},
-    // rank 0 block 38: shares 38..38 ({step, share, of})
-    {3, 5, 16},
-    // rank 0 block 39: shares 39..39 ({step, share, of})
-    {3, 6, 16},
-    // rank 0 block 40: shares 40..40 ({step, share, of})
-    {3, 7, 16},
-    // rank 0 block 41: shares 41..41 ({step, share, of})
-    {3, 8, 16},
-    // rank 0 block 42: shares 42..42 ({step, share, of})
-    {3, 9, 16},
-    // rank 0 block 43: shares 43..43 ({step, share, of})
-    {3, 10, 16},
-    // rank 0 block 44: shares 44..44 ({step, share, of})
-    {3, 11, 16},
-    // rank 0 block 45: shares 45..45 ({step, share, of})
-    {3, 12, 16},
-    // rank 0 block 46: shares 46..46 ({step, share, of})
-    {3, 13, 16},
-    // rank 0 block 47: shares 47..47 ({step, share, of})
-    {3, 14, 16},
-    // rank 0 block 48: shares 48..48 ({step, share, of})
-    {3, 15, 16},
-    // rank 0 block 49: shares 49..49 ({step, share, of})
-    {4, 0, 16},
-    // rank 0 block 50: shares 50..50 ({step, share, of})
-    {4, 1, 16},
-    // rank 0 block 51: shares 51..51 ({step, share, of})
-    {4, 2, 16},
-    // rank 0 block 52: shares 52..52 ({step, share, of})
-    {4, 3, 16},
-    // rank 0 block 53: shares 53..53 ({step, share, of})
-    {4, 4, 16},
-    // rank 0 block 54: shares 54..54 ({step, share, of})
-    {4, 5, 16},
-    // rank 0 block 55: shares 55..55 ({step, share, of})
-    {4, 6, 16},
-    // rank 0 block 56: shares 56..56 ({step, share, of})
-    {4, 7, 16},
-    // rank 0 block 57: shares 57..57 ({step, share, of})
-    {4, 8, 16},
-    // rank 0 block 58: shares 58..58 ({step, share, of})
-    {4, 9, 16},
-    // rank 0 block 59: shares 59..59 ({step, share, of})
-    {4, 10, 16},
-    // rank 0 block 60: shares 60..60 ({step, share, of})
-    {4, 11, 16},
-    // rank 0 block 61: shares 61..61 ({step, share, of})
-    {4, 12, 16},
-    // rank 0 block 62: shares 62..62 ({step, share, of})
-    {4, 13, 16},
-    // rank 0 block 63: shares 63..63 ({step, share, of})
-    {4, 14, 16},
-    // rank 1 block 0: shares 64..64 ({step, share, of})
-    {4, 15, 16},
-    // rank 1 block 1: shares 65..65 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 66..66 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 67..67 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 68..68 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 69..69 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 70..70 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 71..71 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 72..72 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 73..73 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 74..74 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 75..75 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 76..76 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 77..77 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 78..78 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 79..79 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 80..80 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 81..81 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 82..82 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 83..83 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 84..84 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 85..85 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 86..86 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 87..87 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 88..88 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 89..89 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 90..90 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 91..91 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 92..92 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 93..93 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 94..94 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 95..95 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 96..96 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 97..97 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 34: shares 98..98 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 35: shares 99..99 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 36: shares 100..100 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 37: shares 101..101 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 38: shares 102..102 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 39: shares 103..103 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 40: shares 104..104 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 41: shares 105..105 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 42: shares 106..106 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 43: shares 107..107 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 44: shares 108..108 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 45: shares 109..109 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 46: shares 110..110 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 47: shares 111..111 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 48: shares 112..112 ({step, share, of})
-    {3, 15, 16},
-    // rank 1 block 49: shares 113..113 ({step, share, of})
-    {4, 0, 16},
-    // rank 1 block 50: shares 114..114 ({step, share, of})
-    {4, 1, 16},
-    // rank 1 block 51: shares 115..115 ({step, share, of})
-    {4, 2, 16},
-    // rank 1 block 52: shares 116..116 ({step, share, of})
-    {4, 3, 16},
-    // rank 1 block 53: shares 117..117 ({step, share, of})
-    {4, 4, 16},
-    // rank 1 block 54: shares 118..118 ({step, share, of})
-    {4, 5, 16},
-    // rank 1 block 55: shares 119..119 ({step, share, of})
-    {4, 6, 16},
-    // rank 1 block 56: shares 120..120 ({step, share, of})
-    {4, 7, 16},
-    // rank 1 block 57: shares 121..121 ({step, share, of})
-    {4, 8, 16},
-    // rank 1 block 58: shares 122..122 ({step, share, of})
-    {4, 9, 16},
-    // rank 1 block 59: shares 123..123 ({step, share, of})
-    {4, 10, 16},
-    // rank 1 block 60: shares 124..124 ({step, share, of})
-    {4, 11, 16},
-    // rank 1 block 61: shares 125..125 ({step, share, of})
-    {4, 12, 16},
-    // rank 1 block 62: shares 126..126 ({step, share, of})
-    {4, 13, 16},
-    // rank 1 block 63: shares 127..127 ({step, share, of})
-    {4, 14, 16},
-    // rank 2 block 0: shares 128..128 ({step, share, of})
-    {4, 15, 16},
-    // rank 2 block 1: shares 129..129 ({step, share, of})
-    {1, 0, 16},
-    // rank 2 block 2: shares 130..130 ({step, share, of})
-    {1, 1, 16},
-    // rank 2 block 3: shares 131..131 ({step, share, of})
-    {1, 2, 16},
-    // rank 2 block 4: shares 132..132 ({step, share, of})
-    {1, 3, 16},
-    // rank 2 block 5: shares 133..133 ({step, share, of})
-    {1, 4, 16},
-    // rank 2 block 6: shares 134..134 ({step, share, of})
-    {1, 5, 16},
-    // rank 2 block 7: shares 135..135 ({step, share, of})
-    {1, 6, 16},
-    // rank 2 block 8: shares 136..136 ({step, share, of})
-    {1, 7, 16},
-    // rank 2 block 9: shares 137..137 ({step, share, of})
-    {1, 8, 16},
-    // rank 2 block 10: shares 138..138 ({step, share, of})
-    {1, 9, 16},
-    // rank 2 block 11: shares 139..139 ({step, share, of})
-    {1, 10, 16},
-    // rank 2 block 12: shares 140..140 ({step, share, of})
-    {1, 11, 16},
-    // rank 2 block 13: shares 141..141 ({step, share, of})
-    {1, 12, 16},
-    // rank 2 block 14: shares 142..142 ({step, share, of})
-    {1, 13, 16},
-    // rank 2 block 15: shares 143..143 ({step, share, of})
-    {1, 14, 16},
-    // rank 2 block 16: shares 144..144 ({step, share, of})
-    {1, 15, 16},
-    // rank 2 block 17: shares 145..145 ({step, share, of})
-    {2, 0, 16},
-    // rank 2 block 18: shares 146..146 ({step, share, of})
-    {2, 1, 16},
-    // rank 2 block 19: shares 147..147 ({step, share, of})
-    {2, 2, 16},
-    // rank 2 block 20: shares 148..148 ({step, share, of})
-    {2, 3, 16},
-    // rank 2 block 21: shares 149..149 ({step, share, of})
-    {2, 4, 16},
-    // rank 2 block 22: shares 150..150 ({step, share, of})
-    {2, 5, 16},
-    // rank 2 block 23: shares 151..151 ({step, share, of})
-    {2, 6, 16},
-    // rank 2 block 24: shares 152..152 ({step, share, of})
-    {2, 7, 16},
-    // rank 2 block 25: shares 153..153 ({step, share, of})
-    {2, 8, 16},
-    // rank 2 block 26: shares 154..154 ({step, share, of})
-    {2, 9, 16},
-    // rank 2 block 27: shares 155..155 ({step, share, of})
-    {2, 10, 16},
-    // rank 2 block 28: shares 156..156 ({step, share, of})
-    {2, 11, 16},
-    // rank 2 block 29: shares 157..157 ({step, share, of})
-    {2, 12, 16},
-    // rank 2 block 30: shares 158..158 ({step, share, of})
-    {2, 13, 16},
-    // rank 2 block 31: shares 159..159 ({step, share, of})
-    {2, 14, 16},
-    // rank 2 block 32: shares 160..160 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 33: shares 161..161 ({step, share, of})
-    {3, 0, 16},
-    // rank 2 block 34: shares 162..162 ({step, share, of})
-    {3, 1, 16},
-    // rank 2 block 35: shares 163..163 ({step, share, of})
-    {3, 2, 16},
-    // rank 2 block 36: shares 164..164 ({step, share, of})
-    {3, 3, 16},
-    // rank 2 block 37: shares 165..165 ({step, share, of})
-    {3, 4, 16},
-    // rank 2 block 38: shares 166..166 ({step, share, of})
-    {3, 5, 16},
-    // rank 2 block 39: shares 167..167 ({step, share, of})
-    {3, 6, 16},
-    // rank 2 block 40: shares 168..168 ({step, share, of})
-    {3, 7, 16},
-    // rank 2 block 41: shares 169..169 ({step, share, of})
-    {3, 8, 16},
-    // rank 2 block 42: shares 170..170 ({step, share, of})
-    {3, 9, 16},
-    // rank 2 block 43: shares 171..171 ({step, share, of})
-    {3, 10, 16},
-    // rank 2 block 44: shares 172..172 ({step, share, of})
-    {3, 11, 16},
-    // rank 2 block 45: shares 173..173 ({step, share, of})
-    {3, 12, 16},
-    // rank 2 block 46: shares 174..174 ({step, share, of})
-    {3, 13, 16},
-    // rank 2 block 47: shares 175..175 ({step, share, of})
-    {3, 14, 16},
-    // rank 2 block 48: shares 176..176 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 49: shares 177..177 ({step, share, of})
-    {4, 0, 16},
-    // rank 2 block 50: shares 178..178 ({step, share, of})
-    {4, 1, 16},
-    // rank 2 block 51: shares 179..179 ({step, share, of})
-    {4, 2, 16},
-    // rank 2 block 52: shares 180..180 ({step, share, of})
-    {4, 3, 16},
-    // rank 2 block 53: shares 181..181 ({step, share, of})
-    {4, 4, 16},
-    // rank 2 block 54: shares 182..182 ({step, share, of})
-    {4, 5, 16},
-    // rank 2 block 55: shares 183..183 ({step, share, of})
-    {4, 6, 16},
-    // rank 2 block 56: shares 184..184 ({step, share, of})
-    {4, 7, 16},
-    // rank 2 block 57: shares 185..185 ({step, share, of})
-    {4, 8, 16},
-    // rank 2 block 58: shares 186..186 ({step, share, of})
-    {4, 9, 16},
-    // rank 2 block 59: shares 187..187 ({step, share, of})
-    {4, 10, 16},
-    // rank 2 block 60: shares 188..188 ({step, share, of})
-    {4, 11, 16},
-    // rank 2 block 61: shares 189..189 ({step, share, of})
-    {4, 12, 16},
-    // rank 2 block 62: shares 190..190 ({step, share, of})
-    {4, 13, 16},
-    // rank 2 block 63: shares 191..191 ({step, share, of})
-    {4, 14, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64 },
-    { 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128 },
-    { 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192 },
-};
+// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 4: 28 steps, 384 block shares over 64 blocks.
@@ -1901,527 +1410,7 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 2, 0}, {{3, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 7, 14, 21 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {4, 15, 16},
-    // rank 0 block 1: shares 1..2 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 0 block 2: shares 3..4 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 0 block 3: shares 5..6 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 0 block 4: shares 7..8 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 0 block 5: shares 9..10 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 0 block 6: shares 11..12 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 0 block 7: shares 13..14 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 0 block 8: shares 15..16 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 0 block 9: shares 17..18 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 0 block 10: shares 19..20 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 0 block 11: shares 21..22 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 0 block 12: shares 23..24 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 0 block 13: shares 25..26 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 0 block 14: shares 27..28 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 0 block 15: shares 29..30 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 0 block 16: shares 31..32 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 0 block 17: shares 33..34 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 0 block 18: shares 35..36 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 0 block 19: shares 37..38 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 0 block 20: shares 39..40 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 0 block 21: shares 41..42 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 0 block 22: shares 43..44 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 0 block 23: shares 45..46 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 0 block 24: shares 47..48 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 0 block 25: shares 49..50 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 0 block 26: shares 51..52 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 0 block 27: shares 53..54 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 0 block 28: shares 55..56 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 0 block 29: shares 57..58 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 0 block 30: shares 59..60 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 0 block 31: shares 61..62 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 0 block 32: shares 63..64 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 0 block 33: shares 65..65 ({step, share, of})
-    {3, 0, 16},
-    // rank 0 block 34: shares 66..66 ({step, share, of})
-    {3, 1, 16},
-    // rank 0 block 35: shares 67..67 ({step, share, of})
-    {3, 2, 16},
-    // rank 0 block 36: shares 68..68 ({step, share, of})
-    {3, 3, 16},
-    // rank 0 block 37: shares 69..69 ({step, share, of})
-    {3, 4, 16},
-    // rank 0 block 38: shares 70..70 ({step, share, of})
-    {3, 5, 16},
-    // rank 0 block 39: shares 71..71 ({step, share, of})
-    {3, 6, 16},
-    // rank 0 block 40: shares 72..72 ({step, share, of})
-    {3, 7, 16},
-    // rank 0 block 41: shares 73..73 ({step, share, of})
-    {3, 8, 16},
-    // rank 0 block 42: shares 74..74 ({step, share, of})
-    {3, 9, 16},
-    // rank 0 block 43: shares 75..75 ({step, share, of})
-    {3, 10, 16},
-    // rank 0 block 44: shares 76..76 ({step, share, of})
-    {3, 11, 16},
-    // rank 0 block 45: shares 77..77 ({step, share, of})
-    {3, 12, 16},
-    // rank 0 block 46: shares 78..78 ({step, share, of})
-    {3, 13, 16},
-    // rank 0 block 47: shares 79..79 ({step, share, of})
-    {3, 14, 16},
-    // rank 0 block 48: shares 80..80 ({step, share, of})
-    {3, 15, 16},
-    // rank 0 block 49: shares 81..81 ({step, share, of})
-    {4, 0, 16},
-    // rank 0 block 50: shares 82..82 ({step, share, of})
-    {4, 1, 16},
-    // rank 0 block 51: shares 83..83 ({step, share, of})
-    {4, 2, 16},
-    // rank 0 block 52: shares 84..84 ({step, share, of})
-    {4, 3, 16},
-    // rank 0 block 53: shares 85..85 ({step, share, of})
-    {4, 4, 16},
-    // rank 0 block 54: shares 86..86 ({step, share, of})
-    {4, 5, 16},
-    // rank 0 block 55: shares 87..87 ({step, share, of})
-    {4, 6, 16},
-    // rank 0 block 56: shares 88..88 ({step, share, of})
-    {4, 7, 16},
-    // rank 0 block 57: shares 89..89 ({step, share, of})
-    {4, 8, 16},
-    // rank 0 block 58: shares 90..90 ({step, share, of})
-    {4, 9, 16},
-    // rank 0 block 59: shares 91..91 ({step, share, of})
-    {4, 10, 16},
-    // rank 0 block 60: shares 92..92 ({step, share, of})
-    {4, 11, 16},
-    // rank 0 block 61: shares 93..93 ({step, share, of})
-    {4, 12, 16},
-    // rank 0 block 62: shares 94..94 ({step, share, of})
-    {4, 13, 16},
-    // rank 0 block 63: shares 95..95 ({step, share, of})
-    {4, 14, 16},
-    // rank 1 block 0: shares 96..96 ({step, share, of})
-    {4, 15, 16},
-    // rank 1 block 1: shares 97..98 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 1 block 2: shares 99..100 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 1 block 3: shares 101..102 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 1 block 4: shares 103..104 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 1 block 5: shares 105..106 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 1 block 6: shares 107..108 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 1 block 7: shares 109..110 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 1 block 8: shares 111..112 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 1 block 9: shares 113..114 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 1 block 10: shares 115..116 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 1 block 11: shares 117..118 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 1 block 12: shares 119..120 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 1 block 13: shares 121..122 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 1 block 14: shares 123..124 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 1 block 15: shares 125..126 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 1 block 16: shares 127..128 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 1 block 17: shares 129..130 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 1 block 18: shares 131..132 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 1 block 19: shares 133..134 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 1 block 20: shares 135..136 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 1 block 21: shares 137..138 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 1 block 22: shares 139..140 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 1 block 23: shares 141..142 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 1 block 24: shares 143..144 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 1 block 25: shares 145..146 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 1 block 26: shares 147..148 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 1 block 27: shares 149..150 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 1 block 28: shares 151..152 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 1 block 29: shares 153..154 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 1 block 30: shares 155..156 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 1 block 31: shares 157..158 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 1 block 32: shares 159..160 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 1 block 33: shares 161..161 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 34: shares 162..162 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 35: shares 163..163 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 36: shares 164..164 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 37: shares 165..165 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 38: shares 166..166 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 39: shares 167..167 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 40: shares 168..168 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 41: shares 169..169 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 42: shares 170..170 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 43: shares 171..171 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 44: shares 172..172 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 45: shares 173..173 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 46: shares 174..174 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 47: shares 175..175 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 48: shares 176..176 ({step, share, of})
-    {3, 15, 16},
-    // rank 1 block 49: shares 177..177 ({step, share, of})
-    {4, 0, 16},
-    // rank 1 block 50: shares 178..178 ({step, share, of})
-    {4, 1, 16},
-    // rank 1 block 51: shares 179..179 ({step, share, of})
-    {4, 2, 16},
-    // rank 1 block 52: shares 180..180 ({step, share, of})
-    {4, 3, 16},
-    // rank 1 block 53: shares 181..181 ({step, share, of})
-    {4, 4, 16},
-    // rank 1 block 54: shares 182..182 ({step, share, of})
-    {4, 5, 16},
-    // rank 1 block 55: shares 183..183 ({step, share, of})
-    {4, 6, 16},
-    // rank 1 block 56: shares 184..184 ({step, share, of})
-    {4, 7, 16},
-    // rank 1 block 57: shares 185..185 ({step, share, of})
-    {4, 8, 16},
-    // rank 1 block 58: shares 186..186 ({step, share, of})
-    {4, 9, 16},
-    // rank 1 block 59: shares 187..187 ({step, share, of})
-    {4, 10, 16},
-    // rank 1 block 60: shares 188..188 ({step, share, of})
-    {4, 11, 16},
-    // rank 1 block 61: shares 189..189 ({step, share, of})
-    {4, 12, 16},
-    // rank 1 block 62: shares 190..190 ({step, share, of})
-    {4, 13, 16},
-    // rank 1 block 63: shares 191..191 ({step, share, of})
-    {4, 14, 16},
-    // rank 2 block 0: shares 192..192 ({step, share, of})
-    {4, 15, 16},
-    // rank 2 block 1: shares 193..194 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 2 block 2: shares 195..196 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 2 block 3: shares 197..198 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 2 block 4: shares 199..200 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 2 block 5: shares 201..202 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 2 block 6: shares 203..204 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 2 block 7: shares 205..206 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 2 block 8: shares 207..208 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 2 block 9: shares 209..210 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 2 block 10: shares 211..212 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 2 block 11: shares 213..214 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 2 block 12: shares 215..216 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 2 block 13: shares 217..218 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 2 block 14: shares 219..220 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 2 block 15: shares 221..222 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 2 block 16: shares 223..224 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 2 block 17: shares 225..226 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 2 block 18: shares 227..228 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 2 block 19: shares 229..230 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 2 block 20: shares 231..232 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 2 block 21: shares 233..234 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 2 block 22: shares 235..236 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 2 block 23: shares 237..238 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 2 block 24: shares 239..240 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 2 block 25: shares 241..242 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 2 block 26: shares 243..244 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 2 block 27: shares 245..246 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 2 block 28: shares 247..248 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 2 block 29: shares 249..250 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 2 block 30: shares 251..252 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 2 block 31: shares 253..254 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 2 block 32: shares 255..256 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 2 block 33: shares 257..257 ({step, share, of})
-    {3, 0, 16},
-    // rank 2 block 34: shares 258..258 ({step, share, of})
-    {3, 1, 16},
-    // rank 2 block 35: shares 259..259 ({step, share, of})
-    {3, 2, 16},
-    // rank 2 block 36: shares 260..260 ({step, share, of})
-    {3, 3, 16},
-    // rank 2 block 37: shares 261..261 ({step, share, of})
-    {3, 4, 16},
-    // rank 2 block 38: shares 262..262 ({step, share, of})
-    {3, 5, 16},
-    // rank 2 block 39: shares 263..263 ({step, share, of})
-    {3, 6, 16},
-    // rank 2 block 40: shares 264..264 ({step, share, of})
-    {3, 7, 16},
-    // rank 2 block 41: shares 265..265 ({step, share, of})
-    {3, 8, 16},
-    // rank 2 block 42: shares 266..266 ({step, share, of})
-    {3, 9, 16},
-    // rank 2 block 43: shares 267..267 ({step, share, of})
-    {3, 10, 16},
-    // rank 2 block 44: shares 268..268 ({step, share, of})
-    {3, 11, 16},
-    // rank 2 block 45: shares 269..269 ({step, share, of})
-    {3, 12, 16},
-    // rank 2 block 46: shares 270..270 ({step, share, of})
-    {3, 13, 16},
-    // rank 2 block 47: shares 271..271 ({step, share, of})
-    {3, 14, 16},
-    // rank 2 block 48: shares 272..272 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 49: shares 273..273 ({step, share, of})
-    {4, 0, 16},
-    // rank 2 block 50: shares 274..274 ({step, share, of})
-    {4, 1, 16},
-    // rank 2 block 51: shares 275..275 ({step, share, of})
-    {4, 2, 16},
-    // rank 2 block 52: shares 276..276 ({step, share, of})
-    {4, 3, 16},
-    // rank 2 block 53: shares 277..277 ({step, share, of})
-    {4, 4, 16},
-    // rank 2 block 54: shares 278..278 ({step, share, of})
-    {4, 5, 16},
-    // rank 2 block 55: shares 279..279 ({step, share, of})
-    {4, 6, 16},
-    // rank 2 block 56: shares 280..280 ({step, share, of})
-    {4, 7, 16},
-    // rank 2 block 57: shares 281..281 ({step, share, of})
-    {4, 8, 16},
-    // rank 2 block 58: shares 282..282 ({step, share, of})
-    {4, 9, 16},
-    // rank 2 block 59: shares 283..283 ({step, share, of})
-    {4, 10, 16},
-    // rank 2 block 60: shares 284..284 ({step, share, of})
-    {4, 11, 16},
-    // rank 2 block 61: shares 285..285 ({step, share, of})
-    {4, 12, 16},
-    // rank 2 block 62: shares 286..286 ({step, share, of})
-    {4, 13, 16},
-    // rank 2 block 63: shares 287..287 ({step, share, of})
-    {4, 14, 16},
-    // rank 3 block 0: shares 288..288 ({step, share, of})
-    {4, 15, 16},
-    // rank 3 block 1: shares 289..290 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 3 block 2: shares 291..292 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 3 block 3: shares 293..294 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 3 block 4: shares 295..296 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 3 block 5: shares 297..298 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 3 block 6: shares 299..300 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 3 block 7: shares 301..302 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 3 block 8: shares 303..304 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 3 block 9: shares 305..306 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 3 block 10: shares 307..308 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 3 block 11: shares 309..310 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 3 block 12: shares 311..312 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 3 block 13: shares 313..314 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 3 block 14: shares 315..316 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 3 block 15: shares 317..318 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 3 block 16: shares 319..320 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 3 block 17: shares 321..322 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 3 block 18: shares 323..324 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 3 block 19: shares 325..326 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 3 block 20: shares 327..328 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 3 block 21: shares 329..330 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 3 block 22: shares 331..332 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 3 block 23: shares 333..334 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 3 block 24: shares 335..336 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 3 block 25: shares 337..338 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 3 block 26: shares 339..340 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 3 block 27: shares 341..342 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 3 block 28: shares 343..344 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 3 block 29: shares 345..346 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 3 block 30: shares 347..348 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 3 block 31: shares 349..350 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 3 block 32: shares 351..352 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 3 block 33: shares 353..353 ({step, share, of})
-    {3, 0, 16},
-    // rank 3 block 34: shares 354..354 ({step, share, of})
-    {3, 1, 16},
-    // rank 3 block 35: shares 355..355 ({step, share, of})
-    {3, 2, 16},
-    // rank 3 block 36: shares 356..356 ({step, share, of})
-    {3, 3, 16},
-    // rank 3 block 37: shares 357..357 ({step, share, of})
-    {3, 4, 16},
-    // rank 3 block 38: shares 358..358 ({step, share, of})
-    {3, 5, 16},
-    // rank 3 block 39: shares 359..359 ({step, share, of})
-    {3, 6, 16},
-    // rank 3 block 40: shares 360..360 ({step, share, of})
-    {3, 7, 16},
-    // rank 3 block 41: shares 361..361 ({step, share, of})
-    {3, 8, 16},
-    // rank 3 block 42: shares 362..362 ({step, share, of})
-    {3, 9, 16},
-    // rank 3 block 43: shares 363..363 ({step, share, of})
-    {3, 10, 16},
-    // rank 3 block 44: shares 364..364 ({step, share, of})
-    {3, 11, 16},
-    // rank 3 block 45: shares 365..365 ({step, share, of})
-    {3, 12, 16},
-    // rank 3 block 46: shares 366..366 ({step, share, of})
-    {3, 13, 16},
-    // rank 3 block 47: shares 367..367 ({step, share, of})
-    {3, 14, 16},
-    // rank 3 block 48: shares 368..368 ({step, share, of})
-    {3, 15, 16},
-    // rank 3 block 49: shares 369..369 ({step, share, of})
-    {4, 0, 16},
-    // rank 3 block 50: shares 370..370 ({step, share, of})
-    {4, 1, 16},
-    // rank 3 block 51: shares 371..371 ({step, share, of})
-    {4, 2, 16},
-    // rank 3 block 52: shares 372..372 ({step, share, of})
-    {4, 3, 16},
-    // rank 3 block 53: shares 373..373 ({step, share, of})
-    {4, 4, 16},
-    // rank 3 block 54: shares 374..374 ({step, share, of})
-    {4, 5, 16},
-    // rank 3 block 55: shares 375..375 ({step, share, of})
-    {4, 6, 16},
-    // rank 3 block 56: shares 376..376 ({step, share, of})
-    {4, 7, 16},
-    // rank 3 block 57: shares 377..377 ({step, share, of})
-    {4, 8, 16},
-    // rank 3 block 58: shares 378..378 ({step, share, of})
-    {4, 9, 16},
-    // rank 3 block 59: shares 379..379 ({step, share, of})
-    {4, 10, 16},
-    // rank 3 block 60: shares 380..380 ({step, share, of})
-    {4, 11, 16},
-    // rank 3 block 61: shares 381..381 ({step, share, of})
-    {4, 12, 16},
-    // rank 3 block 62: shares 382..382 ({step, share, of})
-    {4, 13, 16},
-    // rank 3 block 63: shares 383..383 ({step, share, of})
-    {4, 14, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96 },
-    { 96, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192 },
-    { 192, 193, 195, 197, 199, 201, 203, 205, 207, 209, 211, 213, 215, 217, 219, 221, 223, 225, 227, 229, 231, 233, 235, 237, 239, 241, 243, 245, 247, 249, 251, 253, 255, 257, 258, 259, 260, 261, 262, 263, 264, 265, 266, 267, 268, 269, 270, 271, 272, 273, 274, 275, 276, 277, 278, 279, 280, 281, 282, 283, 284, 285, 286, 287, 288 },
-    { 288, 289, 291, 293, 295, 297, 299, 301, 303, 305, 307, 309, 311, 313, 315, 317, 319, 321, 323, 325, 327, 329, 331, 333, 335, 337, 339, 341, 343, 345, 347, 349, 351, 353, 354, 355, 356, 357, 358, 359, 360, 361, 362, 363, 364, 365, 366, 367, 368, 369, 370, 371, 372, 373, 374, 375, 376, 377, 378, 379, 380, 381, 382, 383, 384 },
-};
+// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 8: 120 steps, 1792 block shares over 64 blocks.
@@ -2670,1032 +1659,148 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 6, 0}, {{7, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 15, 30, 45, 60, 75, 90, 105 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..2 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 0 block 1: shares 3..6 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 0 block 2: shares 7..10 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 0 block 3: shares 11..14 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 0 block 4: shares 15..18 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 0 block 5: shares 19..22 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 0 block 6: shares 23..26 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 0 block 7: shares 27..30 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 0 block 8: shares 31..34 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 0 block 9: shares 35..38 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 0 block 10: shares 39..42 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 0 block 11: shares 43..46 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 0 block 12: shares 47..50 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 0 block 13: shares 51..54 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 0 block 14: shares 55..58 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 0 block 15: shares 59..62 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 0 block 16: shares 63..66 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 0 block 17: shares 67..70 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 0 block 18: shares 71..74 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 0 block 19: shares 75..78 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 0 block 20: shares 79..82 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 0 block 21: shares 83..86 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 0 block 22: shares 87..90 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 0 block 23: shares 91..94 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 0 block 24: shares 95..98 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 0 block 25: shares 99..102 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 0 block 26: shares 103..106 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 0 block 27: shares 107..110 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 0 block 28: shares 111..114 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 0 block 29: shares 115..118 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 0 block 30: shares 119..122 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 0 block 31: shares 123..126 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 0 block 32: shares 127..130 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 0 block 33: shares 131..133 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 0 block 34: shares 134..136 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 0 block 35: shares 137..139 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 0 block 36: shares 140..142 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 0 block 37: shares 143..145 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 0 block 38: shares 146..148 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 0 block 39: shares 149..151 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 0 block 40: shares 152..154 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 0 block 41: shares 155..157 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 0 block 42: shares 158..160 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 0 block 43: shares 161..163 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 0 block 44: shares 164..166 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 0 block 45: shares 167..169 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 0 block 46: shares 170..172 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 0 block 47: shares 173..175 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 0 block 48: shares 176..178 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 0 block 49: shares 179..181 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 0 block 50: shares 182..184 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 0 block 51: shares 185..187 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 0 block 52: shares 188..190 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 0 block 53: shares 191..193 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 0 block 54: shares 194..196 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 0 block 55: shares 197..199 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 0 block 56: shares 200..202 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 0 block 57: shares 203..205 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 0 block 58: shares 206..208 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 0 block 59: shares 209..211 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 0 block 60: shares 212..214 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 0 block 61: shares 215..217 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 0 block 62: shares 218..220 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 0 block 63: shares 221..223 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
-    // rank 1 block 0: shares 224..226 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 1 block 1: shares 227..230 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 1 block 2: shares 231..234 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 1 block 3: shares 235..238 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 1 block 4: shares 239..242 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 1 block 5: shares 243..246 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 1 block 6: shares 247..250 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 1 block 7: shares 251..254 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 1 block 8: shares 255..258 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 1 block 9: shares 259..262 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 1 block 10: shares 263..266 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 1 block 11: shares 267..270 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 1 block 12: shares 271..274 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 1 block 13: shares 275..278 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 1 block 14: shares 279..282 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 1 block 15: shares 283..286 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 1 block 16: shares 287..290 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 1 block 17: shares 291..294 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 1 block 18: shares 295..298 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 1 block 19: shares 299..302 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 1 block 20: shares 303..306 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 1 block 21: shares 307..310 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 1 block 22: shares 311..314 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 1 block 23: shares 315..318 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 1 block 24: shares 319..322 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 1 block 25: shares 323..326 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 1 block 26: shares 327..330 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 1 block 27: shares 331..334 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 1 block 28: shares 335..338 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 1 block 29: shares 339..342 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 1 block 30: shares 343..346 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 1 block 31: shares 347..350 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 1 block 32: shares 351..354 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 1 block 33: shares 355..357 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 1 block 34: shares 358..360 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 1 block 35: shares 361..363 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 1 block 36: shares 364..366 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 1 block 37: shares 367..369 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 1 block 38: shares 370..372 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 1 block 39: shares 373..375 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 1 block 40: shares 376..378 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 1 block 41: shares 379..381 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 1 block 42: shares 382..384 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 1 block 43: shares 385..387 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 1 block 44: shares 388..390 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 1 block 45: shares 391..393 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 1 block 46: shares 394..396 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 1 block 47: shares 397..399 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 1 block 48: shares 400..402 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 1 block 49: shares 403..405 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 1 block 50: shares 406..408 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 1 block 51: shares 409..411 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 1 block 52: shares 412..414 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 1 block 53: shares 415..417 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 1 block 54: shares 418..420 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 1 block 55: shares 421..423 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 1 block 56: shares 424..426 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 1 block 57: shares 427..429 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 1 block 58: shares 430..432 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 1 block 59: shares 433..435 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 1 block 60: shares 436..438 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 1 block 61: shares 439..441 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 1 block 62: shares 442..444 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 1 block 63: shares 445..447 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
-    // rank 2 block 0: shares 448..450 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 2 block 1: shares 451..454 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 2 block 2: shares 455..458 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 2 block 3: shares 459..462 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 2 block 4: shares 463..466 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 2 block 5: shares 467..470 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 2 block 6: shares 471..474 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 2 block 7: shares 475..478 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 2 block 8: shares 479..482 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 2 block 9: shares 483..486 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 2 block 10: shares 487..490 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 2 block 11: shares 491..494 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 2 block 12: shares 495..498 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 2 block 13: shares 499..502 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 2 block 14: shares 503..506 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 2 block 15: shares 507..510 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 2 block 16: shares 511..514 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 2 block 17: shares 515..518 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 2 block 18: shares 519..522 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 2 block 19: shares 523..526 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 2 block 20: shares 527..530 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 2 block 21: shares 531..534 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 2 block 22: shares 535..538 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 2 block 23: shares 539..542 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 2 block 24: shares 543..546 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 2 block 25: shares 547..550 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 2 block 26: shares 551..554 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 2 block 27: shares 555..558 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 2 block 28: shares 559..562 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 2 block 29: shares 563..566 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 2 block 30: shares 567..570 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 2 block 31: shares 571..574 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 2 block 32: shares 575..578 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 2 block 33: shares 579..581 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 2 block 34: shares 582..584 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 2 block 35: shares 585..587 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 2 block 36: shares 588..590 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 2 block 37: shares 591..593 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 2 block 38: shares 594..596 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 2 block 39: shares 597..599 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 2 block 40: shares 600..602 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 2 block 41: shares 603..605 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 2 block 42: shares 606..608 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 2 block 43: shares 609..611 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 2 block 44: shares 612..614 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 2 block 45: shares 615..617 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 2 block 46: shares 618..620 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 2 block 47: shares 621..623 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 2 block 48: shares 624..626 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 2 block 49: shares 627..629 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 2 block 50: shares 630..632 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 2 block 51: shares 633..635 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 2 block 52: shares 636..638 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 2 block 53: shares 639..641 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 2 block 54: shares 642..644 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 2 block 55: shares 645..647 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 2 block 56: shares 648..650 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 2 block 57: shares 651..653 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 2 block 58: shares 654..656 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 2 block 59: shares 657..659 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 2 block 60: shares 660..662 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 2 block 61: shares 663..665 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 2 block 62: shares 666..668 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 2 block 63: shares 669..671 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
-    // rank 3 block 0: shares 672..674 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 3 block 1: shares 675..678 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 3 block 2: shares 679..682 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 3 block 3: shares 683..686 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 3 block 4: shares 687..690 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 3 block 5: shares 691..694 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 3 block 6: shares 695..698 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 3 block 7: shares 699..702 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 3 block 8: shares 703..706 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 3 block 9: shares 707..710 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 3 block 10: shares 711..714 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 3 block 11: shares 715..718 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 3 block 12: shares 719..722 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 3 block 13: shares 723..726 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 3 block 14: shares 727..730 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 3 block 15: shares 731..734 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 3 block 16: shares 735..738 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 3 block 17: shares 739..742 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 3 block 18: shares 743..746 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 3 block 19: shares 747..750 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 3 block 20: shares 751..754 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 3 block 21: shares 755..758 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 3 block 22: shares 759..762 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 3 block 23: shares 763..766 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 3 block 24: shares 767..770 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 3 block 25: shares 771..774 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 3 block 26: shares 775..778 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 3 block 27: shares 779..782 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 3 block 28: shares 783..786 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 3 block 29: shares 787..790 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 3 block 30: shares 791..794 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 3 block 31: shares 795..798 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 3 block 32: shares 799..802 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 3 block 33: shares 803..805 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 3 block 34: shares 806..808 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 3 block 35: shares 809..811 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 3 block 36: shares 812..814 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 3 block 37: shares 815..817 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 3 block 38: shares 818..820 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 3 block 39: shares 821..823 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 3 block 40: shares 824..826 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 3 block 41: shares 827..829 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 3 block 42: shares 830..832 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 3 block 43: shares 833..835 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 3 block 44: shares 836..838 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 3 block 45: shares 839..841 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 3 block 46: shares 842..844 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 3 block 47: shares 845..847 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 3 block 48: shares 848..850 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 3 block 49: shares 851..853 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 3 block 50: shares 854..856 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 3 block 51: shares 857..859 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 3 block 52: shares 860..862 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 3 block 53: shares 863..865 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 3 block 54: shares 866..868 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 3 block 55: shares 869..871 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 3 block 56: shares 872..874 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 3 block 57: shares 875..877 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 3 block 58: shares 878..880 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 3 block 59: shares 881..883 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 3 block 60: shares 884..886 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 3 block 61: shares 887..889 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 3 block 62: shares 890..892 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 3 block 63: shares 893..895 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
-    // rank 4 block 0: shares 896..898 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 4 block 1: shares 899..902 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 4 block 2: shares 903..906 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 4 block 3: shares 907..910 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 4 block 4: shares 911..914 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 4 block 5: shares 915..918 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 4 block 6: shares 919..922 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 4 block 7: shares 923..926 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 4 block 8: shares 927..930 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 4 block 9: shares 931..934 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 4 block 10: shares 935..938 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 4 block 11: shares 939..942 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 4 block 12: shares 943..946 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 4 block 13: shares 947..950 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 4 block 14: shares 951..954 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 4 block 15: shares 955..958 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 4 block 16: shares 959..962 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 4 block 17: shares 963..966 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 4 block 18: shares 967..970 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 4 block 19: shares 971..974 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 4 block 20: shares 975..978 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 4 block 21: shares 979..982 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 4 block 22: shares 983..986 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 4 block 23: shares 987..990 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 4 block 24: shares 991..994 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 4 block 25: shares 995..998 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 4 block 26: shares 999..1002 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 4 block 27: shares 1003..1006 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 4 block 28: shares 1007..1010 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 4 block 29: shares 1011..1014 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 4 block 30: shares 1015..1018 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 4 block 31: shares 1019..1022 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 4 block 32: shares 1023..1026 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 4 block 33: shares 1027..1029 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 4 block 34: shares 1030..1032 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 4 block 35: shares 1033..1035 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 4 block 36: shares 1036..1038 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 4 block 37: shares 1039..1041 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 4 block 38: shares 1042..1044 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 4 block 39: shares 1045..1047 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 4 block 40: shares 1048..1050 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 4 block 41: shares 1051..1053 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 4 block 42: shares 1054..1056 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 4 block 43: shares 1057..1059 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 4 block 44: shares 1060..1062 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 4 block 45: shares 1063..1065 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 4 block 46: shares 1066..1068 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 4 block 47: shares 1069..1071 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 4 block 48: shares 1072..1074 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 4 block 49: shares 1075..1077 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 4 block 50: shares 1078..1080 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 4 block 51: shares 1081..1083 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 4 block 52: shares 1084..1086 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 4 block 53: shares 1087..1089 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 4 block 54: shares 1090..1092 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 4 block 55: shares 1093..1095 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 4 block 56: shares 1096..1098 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 4 block 57: shares 1099..1101 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 4 block 58: shares 1102..1104 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 4 block 59: shares 1105..1107 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 4 block 60: shares 1108..1110 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 4 block 61: shares 1111..1113 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 4 block 62: shares 1114..1116 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 4 block 63: shares 1117..1119 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
-    // rank 5 block 0: shares 1120..1122 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 5 block 1: shares 1123..1126 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 5 block 2: shares 1127..1130 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 5 block 3: shares 1131..1134 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 5 block 4: shares 1135..1138 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 5 block 5: shares 1139..1142 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 5 block 6: shares 1143..1146 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 5 block 7: shares 1147..1150 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 5 block 8: shares 1151..1154 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 5 block 9: shares 1155..1158 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 5 block 10: shares 1159..1162 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 5 block 11: shares 1163..1166 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 5 block 12: shares 1167..1170 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 5 block 13: shares 1171..1174 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 5 block 14: shares 1175..1178 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 5 block 15: shares 1179..1182 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 5 block 16: shares 1183..1186 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 5 block 17: shares 1187..1190 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 5 block 18: shares 1191..1194 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 5 block 19: shares 1195..1198 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 5 block 20: shares 1199..1202 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 5 block 21: shares 1203..1206 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 5 block 22: shares 1207..1210 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 5 block 23: shares 1211..1214 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 5 block 24: shares 1215..1218 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 5 block 25: shares 1219..1222 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 5 block 26: shares 1223..1226 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 5 block 27: shares 1227..1230 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 5 block 28: shares 1231..1234 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 5 block 29: shares 1235..1238 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 5 block 30: shares 1239..1242 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 5 block 31: shares 1243..1246 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 5 block 32: shares 1247..1250 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 5 block 33: shares 1251..1253 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 5 block 34: shares 1254..1256 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 5 block 35: shares 1257..1259 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 5 block 36: shares 1260..1262 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 5 block 37: shares 1263..1265 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 5 block 38: shares 1266..1268 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 5 block 39: shares 1269..1271 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 5 block 40: shares 1272..1274 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 5 block 41: shares 1275..1277 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 5 block 42: shares 1278..1280 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 5 block 43: shares 1281..1283 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 5 block 44: shares 1284..1286 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 5 block 45: shares 1287..1289 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 5 block 46: shares 1290..1292 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 5 block 47: shares 1293..1295 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 5 block 48: shares 1296..1298 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 5 block 49: shares 1299..1301 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 5 block 50: shares 1302..1304 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 5 block 51: shares 1305..1307 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 5 block 52: shares 1308..1310 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 5 block 53: shares 1311..1313 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 5 block 54: shares 1314..1316 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 5 block 55: shares 1317..1319 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 5 block 56: shares 1320..1322 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 5 block 57: shares 1323..1325 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 5 block 58: shares 1326..1328 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 5 block 59: shares 1329..1331 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 5 block 60: shares 1332..1334 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 5 block 61: shares 1335..1337 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 5 block 62: shares 1338..1340 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 5 block 63: shares 1341..1343 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
-    // rank 6 block 0: shares 1344..1346 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 6 block 1: shares 1347..1350 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 6 block 2: shares 1351..1354 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 6 block 3: shares 1355..1358 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 6 block 4: shares 1359..1362 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 6 block 5: shares 1363..1366 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 6 block 6: shares 1367..1370 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 6 block 7: shares 1371..1374 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 6 block 8: shares 1375..1378 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 6 block 9: shares 1379..1382 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 6 block 10: shares 1383..1386 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 6 block 11: shares 1387..1390 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 6 block 12: shares 1391..1394 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 6 block 13: shares 1395..1398 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 6 block 14: shares 1399..1402 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 6 block 15: shares 1403..1406 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 6 block 16: shares 1407..1410 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 6 block 17: shares 1411..1414 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 6 block 18: shares 1415..1418 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 6 block 19: shares 1419..1422 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 6 block 20: shares 1423..1426 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 6 block 21: shares 1427..1430 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 6 block 22: shares 1431..1434 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 6 block 23: shares 1435..1438 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 6 block 24: shares 1439..1442 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 6 block 25: shares 1443..1446 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 6 block 26: shares 1447..1450 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 6 block 27: shares 1451..1454 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 6 block 28: shares 1455..1458 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 6 block 29: shares 1459..1462 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 6 block 30: shares 1463..1466 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 6 block 31: shares 1467..1470 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 6 block 32: shares 1471..1474 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 6 block 33: shares 1475..1477 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 6 block 34: shares 1478..1480 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 6 block 35: shares 1481..1483 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 6 block 36: shares 1484..1486 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 6 block 37: shares 1487..1489 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 6 block 38: shares 1490..1492 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 6 block 39: shares 1493..1495 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 6 block 40: shares 1496..1498 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 6 block 41: shares 1499..1501 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 6 block 42: shares 1502..1504 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 6 block 43: shares 1505..1507 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 6 block 44: shares 1508..1510 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 6 block 45: shares 1511..1513 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 6 block 46: shares 1514..1516 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 6 block 47: shares 1517..1519 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 6 block 48: shares 1520..1522 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 6 block 49: shares 1523..1525 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 6 block 50: shares 1526..1528 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 6 block 51: shares 1529..1531 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 6 block 52: shares 1532..1534 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 6 block 53: shares 1535..1537 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 6 block 54: shares 1538..1540 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 6 block 55: shares 1541..1543 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 6 block 56: shares 1544..1546 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 6 block 57: shares 1547..1549 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 6 block 58: shares 1550..1552 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 6 block 59: shares 1553..1555 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 6 block 60: shares 1556..1558 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 6 block 61: shares 1559..1561 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 6 block 62: shares 1562..1564 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 6 block 63: shares 1565..1567 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
-    // rank 7 block 0: shares 1568..1570 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
-    // rank 7 block 1: shares 1571..1574 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
-    // rank 7 block 2: shares 1575..1578 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
-    // rank 7 block 3: shares 1579..1582 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
-    // rank 7 block 4: shares 1583..1586 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
-    // rank 7 block 5: shares 1587..1590 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
-    // rank 7 block 6: shares 1591..1594 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
-    // rank 7 block 7: shares 1595..1598 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
-    // rank 7 block 8: shares 1599..1602 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
-    // rank 7 block 9: shares 1603..1606 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
-    // rank 7 block 10: shares 1607..1610 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
-    // rank 7 block 11: shares 1611..1614 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
-    // rank 7 block 12: shares 1615..1618 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
-    // rank 7 block 13: shares 1619..1622 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
-    // rank 7 block 14: shares 1623..1626 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
-    // rank 7 block 15: shares 1627..1630 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
-    // rank 7 block 16: shares 1631..1634 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
-    // rank 7 block 17: shares 1635..1638 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
-    // rank 7 block 18: shares 1639..1642 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
-    // rank 7 block 19: shares 1643..1646 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
-    // rank 7 block 20: shares 1647..1650 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
-    // rank 7 block 21: shares 1651..1654 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
-    // rank 7 block 22: shares 1655..1658 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
-    // rank 7 block 23: shares 1659..1662 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
-    // rank 7 block 24: shares 1663..1666 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
-    // rank 7 block 25: shares 1667..1670 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
-    // rank 7 block 26: shares 1671..1674 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
-    // rank 7 block 27: shares 1675..1678 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
-    // rank 7 block 28: shares 1679..1682 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
-    // rank 7 block 29: shares 1683..1686 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
-    // rank 7 block 30: shares 1687..1690 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
-    // rank 7 block 31: shares 1691..1694 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
-    // rank 7 block 32: shares 1695..1698 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
-    // rank 7 block 33: shares 1699..1701 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
-    // rank 7 block 34: shares 1702..1704 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
-    // rank 7 block 35: shares 1705..1707 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
-    // rank 7 block 36: shares 1708..1710 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
-    // rank 7 block 37: shares 1711..1713 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
-    // rank 7 block 38: shares 1714..1716 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
-    // rank 7 block 39: shares 1717..1719 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
-    // rank 7 block 40: shares 1720..1722 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
-    // rank 7 block 41: shares 1723..1725 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
-    // rank 7 block 42: shares 1726..1728 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
-    // rank 7 block 43: shares 1729..1731 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
-    // rank 7 block 44: shares 1732..1734 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
-    // rank 7 block 45: shares 1735..1737 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
-    // rank 7 block 46: shares 1738..1740 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
-    // rank 7 block 47: shares 1741..1743 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
-    // rank 7 block 48: shares 1744..1746 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
-    // rank 7 block 49: shares 1747..1749 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
-    // rank 7 block 50: shares 1750..1752 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
-    // rank 7 block 51: shares 1753..1755 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
-    // rank 7 block 52: shares 1756..1758 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
-    // rank 7 block 53: shares 1759..1761 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
-    // rank 7 block 54: shares 1762..1764 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
-    // rank 7 block 55: shares 1765..1767 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
-    // rank 7 block 56: shares 1768..1770 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
-    // rank 7 block 57: shares 1771..1773 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
-    // rank 7 block 58: shares 1774..1776 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
-    // rank 7 block 59: shares 1777..1779 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
-    // rank 7 block 60: shares 1780..1782 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
-    // rank 7 block 61: shares 1783..1785 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
-    // rank 7 block 62: shares 1786..1788 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
-    // rank 7 block 63: shares 1789..1791 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..223
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    // rank 1: shares 224..447
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    // rank 2: shares 448..671
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    // rank 3: shares 672..895
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    // rank 4: shares 896..1119
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    // rank 5: shares 1120..1343
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    // rank 6: shares 1344..1567
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    // rank 7: shares 1568..1791
+    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
+    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
+    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
+    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
+    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
+    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
+    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
+    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
+    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
+    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
+    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
+    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
+    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
+    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
+    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
+    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
 };
+static __device__ const tsgen_share_table<1792> shares_w8 =
+    tsgen_expand_shares<1792>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
     { 0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63, 67, 71, 75, 79, 83, 87, 91, 95, 99, 103, 107, 111, 115, 119, 123, 127, 131, 134, 137, 140, 143, 146, 149, 152, 155, 158, 161, 164, 167, 170, 173, 176, 179, 182, 185, 188, 191, 194, 197, 200, 203, 206, 209, 212, 215, 218, 221, 224 },
@@ -3708,11 +1813,8 @@ static __device__ const uint16_t first_w8[8][65] = {
     { 1568, 1571, 1575, 1579, 1583, 1587, 1591, 1595, 1599, 1603, 1607, 1611, 1615, 1619, 1623, 1627, 1631, 1635, 1639, 1643, 1647, 1651, 1655, 1659, 1663, 1667, 1671, 1675, 1679, 1683, 1687, 1691, 1695, 1699, 1702, 1705, 1708, 1711, 1714, 1717, 1720, 1723, 1726, 1729, 1732, 1735, 1738, 1741, 1744, 1747, 1750, 1753, 1756, 1759, 1762, 1765, 1768, 1771, 1774, 1777, 1780, 1783, 1786, 1789, 1792 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3764,8 +1866,6 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3872,8 +1972,6 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -4023,7 +2121,7 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -4045,15 +2143,6 @@ template <> struct plan<8> {
   }
 };
 
-
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)sent };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
 
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
@@ -4088,23 +2177,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w2(char*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) {
-  all_to_all_inplace_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, sent);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_to_all_inplace::run<3>(peers, rank, epoch, count, dst, inbox, entry, arrive, sent);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) {
-  all_to_all_inplace_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, sent);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -4114,12 +2191,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w4(char*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) {
-  all_to_all_inplace_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, sent);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) all_to_all_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -4127,9 +2198,17 @@ extern "C" __global__ void __launch_bounds__(512) all_to_all_inplace_w8(char* co
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) {
-  all_to_all_inplace_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, sent);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through all_to_all_inplace::launch.
+namespace all_to_all_inplace {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, sent);
   return cudaGetLastError();
 }
+}  // namespace all_to_all_inplace
 
+extern "C" cudaError_t all_to_all_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w2, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }
+extern "C" cudaError_t all_to_all_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w3, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }
+extern "C" cudaError_t all_to_all_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w4, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }
+extern "C" cudaError_t all_to_all_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w8, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }

@@ -920,6 +920,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1300,23 +1322,11 @@ extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w2(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_v_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  all_to_all_v_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, counts, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   all_to_all_v::run<3>(peers, rank, epoch, count, counts, src, dst, entry, arrive);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_v_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  all_to_all_v_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, counts, src, dst, entry, arrive);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -1326,12 +1336,6 @@ extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w4(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_v_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  all_to_all_v_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, counts, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -1339,9 +1343,17 @@ extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w8(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t all_to_all_v_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  all_to_all_v_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, counts, src, dst, entry, arrive);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through all_to_all_v::launch.
+namespace all_to_all_v {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, counts, src, dst, entry, arrive);
   return cudaGetLastError();
 }
+}  // namespace all_to_all_v
 
+extern "C" cudaError_t all_to_all_v_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w2, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t all_to_all_v_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w3, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t all_to_all_v_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w4, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t all_to_all_v_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w8, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }

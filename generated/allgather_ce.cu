@@ -2,7 +2,7 @@
 // spec sha256 f71c21c5bdf4875116dd1449d4bc7061ea197b8218e1fdcc22e90f4bb0def039
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)
+// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push: each rank writes its input into every peer)
 // kernels: allgather_ce_w2, allgather_ce_w3, allgather_ce_w4, allgather_ce_w8 (one per world size; grid 32 x 512 threads)
 // count unit: elements
 //
@@ -918,6 +918,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1410,6 +1432,24 @@ typedef __nv_bfloat16 T;
 //   4: arrive
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+// One call = the plan's steps spread over streams (the schedule's blocks):
+// copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
+// signals of the step before it on its stream and waits for the step after it.
+template <int WORLD>
+static __device__ __forceinline__ void sync(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, int sig, int wait) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  tsgen_ce_sync(plan<WORLD>::steps(rank), sig, wait, rank, epoch, bufs, peers, buffer_names);
+}
+
+template <int WORLD>
+static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, int step) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  tsgen_ce_reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 8 steps, 8 block shares over 4 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1433,24 +1473,16 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
-    {1, 0, 1},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
-    {2, 0, 1},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 0: shares 4..4 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 5..5 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 2: shares 6..6 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 3: shares 7..7 ({step, share, of})
-    {3, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w2[] = {
+    // rank 0: shares 0..3
+    {0, 0, 1, 4, 1, 0},
+    // rank 1: shares 4..7
+    {0, 0, 1, 4, 1, 0},
 };
+static __device__ const tsgen_share_table<8> shares_w2 =
+    tsgen_expand_shares<8>(share_runs_w2);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][5] = {
     { 0, 1, 2, 3, 4 },
@@ -1494,38 +1526,18 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
-    {1, 0, 1},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
-    {2, 0, 1},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
-    {3, 0, 1},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
-    {4, 0, 1},
-    // rank 1 block 0: shares 5..5 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 6..6 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 2: shares 7..7 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 3: shares 8..8 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 4: shares 9..9 ({step, share, of})
-    {4, 0, 1},
-    // rank 2 block 0: shares 10..10 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 11..11 ({step, share, of})
-    {1, 0, 1},
-    // rank 2 block 2: shares 12..12 ({step, share, of})
-    {2, 0, 1},
-    // rank 2 block 3: shares 13..13 ({step, share, of})
-    {3, 0, 1},
-    // rank 2 block 4: shares 14..14 ({step, share, of})
-    {4, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w3[] = {
+    // rank 0: shares 0..4
+    {0, 0, 1, 5, 1, 0},
+    // rank 1: shares 5..9
+    {0, 0, 1, 5, 1, 0},
+    // rank 2: shares 10..14
+    {0, 0, 1, 5, 1, 0},
 };
+static __device__ const tsgen_share_table<15> shares_w3 =
+    tsgen_expand_shares<15>(share_runs_w3);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][6] = {
     { 0, 1, 2, 3, 4, 5 },
@@ -1588,56 +1600,20 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
-    {1, 0, 1},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
-    {2, 0, 1},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
-    {3, 0, 1},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
-    {4, 0, 1},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
-    {5, 0, 1},
-    // rank 1 block 0: shares 6..6 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 7..7 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 2: shares 8..8 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 3: shares 9..9 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 4: shares 10..10 ({step, share, of})
-    {4, 0, 1},
-    // rank 1 block 5: shares 11..11 ({step, share, of})
-    {5, 0, 1},
-    // rank 2 block 0: shares 12..12 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 13..13 ({step, share, of})
-    {1, 0, 1},
-    // rank 2 block 2: shares 14..14 ({step, share, of})
-    {2, 0, 1},
-    // rank 2 block 3: shares 15..15 ({step, share, of})
-    {3, 0, 1},
-    // rank 2 block 4: shares 16..16 ({step, share, of})
-    {4, 0, 1},
-    // rank 2 block 5: shares 17..17 ({step, share, of})
-    {5, 0, 1},
-    // rank 3 block 0: shares 18..18 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 19..19 ({step, share, of})
-    {1, 0, 1},
-    // rank 3 block 2: shares 20..20 ({step, share, of})
-    {2, 0, 1},
-    // rank 3 block 3: shares 21..21 ({step, share, of})
-    {3, 0, 1},
-    // rank 3 block 4: shares 22..22 ({step, share, of})
-    {4, 0, 1},
-    // rank 3 block 5: shares 23..23 ({step, share, of})
-    {5, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w4[] = {
+    // rank 0: shares 0..5
+    {0, 0, 1, 6, 1, 0},
+    // rank 1: shares 6..11
+    {0, 0, 1, 6, 1, 0},
+    // rank 2: shares 12..17
+    {0, 0, 1, 6, 1, 0},
+    // rank 3: shares 18..23
+    {0, 0, 1, 6, 1, 0},
 };
+static __device__ const tsgen_share_table<24> shares_w4 =
+    tsgen_expand_shares<24>(share_runs_w4);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][7] = {
     { 0, 1, 2, 3, 4, 5, 6 },
@@ -1813,168 +1789,28 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
-    {1, 0, 1},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
-    {2, 0, 1},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
-    {3, 0, 1},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
-    {4, 0, 1},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
-    {5, 0, 1},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
-    {6, 0, 1},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
-    {7, 0, 1},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
-    {8, 0, 1},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
-    {9, 0, 1},
-    // rank 1 block 0: shares 10..10 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 11..11 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 2: shares 12..12 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 3: shares 13..13 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 4: shares 14..14 ({step, share, of})
-    {4, 0, 1},
-    // rank 1 block 5: shares 15..15 ({step, share, of})
-    {5, 0, 1},
-    // rank 1 block 6: shares 16..16 ({step, share, of})
-    {6, 0, 1},
-    // rank 1 block 7: shares 17..17 ({step, share, of})
-    {7, 0, 1},
-    // rank 1 block 8: shares 18..18 ({step, share, of})
-    {8, 0, 1},
-    // rank 1 block 9: shares 19..19 ({step, share, of})
-    {9, 0, 1},
-    // rank 2 block 0: shares 20..20 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 21..21 ({step, share, of})
-    {1, 0, 1},
-    // rank 2 block 2: shares 22..22 ({step, share, of})
-    {2, 0, 1},
-    // rank 2 block 3: shares 23..23 ({step, share, of})
-    {3, 0, 1},
-    // rank 2 block 4: shares 24..24 ({step, share, of})
-    {4, 0, 1},
-    // rank 2 block 5: shares 25..25 ({step, share, of})
-    {5, 0, 1},
-    // rank 2 block 6: shares 26..26 ({step, share, of})
-    {6, 0, 1},
-    // rank 2 block 7: shares 27..27 ({step, share, of})
-    {7, 0, 1},
-    // rank 2 block 8: shares 28..28 ({step, share, of})
-    {8, 0, 1},
-    // rank 2 block 9: shares 29..29 ({step, share, of})
-    {9, 0, 1},
-    // rank 3 block 0: shares 30..30 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 31..31 ({step, share, of})
-    {1, 0, 1},
-    // rank 3 block 2: shares 32..32 ({step, share, of})
-    {2, 0, 1},
-    // rank 3 block 3: shares 33..33 ({step, share, of})
-    {3, 0, 1},
-    // rank 3 block 4: shares 34..34 ({step, share, of})
-    {4, 0, 1},
-    // rank 3 block 5: shares 35..35 ({step, share, of})
-    {5, 0, 1},
-    // rank 3 block 6: shares 36..36 ({step, share, of})
-    {6, 0, 1},
-    // rank 3 block 7: shares 37..37 ({step, share, of})
-    {7, 0, 1},
-    // rank 3 block 8: shares 38..38 ({step, share, of})
-    {8, 0, 1},
-    // rank 3 block 9: shares 39..39 ({step, share, of})
-    {9, 0, 1},
-    // rank 4 block 0: shares 40..40 ({step, share, of})
-    {0, 0, 1},
-    // rank 4 block 1: shares 41..41 ({step, share, of})
-    {1, 0, 1},
-    // rank 4 block 2: shares 42..42 ({step, share, of})
-    {2, 0, 1},
-    // rank 4 block 3: shares 43..43 ({step, share, of})
-    {3, 0, 1},
-    // rank 4 block 4: shares 44..44 ({step, share, of})
-    {4, 0, 1},
-    // rank 4 block 5: shares 45..45 ({step, share, of})
-    {5, 0, 1},
-    // rank 4 block 6: shares 46..46 ({step, share, of})
-    {6, 0, 1},
-    // rank 4 block 7: shares 47..47 ({step, share, of})
-    {7, 0, 1},
-    // rank 4 block 8: shares 48..48 ({step, share, of})
-    {8, 0, 1},
-    // rank 4 block 9: shares 49..49 ({step, share, of})
-    {9, 0, 1},
-    // rank 5 block 0: shares 50..50 ({step, share, of})
-    {0, 0, 1},
-    // rank 5 block 1: shares 51..51 ({step, share, of})
-    {1, 0, 1},
-    // rank 5 block 2: shares 52..52 ({step, share, of})
-    {2, 0, 1},
-    // rank 5 block 3: shares 53..53 ({step, share, of})
-    {3, 0, 1},
-    // rank 5 block 4: shares 54..54 ({step, share, of})
-    {4, 0, 1},
-    // rank 5 block 5: shares 55..55 ({step, share, of})
-    {5, 0, 1},
-    // rank 5 block 6: shares 56..56 ({step, share, of})
-    {6, 0, 1},
-    // rank 5 block 7: shares 57..57 ({step, share, of})
-    {7, 0, 1},
-    // rank 5 block 8: shares 58..58 ({step, share, of})
-    {8, 0, 1},
-    // rank 5 block 9: shares 59..59 ({step, share, of})
-    {9, 0, 1},
-    // rank 6 block 0: shares 60..60 ({step, share, of})
-    {0, 0, 1},
-    // rank 6 block 1: shares 61..61 ({step, share, of})
-    {1, 0, 1},
-    // rank 6 block 2: shares 62..62 ({step, share, of})
-    {2, 0, 1},
-    // rank 6 block 3: shares 63..63 ({step, share, of})
-    {3, 0, 1},
-    // rank 6 block 4: shares 64..64 ({step, share, of})
-    {4, 0, 1},
-    // rank 6 block 5: shares 65..65 ({step, share, of})
-    {5, 0, 1},
-    // rank 6 block 6: shares 66..66 ({step, share, of})
-    {6, 0, 1},
-    // rank 6 block 7: shares 67..67 ({step, share, of})
-    {7, 0, 1},
-    // rank 6 block 8: shares 68..68 ({step, share, of})
-    {8, 0, 1},
-    // rank 6 block 9: shares 69..69 ({step, share, of})
-    {9, 0, 1},
-    // rank 7 block 0: shares 70..70 ({step, share, of})
-    {0, 0, 1},
-    // rank 7 block 1: shares 71..71 ({step, share, of})
-    {1, 0, 1},
-    // rank 7 block 2: shares 72..72 ({step, share, of})
-    {2, 0, 1},
-    // rank 7 block 3: shares 73..73 ({step, share, of})
-    {3, 0, 1},
-    // rank 7 block 4: shares 74..74 ({step, share, of})
-    {4, 0, 1},
-    // rank 7 block 5: shares 75..75 ({step, share, of})
-    {5, 0, 1},
-    // rank 7 block 6: shares 76..76 ({step, share, of})
-    {6, 0, 1},
-    // rank 7 block 7: shares 77..77 ({step, share, of})
-    {7, 0, 1},
-    // rank 7 block 8: shares 78..78 ({step, share, of})
-    {8, 0, 1},
-    // rank 7 block 9: shares 79..79 ({step, share, of})
-    {9, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..9
+    {0, 0, 1, 10, 1, 0},
+    // rank 1: shares 10..19
+    {0, 0, 1, 10, 1, 0},
+    // rank 2: shares 20..29
+    {0, 0, 1, 10, 1, 0},
+    // rank 3: shares 30..39
+    {0, 0, 1, 10, 1, 0},
+    // rank 4: shares 40..49
+    {0, 0, 1, 10, 1, 0},
+    // rank 5: shares 50..59
+    {0, 0, 1, 10, 1, 0},
+    // rank 6: shares 60..69
+    {0, 0, 1, 10, 1, 0},
+    // rank 7: shares 70..79
+    {0, 0, 1, 10, 1, 0},
 };
+static __device__ const tsgen_share_table<80> shares_w8 =
+    tsgen_expand_shares<80>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][11] = {
     { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 },
@@ -1987,43 +1823,27 @@ static __device__ const uint16_t first_w8[8][11] = {
     { 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
-// One call = the plan's steps spread over streams (the schedule's blocks):
-// copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
-// signals of the step before it on its stream and waits for the step after it.
-template <int WORLD>
-static __device__ __forceinline__ void sync(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, int sig, int wait) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  tsgen_ce_sync(plan<WORLD>::steps(rank), sig, wait, rank, epoch, bufs, peers, buffer_names);
-}
-
-template <int WORLD>
-static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, int step) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  tsgen_ce_reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
-}
 
 }  // namespace allgather_ce
 

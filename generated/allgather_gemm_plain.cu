@@ -2358,50 +2358,6 @@ allgather_gemm_plain_w2_sync(char* const* peers, int rank, uint64_t* calls, uint
   tsgen_fused::sync_body<2>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t allgather_gemm_plain_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_fused;
-  using C = allgather_gemm_plain::Config<2>;
-  constexpr int WORLD = 2;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
-  if (count > tsgen_gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;
-  // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
-  thread_local MapCache<4> cache;
-  const void* const key[6] = {a, a_full, b, c, (const void*)(uintptr_t)count, (const void*)(uintptr_t)rank};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[3], dtype, c, rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(allgather_gemm_plain_w2_gemm), rows,
-                                           allgather_gemm_plain::RESERVE_SMS, &grid));
-  const size_t shard = (size_t)rows * C::K * sizeof(C::Element);
-  allgather_gemm_plain_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  allgather_gemm_plain_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  for (int i = 1; i < WORLD; ++i) {
-    const int peer = (rank - i + WORLD) % WORLD;
-    char* dst = tsgen_fused::host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
-    TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, stream));
-  }
-  allgather_gemm_plain_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  allgather_gemm_plain_w2_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], maps->maps[2], maps->maps[3], calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
-}
-
 // ---- world size 3 ----
 // The GEMM: 384 threads, 230464 bytes of dynamic shared memory, clusters of 2.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384)
@@ -2417,50 +2373,6 @@ allgather_gemm_plain_w3_gemm(const __grid_constant__ CUtensorMap a_full_map, con
 extern "C" __global__ void __launch_bounds__(32)
 allgather_gemm_plain_w3_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target) {
   tsgen_fused::sync_body<3>(peers, rank, calls, sig, mode, target);
-}
-
-// Host launcher: see the top of this file.
-extern "C" cudaError_t allgather_gemm_plain_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_fused;
-  using C = allgather_gemm_plain::Config<3>;
-  constexpr int WORLD = 3;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
-  if (count > tsgen_gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;
-  // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
-  thread_local MapCache<4> cache;
-  const void* const key[6] = {a, a_full, b, c, (const void*)(uintptr_t)count, (const void*)(uintptr_t)rank};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[3], dtype, c, rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(allgather_gemm_plain_w3_gemm), rows,
-                                           allgather_gemm_plain::RESERVE_SMS, &grid));
-  const size_t shard = (size_t)rows * C::K * sizeof(C::Element);
-  allgather_gemm_plain_w3_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  allgather_gemm_plain_w3_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  for (int i = 1; i < WORLD; ++i) {
-    const int peer = (rank - i + WORLD) % WORLD;
-    char* dst = tsgen_fused::host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
-    TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, stream));
-  }
-  allgather_gemm_plain_w3_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  allgather_gemm_plain_w3_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], maps->maps[2], maps->maps[3], calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
 }
 
 // ---- world size 4 ----
@@ -2480,11 +2392,13 @@ allgather_gemm_plain_w4_sync(char* const* peers, int rank, uint64_t* calls, uint
   tsgen_fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t allgather_gemm_plain_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) {
+// Host launcher (see the top of this file): world size WORLD's GEMM and SYNC kernels; the
+// extern "C" NAME_wW_launch below are its instances.
+namespace allgather_gemm_plain {
+template <int WORLD, auto GEMM, auto SYNC>
+static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) {
   using namespace tsgen_fused;
-  using C = allgather_gemm_plain::Config<4>;
-  constexpr int WORLD = 4;
+  using C = Config<WORLD>;
   if (count == 0) return cudaSuccess;
   TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
@@ -2496,7 +2410,7 @@ extern "C" cudaError_t allgather_gemm_plain_w4_launch(char* const* peers, char* 
   if (!maps) {
     maps = cache.slot(key);
     using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
+    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2], dtype, b, C::K, C::N, C::TILE_K));
@@ -2504,23 +2418,27 @@ extern "C" cudaError_t allgather_gemm_plain_w4_launch(char* const* peers, char* 
     maps->valid = true;
   }
   unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(allgather_gemm_plain_w4_gemm), rows,
+  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
                                            allgather_gemm_plain::RESERVE_SMS, &grid));
-  const size_t shard = (size_t)rows * C::K * sizeof(C::Element);
-  allgather_gemm_plain_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
+  const size_t shard = (size_t)rows * C::K * sizeof(typename C::Element);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
-  allgather_gemm_plain_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   for (int i = 1; i < WORLD; ++i) {
     const int peer = (rank - i + WORLD) % WORLD;
     char* dst = tsgen_fused::host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
     TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, stream));
   }
-  allgather_gemm_plain_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
-  allgather_gemm_plain_w4_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
+  GEMM<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->maps[0], maps->maps[1], maps->maps[2], maps->maps[3], calls, sig, rank, count);
   TSGEN_FUSED_TRY(cudaGetLastError());
   return cudaSuccess;
 }
+}  // namespace allgather_gemm_plain
 
+extern "C" cudaError_t allgather_gemm_plain_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<2, allgather_gemm_plain_w2_gemm, allgather_gemm_plain_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_plain_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<3, allgather_gemm_plain_w3_gemm, allgather_gemm_plain_w3_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_plain_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<4, allgather_gemm_plain_w4_gemm, allgather_gemm_plain_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }

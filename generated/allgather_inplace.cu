@@ -2,7 +2,7 @@
 // spec sha256 c62113d3e6d81870a29e16d49ed84c75bdbecd9f17d0923ac4cb9cfea6c994ec
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)
+// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push: each rank writes its input into every peer)
 // kernels: allgather_inplace_w2, allgather_inplace_w3, allgather_inplace_w4, allgather_inplace_w8 (one per world size; grid 64 x 512 threads)
 // count unit: elements
 //
@@ -913,6 +913,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1249,6 +1271,18 @@ typedef __nv_bfloat16 T;
 //   3: arrive
 static __device__ const char* const buffer_names[] = { "calls", "dst", "entry", "arrive" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+  char* const bufs[] = { nullptr, (char*)dst, (char*)entry, (char*)arrive };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 6 steps, 34 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1268,81 +1302,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {2, 0, 1},
-    // rank 1 block 1: shares 17..17 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 18..18 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 19..19 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 20..20 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 21..21 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 22..22 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 23..23 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 24..24 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 25..25 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 26..26 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 27..27 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 28..28 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 29..29 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 30..30 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 31..31 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 32..32 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 33..33 ({step, share, of})
-    {2, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17 },
-    { 17, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 12 steps, 99 block shares over 64 blocks.
@@ -1375,212 +1335,7 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 16}, {3, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 4, 8 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 1: shares 33..33 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 34..34 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 35..35 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 36..36 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 37..37 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 38..38 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 39..39 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 40..40 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 41..41 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 42..42 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 43..43 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 44..44 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 45..45 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 46..46 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 47..47 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 48..48 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 49..49 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 50..50 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 51..51 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 52..52 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 53..53 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 54..54 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 55..55 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 56..56 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 57..57 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 58..58 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 59..59 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 60..60 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 61..61 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 62..62 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 63..63 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 64..64 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 65..65 ({step, share, of})
-    {3, 0, 1},
-    // rank 2 block 1: shares 66..66 ({step, share, of})
-    {1, 0, 16},
-    // rank 2 block 2: shares 67..67 ({step, share, of})
-    {1, 1, 16},
-    // rank 2 block 3: shares 68..68 ({step, share, of})
-    {1, 2, 16},
-    // rank 2 block 4: shares 69..69 ({step, share, of})
-    {1, 3, 16},
-    // rank 2 block 5: shares 70..70 ({step, share, of})
-    {1, 4, 16},
-    // rank 2 block 6: shares 71..71 ({step, share, of})
-    {1, 5, 16},
-    // rank 2 block 7: shares 72..72 ({step, share, of})
-    {1, 6, 16},
-    // rank 2 block 8: shares 73..73 ({step, share, of})
-    {1, 7, 16},
-    // rank 2 block 9: shares 74..74 ({step, share, of})
-    {1, 8, 16},
-    // rank 2 block 10: shares 75..75 ({step, share, of})
-    {1, 9, 16},
-    // rank 2 block 11: shares 76..76 ({step, share, of})
-    {1, 10, 16},
-    // rank 2 block 12: shares 77..77 ({step, share, of})
-    {1, 11, 16},
-    // rank 2 block 13: shares 78..78 ({step, share, of})
-    {1, 12, 16},
-    // rank 2 block 14: shares 79..79 ({step, share, of})
-    {1, 13, 16},
-    // rank 2 block 15: shares 80..80 ({step, share, of})
-    {1, 14, 16},
-    // rank 2 block 16: shares 81..81 ({step, share, of})
-    {1, 15, 16},
-    // rank 2 block 17: shares 82..82 ({step, share, of})
-    {2, 0, 16},
-    // rank 2 block 18: shares 83..83 ({step, share, of})
-    {2, 1, 16},
-    // rank 2 block 19: shares 84..84 ({step, share, of})
-    {2, 2, 16},
-    // rank 2 block 20: shares 85..85 ({step, share, of})
-    {2, 3, 16},
-    // rank 2 block 21: shares 86..86 ({step, share, of})
-    {2, 4, 16},
-    // rank 2 block 22: shares 87..87 ({step, share, of})
-    {2, 5, 16},
-    // rank 2 block 23: shares 88..88 ({step, share, of})
-    {2, 6, 16},
-    // rank 2 block 24: shares 89..89 ({step, share, of})
-    {2, 7, 16},
-    // rank 2 block 25: shares 90..90 ({step, share, of})
-    {2, 8, 16},
-    // rank 2 block 26: shares 91..91 ({step, share, of})
-    {2, 9, 16},
-    // rank 2 block 27: shares 92..92 ({step, share, of})
-    {2, 10, 16},
-    // rank 2 block 28: shares 93..93 ({step, share, of})
-    {2, 11, 16},
-    // rank 2 block 29: shares 94..94 ({step, share, of})
-    {2, 12, 16},
-    // rank 2 block 30: shares 95..95 ({step, share, of})
-    {2, 13, 16},
-    // rank 2 block 31: shares 96..96 ({step, share, of})
-    {2, 14, 16},
-    // rank 2 block 32: shares 97..97 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 33: shares 98..98 ({step, share, of})
-    {3, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33 },
-    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66 },
-    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99 },
-};
+// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 4: 20 steps, 196 block shares over 64 blocks.
@@ -1629,407 +1384,7 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 16}, {3, 0, 1, 16}, {3, 0, 2, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 5, 10, 15 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {3, 0, 16},
-    // rank 0 block 34: shares 33..33 ({step, share, of})
-    {3, 1, 16},
-    // rank 0 block 35: shares 34..34 ({step, share, of})
-    {3, 2, 16},
-    // rank 0 block 36: shares 35..35 ({step, share, of})
-    {3, 3, 16},
-    // rank 0 block 37: shares 36..36 ({step, share, of})
-    {3, 4, 16},
-    // rank 0 block 38: shares 37..37 ({step, share, of})
-    {3, 5, 16},
-    // rank 0 block 39: shares 38..38 ({step, share, of})
-    {3, 6, 16},
-    // rank 0 block 40: shares 39..39 ({step, share, of})
-    {3, 7, 16},
-    // rank 0 block 41: shares 40..40 ({step, share, of})
-    {3, 8, 16},
-    // rank 0 block 42: shares 41..41 ({step, share, of})
-    {3, 9, 16},
-    // rank 0 block 43: shares 42..42 ({step, share, of})
-    {3, 10, 16},
-    // rank 0 block 44: shares 43..43 ({step, share, of})
-    {3, 11, 16},
-    // rank 0 block 45: shares 44..44 ({step, share, of})
-    {3, 12, 16},
-    // rank 0 block 46: shares 45..45 ({step, share, of})
-    {3, 13, 16},
-    // rank 0 block 47: shares 46..46 ({step, share, of})
-    {3, 14, 16},
-    // rank 0 block 48: shares 47..47 ({step, share, of})
-    {3, 15, 16},
-    // rank 0 block 49: shares 48..48 ({step, share, of})
-    {4, 0, 1},
-    // rank 1 block 1: shares 49..49 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 50..50 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 51..51 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 52..52 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 53..53 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 54..54 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 55..55 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 56..56 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 57..57 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 58..58 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 59..59 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 60..60 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 61..61 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 62..62 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 63..63 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 64..64 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 65..65 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 66..66 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 67..67 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 68..68 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 69..69 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 70..70 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 71..71 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 72..72 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 73..73 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 74..74 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 75..75 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 76..76 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 77..77 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 78..78 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 79..79 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 80..80 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 81..81 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 34: shares 82..82 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 35: shares 83..83 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 36: shares 84..84 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 37: shares 85..85 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 38: shares 86..86 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 39: shares 87..87 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 40: shares 88..88 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 41: shares 89..89 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 42: shares 90..90 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 43: shares 91..91 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 44: shares 92..92 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 45: shares 93..93 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 46: shares 94..94 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 47: shares 95..95 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 48: shares 96..96 ({step, share, of})
-    {3, 15, 16},
-    // rank 1 block 49: shares 97..97 ({step, share, of})
-    {4, 0, 1},
-    // rank 2 block 1: shares 98..98 ({step, share, of})
-    {1, 0, 16},
-    // rank 2 block 2: shares 99..99 ({step, share, of})
-    {1, 1, 16},
-    // rank 2 block 3: shares 100..100 ({step, share, of})
-    {1, 2, 16},
-    // rank 2 block 4: shares 101..101 ({step, share, of})
-    {1, 3, 16},
-    // rank 2 block 5: shares 102..102 ({step, share, of})
-    {1, 4, 16},
-    // rank 2 block 6: shares 103..103 ({step, share, of})
-    {1, 5, 16},
-    // rank 2 block 7: shares 104..104 ({step, share, of})
-    {1, 6, 16},
-    // rank 2 block 8: shares 105..105 ({step, share, of})
-    {1, 7, 16},
-    // rank 2 block 9: shares 106..106 ({step, share, of})
-    {1, 8, 16},
-    // rank 2 block 10: shares 107..107 ({step, share, of})
-    {1, 9, 16},
-    // rank 2 block 11: shares 108..108 ({step, share, of})
-    {1, 10, 16},
-    // rank 2 block 12: shares 109..109 ({step, share, of})
-    {1, 11, 16},
-    // rank 2 block 13: shares 110..110 ({step, share, of})
-    {1, 12, 16},
-    // rank 2 block 14: shares 111..111 ({step, share, of})
-    {1, 13, 16},
-    // rank 2 block 15: shares 112..112 ({step, share, of})
-    {1, 14, 16},
-    // rank 2 block 16: shares 113..113 ({step, share, of})
-    {1, 15, 16},
-    // rank 2 block 17: shares 114..114 ({step, share, of})
-    {2, 0, 16},
-    // rank 2 block 18: shares 115..115 ({step, share, of})
-    {2, 1, 16},
-    // rank 2 block 19: shares 116..116 ({step, share, of})
-    {2, 2, 16},
-    // rank 2 block 20: shares 117..117 ({step, share, of})
-    {2, 3, 16},
-    // rank 2 block 21: shares 118..118 ({step, share, of})
-    {2, 4, 16},
-    // rank 2 block 22: shares 119..119 ({step, share, of})
-    {2, 5, 16},
-    // rank 2 block 23: shares 120..120 ({step, share, of})
-    {2, 6, 16},
-    // rank 2 block 24: shares 121..121 ({step, share, of})
-    {2, 7, 16},
-    // rank 2 block 25: shares 122..122 ({step, share, of})
-    {2, 8, 16},
-    // rank 2 block 26: shares 123..123 ({step, share, of})
-    {2, 9, 16},
-    // rank 2 block 27: shares 124..124 ({step, share, of})
-    {2, 10, 16},
-    // rank 2 block 28: shares 125..125 ({step, share, of})
-    {2, 11, 16},
-    // rank 2 block 29: shares 126..126 ({step, share, of})
-    {2, 12, 16},
-    // rank 2 block 30: shares 127..127 ({step, share, of})
-    {2, 13, 16},
-    // rank 2 block 31: shares 128..128 ({step, share, of})
-    {2, 14, 16},
-    // rank 2 block 32: shares 129..129 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 33: shares 130..130 ({step, share, of})
-    {3, 0, 16},
-    // rank 2 block 34: shares 131..131 ({step, share, of})
-    {3, 1, 16},
-    // rank 2 block 35: shares 132..132 ({step, share, of})
-    {3, 2, 16},
-    // rank 2 block 36: shares 133..133 ({step, share, of})
-    {3, 3, 16},
-    // rank 2 block 37: shares 134..134 ({step, share, of})
-    {3, 4, 16},
-    // rank 2 block 38: shares 135..135 ({step, share, of})
-    {3, 5, 16},
-    // rank 2 block 39: shares 136..136 ({step, share, of})
-    {3, 6, 16},
-    // rank 2 block 40: shares 137..137 ({step, share, of})
-    {3, 7, 16},
-    // rank 2 block 41: shares 138..138 ({step, share, of})
-    {3, 8, 16},
-    // rank 2 block 42: shares 139..139 ({step, share, of})
-    {3, 9, 16},
-    // rank 2 block 43: shares 140..140 ({step, share, of})
-    {3, 10, 16},
-    // rank 2 block 44: shares 141..141 ({step, share, of})
-    {3, 11, 16},
-    // rank 2 block 45: shares 142..142 ({step, share, of})
-    {3, 12, 16},
-    // rank 2 block 46: shares 143..143 ({step, share, of})
-    {3, 13, 16},
-    // rank 2 block 47: shares 144..144 ({step, share, of})
-    {3, 14, 16},
-    // rank 2 block 48: shares 145..145 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 49: shares 146..146 ({step, share, of})
-    {4, 0, 1},
-    // rank 3 block 1: shares 147..147 ({step, share, of})
-    {1, 0, 16},
-    // rank 3 block 2: shares 148..148 ({step, share, of})
-    {1, 1, 16},
-    // rank 3 block 3: shares 149..149 ({step, share, of})
-    {1, 2, 16},
-    // rank 3 block 4: shares 150..150 ({step, share, of})
-    {1, 3, 16},
-    // rank 3 block 5: shares 151..151 ({step, share, of})
-    {1, 4, 16},
-    // rank 3 block 6: shares 152..152 ({step, share, of})
-    {1, 5, 16},
-    // rank 3 block 7: shares 153..153 ({step, share, of})
-    {1, 6, 16},
-    // rank 3 block 8: shares 154..154 ({step, share, of})
-    {1, 7, 16},
-    // rank 3 block 9: shares 155..155 ({step, share, of})
-    {1, 8, 16},
-    // rank 3 block 10: shares 156..156 ({step, share, of})
-    {1, 9, 16},
-    // rank 3 block 11: shares 157..157 ({step, share, of})
-    {1, 10, 16},
-    // rank 3 block 12: shares 158..158 ({step, share, of})
-    {1, 11, 16},
-    // rank 3 block 13: shares 159..159 ({step, share, of})
-    {1, 12, 16},
-    // rank 3 block 14: shares 160..160 ({step, share, of})
-    {1, 13, 16},
-    // rank 3 block 15: shares 161..161 ({step, share, of})
-    {1, 14, 16},
-    // rank 3 block 16: shares 162..162 ({step, share, of})
-    {1, 15, 16},
-    // rank 3 block 17: shares 163..163 ({step, share, of})
-    {2, 0, 16},
-    // rank 3 block 18: shares 164..164 ({step, share, of})
-    {2, 1, 16},
-    // rank 3 block 19: shares 165..165 ({step, share, of})
-    {2, 2, 16},
-    // rank 3 block 20: shares 166..166 ({step, share, of})
-    {2, 3, 16},
-    // rank 3 block 21: shares 167..167 ({step, share, of})
-    {2, 4, 16},
-    // rank 3 block 22: shares 168..168 ({step, share, of})
-    {2, 5, 16},
-    // rank 3 block 23: shares 169..169 ({step, share, of})
-    {2, 6, 16},
-    // rank 3 block 24: shares 170..170 ({step, share, of})
-    {2, 7, 16},
-    // rank 3 block 25: shares 171..171 ({step, share, of})
-    {2, 8, 16},
-    // rank 3 block 26: shares 172..172 ({step, share, of})
-    {2, 9, 16},
-    // rank 3 block 27: shares 173..173 ({step, share, of})
-    {2, 10, 16},
-    // rank 3 block 28: shares 174..174 ({step, share, of})
-    {2, 11, 16},
-    // rank 3 block 29: shares 175..175 ({step, share, of})
-    {2, 12, 16},
-    // rank 3 block 30: shares 176..176 ({step, share, of})
-    {2, 13, 16},
-    // rank 3 block 31: shares 177..177 ({step, share, of})
-    {2, 14, 16},
-    // rank 3 block 32: shares 178..178 ({step, share, of})
-    {2, 15, 16},
-    // rank 3 block 33: shares 179..179 ({step, share, of})
-    {3, 0, 16},
-    // rank 3 block 34: shares 180..180 ({step, share, of})
-    {3, 1, 16},
-    // rank 3 block 35: shares 181..181 ({step, share, of})
-    {3, 2, 16},
-    // rank 3 block 36: shares 182..182 ({step, share, of})
-    {3, 3, 16},
-    // rank 3 block 37: shares 183..183 ({step, share, of})
-    {3, 4, 16},
-    // rank 3 block 38: shares 184..184 ({step, share, of})
-    {3, 5, 16},
-    // rank 3 block 39: shares 185..185 ({step, share, of})
-    {3, 6, 16},
-    // rank 3 block 40: shares 186..186 ({step, share, of})
-    {3, 7, 16},
-    // rank 3 block 41: shares 187..187 ({step, share, of})
-    {3, 8, 16},
-    // rank 3 block 42: shares 188..188 ({step, share, of})
-    {3, 9, 16},
-    // rank 3 block 43: shares 189..189 ({step, share, of})
-    {3, 10, 16},
-    // rank 3 block 44: shares 190..190 ({step, share, of})
-    {3, 11, 16},
-    // rank 3 block 45: shares 191..191 ({step, share, of})
-    {3, 12, 16},
-    // rank 3 block 46: shares 192..192 ({step, share, of})
-    {3, 13, 16},
-    // rank 3 block 47: shares 193..193 ({step, share, of})
-    {3, 14, 16},
-    // rank 3 block 48: shares 194..194 ({step, share, of})
-    {3, 15, 16},
-    // rank 3 block 49: shares 195..195 ({step, share, of})
-    {4, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49 },
-    { 49, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98 },
-    { 98, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147 },
-    { 147, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196 },
-};
+// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 8: 72 steps, 904 block shares over 64 blocks.
@@ -2182,1032 +1537,124 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 0, 0, 16}, {3, 0, 1, 16}, {3, 0, 2, 16}, {3, 0, 3, 16}, {3, 0, 4, 16}, {3, 0, 5, 16}, {3, 0, 6, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 9, 18, 27, 36, 45, 54, 63 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {4, 15, 16},
-    // rank 0 block 1: shares 1..2 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 0 block 2: shares 3..4 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 0 block 3: shares 5..6 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 0 block 4: shares 7..8 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 0 block 5: shares 9..10 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 0 block 6: shares 11..12 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 0 block 7: shares 13..14 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 0 block 8: shares 15..16 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 0 block 9: shares 17..18 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 0 block 10: shares 19..20 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 0 block 11: shares 21..22 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 0 block 12: shares 23..24 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 0 block 13: shares 25..26 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 0 block 14: shares 27..28 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 0 block 15: shares 29..30 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 0 block 16: shares 31..32 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 0 block 17: shares 33..34 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 0 block 18: shares 35..36 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 0 block 19: shares 37..38 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 0 block 20: shares 39..40 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 0 block 21: shares 41..42 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 0 block 22: shares 43..44 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 0 block 23: shares 45..46 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 0 block 24: shares 47..48 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 0 block 25: shares 49..50 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 0 block 26: shares 51..52 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 0 block 27: shares 53..54 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 0 block 28: shares 55..56 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 0 block 29: shares 57..58 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 0 block 30: shares 59..60 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 0 block 31: shares 61..62 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 0 block 32: shares 63..64 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 0 block 33: shares 65..66 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 0 block 34: shares 67..68 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 0 block 35: shares 69..70 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 0 block 36: shares 71..72 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 0 block 37: shares 73..74 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 0 block 38: shares 75..76 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 0 block 39: shares 77..78 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 0 block 40: shares 79..80 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 0 block 41: shares 81..82 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 0 block 42: shares 83..84 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 0 block 43: shares 85..86 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 0 block 44: shares 87..88 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 0 block 45: shares 89..90 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 0 block 46: shares 91..92 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 0 block 47: shares 93..94 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 0 block 48: shares 95..96 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 0 block 49: shares 97..98 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 0 block 50: shares 99..99 ({step, share, of})
-    {4, 1, 16},
-    // rank 0 block 51: shares 100..100 ({step, share, of})
-    {4, 2, 16},
-    // rank 0 block 52: shares 101..101 ({step, share, of})
-    {4, 3, 16},
-    // rank 0 block 53: shares 102..102 ({step, share, of})
-    {4, 4, 16},
-    // rank 0 block 54: shares 103..103 ({step, share, of})
-    {4, 5, 16},
-    // rank 0 block 55: shares 104..104 ({step, share, of})
-    {4, 6, 16},
-    // rank 0 block 56: shares 105..105 ({step, share, of})
-    {4, 7, 16},
-    // rank 0 block 57: shares 106..106 ({step, share, of})
-    {4, 8, 16},
-    // rank 0 block 58: shares 107..107 ({step, share, of})
-    {4, 9, 16},
-    // rank 0 block 59: shares 108..108 ({step, share, of})
-    {4, 10, 16},
-    // rank 0 block 60: shares 109..109 ({step, share, of})
-    {4, 11, 16},
-    // rank 0 block 61: shares 110..110 ({step, share, of})
-    {4, 12, 16},
-    // rank 0 block 62: shares 111..111 ({step, share, of})
-    {4, 13, 16},
-    // rank 0 block 63: shares 112..112 ({step, share, of})
-    {4, 14, 16},
-    // rank 1 block 0: shares 113..113 ({step, share, of})
-    {4, 15, 16},
-    // rank 1 block 1: shares 114..115 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 1 block 2: shares 116..117 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 1 block 3: shares 118..119 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 1 block 4: shares 120..121 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 1 block 5: shares 122..123 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 1 block 6: shares 124..125 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 1 block 7: shares 126..127 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 1 block 8: shares 128..129 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 1 block 9: shares 130..131 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 1 block 10: shares 132..133 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 1 block 11: shares 134..135 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 1 block 12: shares 136..137 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 1 block 13: shares 138..139 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 1 block 14: shares 140..141 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 1 block 15: shares 142..143 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 1 block 16: shares 144..145 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 1 block 17: shares 146..147 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 1 block 18: shares 148..149 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 1 block 19: shares 150..151 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 1 block 20: shares 152..153 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 1 block 21: shares 154..155 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 1 block 22: shares 156..157 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 1 block 23: shares 158..159 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 1 block 24: shares 160..161 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 1 block 25: shares 162..163 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 1 block 26: shares 164..165 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 1 block 27: shares 166..167 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 1 block 28: shares 168..169 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 1 block 29: shares 170..171 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 1 block 30: shares 172..173 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 1 block 31: shares 174..175 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 1 block 32: shares 176..177 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 1 block 33: shares 178..179 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 1 block 34: shares 180..181 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 1 block 35: shares 182..183 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 1 block 36: shares 184..185 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 1 block 37: shares 186..187 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 1 block 38: shares 188..189 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 1 block 39: shares 190..191 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 1 block 40: shares 192..193 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 1 block 41: shares 194..195 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 1 block 42: shares 196..197 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 1 block 43: shares 198..199 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 1 block 44: shares 200..201 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 1 block 45: shares 202..203 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 1 block 46: shares 204..205 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 1 block 47: shares 206..207 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 1 block 48: shares 208..209 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 1 block 49: shares 210..211 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 1 block 50: shares 212..212 ({step, share, of})
-    {4, 1, 16},
-    // rank 1 block 51: shares 213..213 ({step, share, of})
-    {4, 2, 16},
-    // rank 1 block 52: shares 214..214 ({step, share, of})
-    {4, 3, 16},
-    // rank 1 block 53: shares 215..215 ({step, share, of})
-    {4, 4, 16},
-    // rank 1 block 54: shares 216..216 ({step, share, of})
-    {4, 5, 16},
-    // rank 1 block 55: shares 217..217 ({step, share, of})
-    {4, 6, 16},
-    // rank 1 block 56: shares 218..218 ({step, share, of})
-    {4, 7, 16},
-    // rank 1 block 57: shares 219..219 ({step, share, of})
-    {4, 8, 16},
-    // rank 1 block 58: shares 220..220 ({step, share, of})
-    {4, 9, 16},
-    // rank 1 block 59: shares 221..221 ({step, share, of})
-    {4, 10, 16},
-    // rank 1 block 60: shares 222..222 ({step, share, of})
-    {4, 11, 16},
-    // rank 1 block 61: shares 223..223 ({step, share, of})
-    {4, 12, 16},
-    // rank 1 block 62: shares 224..224 ({step, share, of})
-    {4, 13, 16},
-    // rank 1 block 63: shares 225..225 ({step, share, of})
-    {4, 14, 16},
-    // rank 2 block 0: shares 226..226 ({step, share, of})
-    {4, 15, 16},
-    // rank 2 block 1: shares 227..228 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 2 block 2: shares 229..230 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 2 block 3: shares 231..232 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 2 block 4: shares 233..234 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 2 block 5: shares 235..236 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 2 block 6: shares 237..238 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 2 block 7: shares 239..240 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 2 block 8: shares 241..242 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 2 block 9: shares 243..244 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 2 block 10: shares 245..246 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 2 block 11: shares 247..248 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 2 block 12: shares 249..250 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 2 block 13: shares 251..252 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 2 block 14: shares 253..254 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 2 block 15: shares 255..256 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 2 block 16: shares 257..258 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 2 block 17: shares 259..260 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 2 block 18: shares 261..262 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 2 block 19: shares 263..264 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 2 block 20: shares 265..266 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 2 block 21: shares 267..268 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 2 block 22: shares 269..270 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 2 block 23: shares 271..272 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 2 block 24: shares 273..274 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 2 block 25: shares 275..276 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 2 block 26: shares 277..278 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 2 block 27: shares 279..280 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 2 block 28: shares 281..282 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 2 block 29: shares 283..284 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 2 block 30: shares 285..286 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 2 block 31: shares 287..288 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 2 block 32: shares 289..290 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 2 block 33: shares 291..292 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 2 block 34: shares 293..294 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 2 block 35: shares 295..296 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 2 block 36: shares 297..298 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 2 block 37: shares 299..300 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 2 block 38: shares 301..302 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 2 block 39: shares 303..304 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 2 block 40: shares 305..306 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 2 block 41: shares 307..308 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 2 block 42: shares 309..310 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 2 block 43: shares 311..312 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 2 block 44: shares 313..314 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 2 block 45: shares 315..316 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 2 block 46: shares 317..318 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 2 block 47: shares 319..320 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 2 block 48: shares 321..322 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 2 block 49: shares 323..324 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 2 block 50: shares 325..325 ({step, share, of})
-    {4, 1, 16},
-    // rank 2 block 51: shares 326..326 ({step, share, of})
-    {4, 2, 16},
-    // rank 2 block 52: shares 327..327 ({step, share, of})
-    {4, 3, 16},
-    // rank 2 block 53: shares 328..328 ({step, share, of})
-    {4, 4, 16},
-    // rank 2 block 54: shares 329..329 ({step, share, of})
-    {4, 5, 16},
-    // rank 2 block 55: shares 330..330 ({step, share, of})
-    {4, 6, 16},
-    // rank 2 block 56: shares 331..331 ({step, share, of})
-    {4, 7, 16},
-    // rank 2 block 57: shares 332..332 ({step, share, of})
-    {4, 8, 16},
-    // rank 2 block 58: shares 333..333 ({step, share, of})
-    {4, 9, 16},
-    // rank 2 block 59: shares 334..334 ({step, share, of})
-    {4, 10, 16},
-    // rank 2 block 60: shares 335..335 ({step, share, of})
-    {4, 11, 16},
-    // rank 2 block 61: shares 336..336 ({step, share, of})
-    {4, 12, 16},
-    // rank 2 block 62: shares 337..337 ({step, share, of})
-    {4, 13, 16},
-    // rank 2 block 63: shares 338..338 ({step, share, of})
-    {4, 14, 16},
-    // rank 3 block 0: shares 339..339 ({step, share, of})
-    {4, 15, 16},
-    // rank 3 block 1: shares 340..341 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 3 block 2: shares 342..343 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 3 block 3: shares 344..345 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 3 block 4: shares 346..347 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 3 block 5: shares 348..349 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 3 block 6: shares 350..351 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 3 block 7: shares 352..353 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 3 block 8: shares 354..355 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 3 block 9: shares 356..357 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 3 block 10: shares 358..359 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 3 block 11: shares 360..361 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 3 block 12: shares 362..363 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 3 block 13: shares 364..365 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 3 block 14: shares 366..367 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 3 block 15: shares 368..369 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 3 block 16: shares 370..371 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 3 block 17: shares 372..373 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 3 block 18: shares 374..375 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 3 block 19: shares 376..377 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 3 block 20: shares 378..379 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 3 block 21: shares 380..381 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 3 block 22: shares 382..383 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 3 block 23: shares 384..385 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 3 block 24: shares 386..387 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 3 block 25: shares 388..389 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 3 block 26: shares 390..391 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 3 block 27: shares 392..393 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 3 block 28: shares 394..395 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 3 block 29: shares 396..397 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 3 block 30: shares 398..399 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 3 block 31: shares 400..401 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 3 block 32: shares 402..403 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 3 block 33: shares 404..405 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 3 block 34: shares 406..407 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 3 block 35: shares 408..409 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 3 block 36: shares 410..411 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 3 block 37: shares 412..413 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 3 block 38: shares 414..415 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 3 block 39: shares 416..417 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 3 block 40: shares 418..419 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 3 block 41: shares 420..421 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 3 block 42: shares 422..423 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 3 block 43: shares 424..425 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 3 block 44: shares 426..427 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 3 block 45: shares 428..429 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 3 block 46: shares 430..431 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 3 block 47: shares 432..433 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 3 block 48: shares 434..435 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 3 block 49: shares 436..437 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 3 block 50: shares 438..438 ({step, share, of})
-    {4, 1, 16},
-    // rank 3 block 51: shares 439..439 ({step, share, of})
-    {4, 2, 16},
-    // rank 3 block 52: shares 440..440 ({step, share, of})
-    {4, 3, 16},
-    // rank 3 block 53: shares 441..441 ({step, share, of})
-    {4, 4, 16},
-    // rank 3 block 54: shares 442..442 ({step, share, of})
-    {4, 5, 16},
-    // rank 3 block 55: shares 443..443 ({step, share, of})
-    {4, 6, 16},
-    // rank 3 block 56: shares 444..444 ({step, share, of})
-    {4, 7, 16},
-    // rank 3 block 57: shares 445..445 ({step, share, of})
-    {4, 8, 16},
-    // rank 3 block 58: shares 446..446 ({step, share, of})
-    {4, 9, 16},
-    // rank 3 block 59: shares 447..447 ({step, share, of})
-    {4, 10, 16},
-    // rank 3 block 60: shares 448..448 ({step, share, of})
-    {4, 11, 16},
-    // rank 3 block 61: shares 449..449 ({step, share, of})
-    {4, 12, 16},
-    // rank 3 block 62: shares 450..450 ({step, share, of})
-    {4, 13, 16},
-    // rank 3 block 63: shares 451..451 ({step, share, of})
-    {4, 14, 16},
-    // rank 4 block 0: shares 452..452 ({step, share, of})
-    {4, 15, 16},
-    // rank 4 block 1: shares 453..454 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 4 block 2: shares 455..456 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 4 block 3: shares 457..458 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 4 block 4: shares 459..460 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 4 block 5: shares 461..462 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 4 block 6: shares 463..464 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 4 block 7: shares 465..466 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 4 block 8: shares 467..468 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 4 block 9: shares 469..470 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 4 block 10: shares 471..472 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 4 block 11: shares 473..474 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 4 block 12: shares 475..476 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 4 block 13: shares 477..478 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 4 block 14: shares 479..480 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 4 block 15: shares 481..482 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 4 block 16: shares 483..484 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 4 block 17: shares 485..486 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 4 block 18: shares 487..488 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 4 block 19: shares 489..490 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 4 block 20: shares 491..492 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 4 block 21: shares 493..494 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 4 block 22: shares 495..496 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 4 block 23: shares 497..498 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 4 block 24: shares 499..500 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 4 block 25: shares 501..502 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 4 block 26: shares 503..504 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 4 block 27: shares 505..506 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 4 block 28: shares 507..508 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 4 block 29: shares 509..510 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 4 block 30: shares 511..512 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 4 block 31: shares 513..514 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 4 block 32: shares 515..516 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 4 block 33: shares 517..518 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 4 block 34: shares 519..520 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 4 block 35: shares 521..522 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 4 block 36: shares 523..524 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 4 block 37: shares 525..526 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 4 block 38: shares 527..528 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 4 block 39: shares 529..530 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 4 block 40: shares 531..532 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 4 block 41: shares 533..534 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 4 block 42: shares 535..536 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 4 block 43: shares 537..538 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 4 block 44: shares 539..540 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 4 block 45: shares 541..542 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 4 block 46: shares 543..544 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 4 block 47: shares 545..546 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 4 block 48: shares 547..548 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 4 block 49: shares 549..550 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 4 block 50: shares 551..551 ({step, share, of})
-    {4, 1, 16},
-    // rank 4 block 51: shares 552..552 ({step, share, of})
-    {4, 2, 16},
-    // rank 4 block 52: shares 553..553 ({step, share, of})
-    {4, 3, 16},
-    // rank 4 block 53: shares 554..554 ({step, share, of})
-    {4, 4, 16},
-    // rank 4 block 54: shares 555..555 ({step, share, of})
-    {4, 5, 16},
-    // rank 4 block 55: shares 556..556 ({step, share, of})
-    {4, 6, 16},
-    // rank 4 block 56: shares 557..557 ({step, share, of})
-    {4, 7, 16},
-    // rank 4 block 57: shares 558..558 ({step, share, of})
-    {4, 8, 16},
-    // rank 4 block 58: shares 559..559 ({step, share, of})
-    {4, 9, 16},
-    // rank 4 block 59: shares 560..560 ({step, share, of})
-    {4, 10, 16},
-    // rank 4 block 60: shares 561..561 ({step, share, of})
-    {4, 11, 16},
-    // rank 4 block 61: shares 562..562 ({step, share, of})
-    {4, 12, 16},
-    // rank 4 block 62: shares 563..563 ({step, share, of})
-    {4, 13, 16},
-    // rank 4 block 63: shares 564..564 ({step, share, of})
-    {4, 14, 16},
-    // rank 5 block 0: shares 565..565 ({step, share, of})
-    {4, 15, 16},
-    // rank 5 block 1: shares 566..567 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 5 block 2: shares 568..569 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 5 block 3: shares 570..571 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 5 block 4: shares 572..573 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 5 block 5: shares 574..575 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 5 block 6: shares 576..577 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 5 block 7: shares 578..579 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 5 block 8: shares 580..581 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 5 block 9: shares 582..583 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 5 block 10: shares 584..585 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 5 block 11: shares 586..587 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 5 block 12: shares 588..589 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 5 block 13: shares 590..591 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 5 block 14: shares 592..593 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 5 block 15: shares 594..595 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 5 block 16: shares 596..597 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 5 block 17: shares 598..599 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 5 block 18: shares 600..601 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 5 block 19: shares 602..603 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 5 block 20: shares 604..605 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 5 block 21: shares 606..607 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 5 block 22: shares 608..609 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 5 block 23: shares 610..611 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 5 block 24: shares 612..613 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 5 block 25: shares 614..615 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 5 block 26: shares 616..617 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 5 block 27: shares 618..619 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 5 block 28: shares 620..621 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 5 block 29: shares 622..623 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 5 block 30: shares 624..625 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 5 block 31: shares 626..627 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 5 block 32: shares 628..629 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 5 block 33: shares 630..631 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 5 block 34: shares 632..633 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 5 block 35: shares 634..635 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 5 block 36: shares 636..637 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 5 block 37: shares 638..639 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 5 block 38: shares 640..641 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 5 block 39: shares 642..643 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 5 block 40: shares 644..645 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 5 block 41: shares 646..647 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 5 block 42: shares 648..649 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 5 block 43: shares 650..651 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 5 block 44: shares 652..653 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 5 block 45: shares 654..655 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 5 block 46: shares 656..657 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 5 block 47: shares 658..659 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 5 block 48: shares 660..661 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 5 block 49: shares 662..663 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 5 block 50: shares 664..664 ({step, share, of})
-    {4, 1, 16},
-    // rank 5 block 51: shares 665..665 ({step, share, of})
-    {4, 2, 16},
-    // rank 5 block 52: shares 666..666 ({step, share, of})
-    {4, 3, 16},
-    // rank 5 block 53: shares 667..667 ({step, share, of})
-    {4, 4, 16},
-    // rank 5 block 54: shares 668..668 ({step, share, of})
-    {4, 5, 16},
-    // rank 5 block 55: shares 669..669 ({step, share, of})
-    {4, 6, 16},
-    // rank 5 block 56: shares 670..670 ({step, share, of})
-    {4, 7, 16},
-    // rank 5 block 57: shares 671..671 ({step, share, of})
-    {4, 8, 16},
-    // rank 5 block 58: shares 672..672 ({step, share, of})
-    {4, 9, 16},
-    // rank 5 block 59: shares 673..673 ({step, share, of})
-    {4, 10, 16},
-    // rank 5 block 60: shares 674..674 ({step, share, of})
-    {4, 11, 16},
-    // rank 5 block 61: shares 675..675 ({step, share, of})
-    {4, 12, 16},
-    // rank 5 block 62: shares 676..676 ({step, share, of})
-    {4, 13, 16},
-    // rank 5 block 63: shares 677..677 ({step, share, of})
-    {4, 14, 16},
-    // rank 6 block 0: shares 678..678 ({step, share, of})
-    {4, 15, 16},
-    // rank 6 block 1: shares 679..680 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 6 block 2: shares 681..682 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 6 block 3: shares 683..684 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 6 block 4: shares 685..686 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 6 block 5: shares 687..688 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 6 block 6: shares 689..690 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 6 block 7: shares 691..692 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 6 block 8: shares 693..694 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 6 block 9: shares 695..696 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 6 block 10: shares 697..698 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 6 block 11: shares 699..700 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 6 block 12: shares 701..702 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 6 block 13: shares 703..704 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 6 block 14: shares 705..706 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 6 block 15: shares 707..708 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 6 block 16: shares 709..710 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 6 block 17: shares 711..712 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 6 block 18: shares 713..714 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 6 block 19: shares 715..716 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 6 block 20: shares 717..718 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 6 block 21: shares 719..720 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 6 block 22: shares 721..722 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 6 block 23: shares 723..724 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 6 block 24: shares 725..726 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 6 block 25: shares 727..728 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 6 block 26: shares 729..730 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 6 block 27: shares 731..732 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 6 block 28: shares 733..734 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 6 block 29: shares 735..736 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 6 block 30: shares 737..738 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 6 block 31: shares 739..740 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 6 block 32: shares 741..742 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 6 block 33: shares 743..744 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 6 block 34: shares 745..746 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 6 block 35: shares 747..748 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 6 block 36: shares 749..750 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 6 block 37: shares 751..752 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 6 block 38: shares 753..754 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 6 block 39: shares 755..756 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 6 block 40: shares 757..758 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 6 block 41: shares 759..760 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 6 block 42: shares 761..762 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 6 block 43: shares 763..764 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 6 block 44: shares 765..766 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 6 block 45: shares 767..768 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 6 block 46: shares 769..770 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 6 block 47: shares 771..772 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 6 block 48: shares 773..774 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 6 block 49: shares 775..776 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 6 block 50: shares 777..777 ({step, share, of})
-    {4, 1, 16},
-    // rank 6 block 51: shares 778..778 ({step, share, of})
-    {4, 2, 16},
-    // rank 6 block 52: shares 779..779 ({step, share, of})
-    {4, 3, 16},
-    // rank 6 block 53: shares 780..780 ({step, share, of})
-    {4, 4, 16},
-    // rank 6 block 54: shares 781..781 ({step, share, of})
-    {4, 5, 16},
-    // rank 6 block 55: shares 782..782 ({step, share, of})
-    {4, 6, 16},
-    // rank 6 block 56: shares 783..783 ({step, share, of})
-    {4, 7, 16},
-    // rank 6 block 57: shares 784..784 ({step, share, of})
-    {4, 8, 16},
-    // rank 6 block 58: shares 785..785 ({step, share, of})
-    {4, 9, 16},
-    // rank 6 block 59: shares 786..786 ({step, share, of})
-    {4, 10, 16},
-    // rank 6 block 60: shares 787..787 ({step, share, of})
-    {4, 11, 16},
-    // rank 6 block 61: shares 788..788 ({step, share, of})
-    {4, 12, 16},
-    // rank 6 block 62: shares 789..789 ({step, share, of})
-    {4, 13, 16},
-    // rank 6 block 63: shares 790..790 ({step, share, of})
-    {4, 14, 16},
-    // rank 7 block 0: shares 791..791 ({step, share, of})
-    {4, 15, 16},
-    // rank 7 block 1: shares 792..793 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 7 block 2: shares 794..795 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 7 block 3: shares 796..797 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 7 block 4: shares 798..799 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 7 block 5: shares 800..801 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 7 block 6: shares 802..803 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 7 block 7: shares 804..805 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 7 block 8: shares 806..807 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 7 block 9: shares 808..809 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 7 block 10: shares 810..811 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 7 block 11: shares 812..813 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 7 block 12: shares 814..815 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 7 block 13: shares 816..817 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 7 block 14: shares 818..819 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 7 block 15: shares 820..821 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 7 block 16: shares 822..823 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 7 block 17: shares 824..825 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 7 block 18: shares 826..827 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 7 block 19: shares 828..829 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 7 block 20: shares 830..831 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 7 block 21: shares 832..833 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 7 block 22: shares 834..835 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 7 block 23: shares 836..837 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 7 block 24: shares 838..839 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 7 block 25: shares 840..841 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 7 block 26: shares 842..843 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 7 block 27: shares 844..845 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 7 block 28: shares 846..847 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 7 block 29: shares 848..849 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 7 block 30: shares 850..851 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 7 block 31: shares 852..853 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 7 block 32: shares 854..855 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 7 block 33: shares 856..857 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 7 block 34: shares 858..859 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 7 block 35: shares 860..861 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 7 block 36: shares 862..863 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 7 block 37: shares 864..865 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 7 block 38: shares 866..867 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 7 block 39: shares 868..869 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 7 block 40: shares 870..871 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 7 block 41: shares 872..873 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 7 block 42: shares 874..875 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 7 block 43: shares 876..877 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 7 block 44: shares 878..879 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 7 block 45: shares 880..881 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 7 block 46: shares 882..883 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 7 block 47: shares 884..885 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 7 block 48: shares 886..887 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 7 block 49: shares 888..889 ({step, share, of})
-    {4, 0, 16}, {8, 0, 1},
-    // rank 7 block 50: shares 890..890 ({step, share, of})
-    {4, 1, 16},
-    // rank 7 block 51: shares 891..891 ({step, share, of})
-    {4, 2, 16},
-    // rank 7 block 52: shares 892..892 ({step, share, of})
-    {4, 3, 16},
-    // rank 7 block 53: shares 893..893 ({step, share, of})
-    {4, 4, 16},
-    // rank 7 block 54: shares 894..894 ({step, share, of})
-    {4, 5, 16},
-    // rank 7 block 55: shares 895..895 ({step, share, of})
-    {4, 6, 16},
-    // rank 7 block 56: shares 896..896 ({step, share, of})
-    {4, 7, 16},
-    // rank 7 block 57: shares 897..897 ({step, share, of})
-    {4, 8, 16},
-    // rank 7 block 58: shares 898..898 ({step, share, of})
-    {4, 9, 16},
-    // rank 7 block 59: shares 899..899 ({step, share, of})
-    {4, 10, 16},
-    // rank 7 block 60: shares 900..900 ({step, share, of})
-    {4, 11, 16},
-    // rank 7 block 61: shares 901..901 ({step, share, of})
-    {4, 12, 16},
-    // rank 7 block 62: shares 902..902 ({step, share, of})
-    {4, 13, 16},
-    // rank 7 block 63: shares 903..903 ({step, share, of})
-    {4, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..112
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
+    // rank 1: shares 113..225
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
+    // rank 2: shares 226..338
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
+    // rank 3: shares 339..451
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
+    // rank 4: shares 452..564
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
+    // rank 5: shares 565..677
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
+    // rank 6: shares 678..790
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
+    // rank 7: shares 791..903
+    {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
+    {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
+    {5, 7, 16, 2, -4, 1}, {5, 8, 16, 2, -4, 1}, {5, 9, 16, 2, -4, 1}, {5, 10, 16, 2, -4, 1},
+    {5, 11, 16, 2, -4, 1}, {5, 12, 16, 2, -4, 1}, {5, 13, 16, 2, -4, 1}, {5, 14, 16, 2, -4, 1},
+    {5, 15, 16, 2, -3, -15}, {6, 0, 16, 2, -4, 1}, {6, 1, 16, 2, -4, 1}, {6, 2, 16, 2, -4, 1},
+    {6, 3, 16, 2, -4, 1}, {6, 4, 16, 2, -4, 1}, {6, 5, 16, 2, -4, 1}, {6, 6, 16, 2, -4, 1},
+    {6, 7, 16, 2, -4, 1}, {6, 8, 16, 2, -4, 1}, {6, 9, 16, 2, -4, 1}, {6, 10, 16, 2, -4, 1},
+    {6, 11, 16, 2, -4, 1}, {6, 12, 16, 2, -4, 1}, {6, 13, 16, 2, -4, 1}, {6, 14, 16, 2, -4, 1},
+    {6, 15, 16, 2, -3, -15}, {7, 0, 16, 2, -4, 1}, {7, 1, 16, 2, -4, 1}, {7, 2, 16, 2, -4, 1},
+    {7, 3, 16, 2, -4, 1}, {7, 4, 16, 2, -4, 1}, {7, 5, 16, 2, -4, 1}, {7, 6, 16, 2, -4, 1},
+    {7, 7, 16, 2, -4, 1}, {7, 8, 16, 2, -4, 1}, {7, 9, 16, 2, -4, 1}, {7, 10, 16, 2, -4, 1},
+    {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
+    {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
 };
+static __device__ const tsgen_share_table<904> shares_w8 =
+    tsgen_expand_shares<904>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
     { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113 },
@@ -3220,11 +1667,8 @@ static __device__ const uint16_t first_w8[8][65] = {
     { 791, 792, 794, 796, 798, 800, 802, 804, 806, 808, 810, 812, 814, 816, 818, 820, 822, 824, 826, 828, 830, 832, 834, 836, 838, 840, 842, 844, 846, 848, 850, 852, 854, 856, 858, 860, 862, 864, 866, 868, 870, 872, 874, 876, 878, 880, 882, 884, 886, 888, 890, 891, 892, 893, 894, 895, 896, 897, 898, 899, 900, 901, 902, 903, 904 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3274,8 +1718,6 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3352,8 +1794,6 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3467,7 +1907,7 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -3489,15 +1929,6 @@ template <> struct plan<8> {
   }
 };
 
-
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)entry, (char*)arrive };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
 
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
@@ -3532,23 +1963,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) allgather_inplace_w2(char* 
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_inplace_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) allgather_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   allgather_inplace::run<3>(peers, rank, epoch, count, dst, entry, arrive);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_inplace_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, arrive);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -3558,12 +1977,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) allgather_inplace_w4(char* 
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_inplace_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) allgather_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -3571,9 +1984,17 @@ extern "C" __global__ void __launch_bounds__(512) allgather_inplace_w8(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_inplace_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, dst, entry, arrive);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through allgather_inplace::launch.
+namespace allgather_inplace {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, dst, entry, arrive);
   return cudaGetLastError();
 }
+}  // namespace allgather_inplace
 
+extern "C" cudaError_t allgather_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_inplace::launch<allgather_inplace_w2, 64, 512, 0>(peers, rank, calls, count, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_inplace::launch<allgather_inplace_w3, 64, 512, 0>(peers, rank, calls, count, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_inplace::launch<allgather_inplace_w4, 64, 512, 0>(peers, rank, calls, count, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_inplace::launch<allgather_inplace_w8, 64, 512, 0>(peers, rank, calls, count, dst, entry, arrive, stream); }

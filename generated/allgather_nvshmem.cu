@@ -2,7 +2,7 @@
 // spec sha256 3d63e52e6db62750d6afafd41a77518fc1f5417952591cb530edc9f3b52789cf
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)
+// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push: each rank writes its input into every peer)
 // kernels: allgather_nvshmem_w2, allgather_nvshmem_w3, allgather_nvshmem_w4, allgather_nvshmem_w8 (one per world size; grid 64 x 512 threads)
 // count unit: elements
 //
@@ -925,6 +925,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1471,6 +1493,18 @@ typedef __nv_bfloat16 T;
 //   4: arrive
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+  (void)peers;
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  tsgen_nvshmem_run_plan<T, UNROLL, WORLD>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                                           plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                                           rank, epoch, count, bufs, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 8 steps, 68 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1494,144 +1528,16 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 18..18 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 19..19 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 20..20 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 21..21 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 22..22 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 23..23 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 24..24 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 25..25 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 26..26 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 27..27 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 28..28 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 29..29 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 30..30 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 31..31 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 32..32 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 33..33 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 0: shares 34..34 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 35..35 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 36..36 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 37..37 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 38..38 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 39..39 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 40..40 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 41..41 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 42..42 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 43..43 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 44..44 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 45..45 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 46..46 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 47..47 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 48..48 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 49..49 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 50..50 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 51..51 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 52..52 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 53..53 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 54..54 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 55..55 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 56..56 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 57..57 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 58..58 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 59..59 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 60..60 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 61..61 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 62..62 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 63..63 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 64..64 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 65..65 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 66..66 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 67..67 ({step, share, of})
-    {3, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w2[] = {
+    // rank 0: shares 0..33
+    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 1, 1, 0, 0},
+    // rank 1: shares 34..67
+    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 1, 1, 0, 0},
 };
+static __device__ const tsgen_share_table<68> shares_w2 =
+    tsgen_expand_shares<68>(share_runs_w2);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
     { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34 },
@@ -1675,308 +1581,21 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 18..18 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 19..19 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 20..20 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 21..21 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 22..22 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 23..23 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 24..24 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 25..25 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 26..26 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 27..27 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 28..28 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 29..29 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 30..30 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 31..31 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 32..32 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 33..33 ({step, share, of})
-    {3, 0, 16},
-    // rank 0 block 34: shares 34..34 ({step, share, of})
-    {3, 1, 16},
-    // rank 0 block 35: shares 35..35 ({step, share, of})
-    {3, 2, 16},
-    // rank 0 block 36: shares 36..36 ({step, share, of})
-    {3, 3, 16},
-    // rank 0 block 37: shares 37..37 ({step, share, of})
-    {3, 4, 16},
-    // rank 0 block 38: shares 38..38 ({step, share, of})
-    {3, 5, 16},
-    // rank 0 block 39: shares 39..39 ({step, share, of})
-    {3, 6, 16},
-    // rank 0 block 40: shares 40..40 ({step, share, of})
-    {3, 7, 16},
-    // rank 0 block 41: shares 41..41 ({step, share, of})
-    {3, 8, 16},
-    // rank 0 block 42: shares 42..42 ({step, share, of})
-    {3, 9, 16},
-    // rank 0 block 43: shares 43..43 ({step, share, of})
-    {3, 10, 16},
-    // rank 0 block 44: shares 44..44 ({step, share, of})
-    {3, 11, 16},
-    // rank 0 block 45: shares 45..45 ({step, share, of})
-    {3, 12, 16},
-    // rank 0 block 46: shares 46..46 ({step, share, of})
-    {3, 13, 16},
-    // rank 0 block 47: shares 47..47 ({step, share, of})
-    {3, 14, 16},
-    // rank 0 block 48: shares 48..48 ({step, share, of})
-    {3, 15, 16},
-    // rank 0 block 49: shares 49..49 ({step, share, of})
-    {4, 0, 1},
-    // rank 1 block 0: shares 50..50 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 51..51 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 52..52 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 53..53 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 54..54 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 55..55 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 56..56 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 57..57 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 58..58 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 59..59 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 60..60 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 61..61 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 62..62 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 63..63 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 64..64 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 65..65 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 66..66 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 67..67 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 68..68 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 69..69 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 70..70 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 71..71 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 72..72 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 73..73 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 74..74 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 75..75 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 76..76 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 77..77 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 78..78 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 79..79 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 80..80 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 81..81 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 82..82 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 83..83 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 34: shares 84..84 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 35: shares 85..85 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 36: shares 86..86 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 37: shares 87..87 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 38: shares 88..88 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 39: shares 89..89 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 40: shares 90..90 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 41: shares 91..91 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 42: shares 92..92 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 43: shares 93..93 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 44: shares 94..94 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 45: shares 95..95 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 46: shares 96..96 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 47: shares 97..97 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 48: shares 98..98 ({step, share, of})
-    {3, 15, 16},
-    // rank 1 block 49: shares 99..99 ({step, share, of})
-    {4, 0, 1},
-    // rank 2 block 0: shares 100..100 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 101..101 ({step, share, of})
-    {1, 0, 16},
-    // rank 2 block 2: shares 102..102 ({step, share, of})
-    {1, 1, 16},
-    // rank 2 block 3: shares 103..103 ({step, share, of})
-    {1, 2, 16},
-    // rank 2 block 4: shares 104..104 ({step, share, of})
-    {1, 3, 16},
-    // rank 2 block 5: shares 105..105 ({step, share, of})
-    {1, 4, 16},
-    // rank 2 block 6: shares 106..106 ({step, share, of})
-    {1, 5, 16},
-    // rank 2 block 7: shares 107..107 ({step, share, of})
-    {1, 6, 16},
-    // rank 2 block 8: shares 108..108 ({step, share, of})
-    {1, 7, 16},
-    // rank 2 block 9: shares 109..109 ({step, share, of})
-    {1, 8, 16},
-    // rank 2 block 10: shares 110..110 ({step, share, of})
-    {1, 9, 16},
-    // rank 2 block 11: shares 111..111 ({step, share, of})
-    {1, 10, 16},
-    // rank 2 block 12: shares 112..112 ({step, share, of})
-    {1, 11, 16},
-    // rank 2 block 13: shares 113..113 ({step, share, of})
-    {1, 12, 16},
-    // rank 2 block 14: shares 114..114 ({step, share, of})
-    {1, 13, 16},
-    // rank 2 block 15: shares 115..115 ({step, share, of})
-    {1, 14, 16},
-    // rank 2 block 16: shares 116..116 ({step, share, of})
-    {1, 15, 16},
-    // rank 2 block 17: shares 117..117 ({step, share, of})
-    {2, 0, 16},
-    // rank 2 block 18: shares 118..118 ({step, share, of})
-    {2, 1, 16},
-    // rank 2 block 19: shares 119..119 ({step, share, of})
-    {2, 2, 16},
-    // rank 2 block 20: shares 120..120 ({step, share, of})
-    {2, 3, 16},
-    // rank 2 block 21: shares 121..121 ({step, share, of})
-    {2, 4, 16},
-    // rank 2 block 22: shares 122..122 ({step, share, of})
-    {2, 5, 16},
-    // rank 2 block 23: shares 123..123 ({step, share, of})
-    {2, 6, 16},
-    // rank 2 block 24: shares 124..124 ({step, share, of})
-    {2, 7, 16},
-    // rank 2 block 25: shares 125..125 ({step, share, of})
-    {2, 8, 16},
-    // rank 2 block 26: shares 126..126 ({step, share, of})
-    {2, 9, 16},
-    // rank 2 block 27: shares 127..127 ({step, share, of})
-    {2, 10, 16},
-    // rank 2 block 28: shares 128..128 ({step, share, of})
-    {2, 11, 16},
-    // rank 2 block 29: shares 129..129 ({step, share, of})
-    {2, 12, 16},
-    // rank 2 block 30: shares 130..130 ({step, share, of})
-    {2, 13, 16},
-    // rank 2 block 31: shares 131..131 ({step, share, of})
-    {2, 14, 16},
-    // rank 2 block 32: shares 132..132 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 33: shares 133..133 ({step, share, of})
-    {3, 0, 16},
-    // rank 2 block 34: shares 134..134 ({step, share, of})
-    {3, 1, 16},
-    // rank 2 block 35: shares 135..135 ({step, share, of})
-    {3, 2, 16},
-    // rank 2 block 36: shares 136..136 ({step, share, of})
-    {3, 3, 16},
-    // rank 2 block 37: shares 137..137 ({step, share, of})
-    {3, 4, 16},
-    // rank 2 block 38: shares 138..138 ({step, share, of})
-    {3, 5, 16},
-    // rank 2 block 39: shares 139..139 ({step, share, of})
-    {3, 6, 16},
-    // rank 2 block 40: shares 140..140 ({step, share, of})
-    {3, 7, 16},
-    // rank 2 block 41: shares 141..141 ({step, share, of})
-    {3, 8, 16},
-    // rank 2 block 42: shares 142..142 ({step, share, of})
-    {3, 9, 16},
-    // rank 2 block 43: shares 143..143 ({step, share, of})
-    {3, 10, 16},
-    // rank 2 block 44: shares 144..144 ({step, share, of})
-    {3, 11, 16},
-    // rank 2 block 45: shares 145..145 ({step, share, of})
-    {3, 12, 16},
-    // rank 2 block 46: shares 146..146 ({step, share, of})
-    {3, 13, 16},
-    // rank 2 block 47: shares 147..147 ({step, share, of})
-    {3, 14, 16},
-    // rank 2 block 48: shares 148..148 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 49: shares 149..149 ({step, share, of})
-    {4, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w3[] = {
+    // rank 0: shares 0..49
+    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1},
+    {4, 0, 1, 1, 0, 0},
+    // rank 1: shares 50..99
+    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1},
+    {4, 0, 1, 1, 0, 0},
+    // rank 2: shares 100..149
+    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1},
+    {4, 0, 1, 1, 0, 0},
 };
+static __device__ const tsgen_share_table<150> shares_w3 =
+    tsgen_expand_shares<150>(share_runs_w3);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
     { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50 },
@@ -2039,520 +1658,24 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 0 block 1: shares 2..3 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 0 block 2: shares 4..4 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 5..5 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 6..6 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 7..7 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 8..8 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 9..9 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 10..10 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 11..11 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 12..12 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 13..13 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 14..14 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 15..15 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 16..16 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 17..17 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 18..18 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 19..19 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 20..20 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 21..21 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 22..22 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 23..23 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 24..24 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 25..25 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 26..26 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 27..27 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 28..28 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 29..29 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 30..30 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 31..31 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 32..32 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 33..33 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 34..34 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 35..35 ({step, share, of})
-    {3, 0, 16},
-    // rank 0 block 34: shares 36..36 ({step, share, of})
-    {3, 1, 16},
-    // rank 0 block 35: shares 37..37 ({step, share, of})
-    {3, 2, 16},
-    // rank 0 block 36: shares 38..38 ({step, share, of})
-    {3, 3, 16},
-    // rank 0 block 37: shares 39..39 ({step, share, of})
-    {3, 4, 16},
-    // rank 0 block 38: shares 40..40 ({step, share, of})
-    {3, 5, 16},
-    // rank 0 block 39: shares 41..41 ({step, share, of})
-    {3, 6, 16},
-    // rank 0 block 40: shares 42..42 ({step, share, of})
-    {3, 7, 16},
-    // rank 0 block 41: shares 43..43 ({step, share, of})
-    {3, 8, 16},
-    // rank 0 block 42: shares 44..44 ({step, share, of})
-    {3, 9, 16},
-    // rank 0 block 43: shares 45..45 ({step, share, of})
-    {3, 10, 16},
-    // rank 0 block 44: shares 46..46 ({step, share, of})
-    {3, 11, 16},
-    // rank 0 block 45: shares 47..47 ({step, share, of})
-    {3, 12, 16},
-    // rank 0 block 46: shares 48..48 ({step, share, of})
-    {3, 13, 16},
-    // rank 0 block 47: shares 49..49 ({step, share, of})
-    {3, 14, 16},
-    // rank 0 block 48: shares 50..50 ({step, share, of})
-    {3, 15, 16},
-    // rank 0 block 49: shares 51..51 ({step, share, of})
-    {4, 0, 16},
-    // rank 0 block 50: shares 52..52 ({step, share, of})
-    {4, 1, 16},
-    // rank 0 block 51: shares 53..53 ({step, share, of})
-    {4, 2, 16},
-    // rank 0 block 52: shares 54..54 ({step, share, of})
-    {4, 3, 16},
-    // rank 0 block 53: shares 55..55 ({step, share, of})
-    {4, 4, 16},
-    // rank 0 block 54: shares 56..56 ({step, share, of})
-    {4, 5, 16},
-    // rank 0 block 55: shares 57..57 ({step, share, of})
-    {4, 6, 16},
-    // rank 0 block 56: shares 58..58 ({step, share, of})
-    {4, 7, 16},
-    // rank 0 block 57: shares 59..59 ({step, share, of})
-    {4, 8, 16},
-    // rank 0 block 58: shares 60..60 ({step, share, of})
-    {4, 9, 16},
-    // rank 0 block 59: shares 61..61 ({step, share, of})
-    {4, 10, 16},
-    // rank 0 block 60: shares 62..62 ({step, share, of})
-    {4, 11, 16},
-    // rank 0 block 61: shares 63..63 ({step, share, of})
-    {4, 12, 16},
-    // rank 0 block 62: shares 64..64 ({step, share, of})
-    {4, 13, 16},
-    // rank 0 block 63: shares 65..65 ({step, share, of})
-    {4, 14, 16},
-    // rank 1 block 0: shares 66..67 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 1 block 1: shares 68..69 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 1 block 2: shares 70..70 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 71..71 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 72..72 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 73..73 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 74..74 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 75..75 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 76..76 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 77..77 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 78..78 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 79..79 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 80..80 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 81..81 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 82..82 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 83..83 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 84..84 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 85..85 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 86..86 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 87..87 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 88..88 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 89..89 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 90..90 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 91..91 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 92..92 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 93..93 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 94..94 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 95..95 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 96..96 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 97..97 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 98..98 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 99..99 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 100..100 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 101..101 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 34: shares 102..102 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 35: shares 103..103 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 36: shares 104..104 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 37: shares 105..105 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 38: shares 106..106 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 39: shares 107..107 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 40: shares 108..108 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 41: shares 109..109 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 42: shares 110..110 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 43: shares 111..111 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 44: shares 112..112 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 45: shares 113..113 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 46: shares 114..114 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 47: shares 115..115 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 48: shares 116..116 ({step, share, of})
-    {3, 15, 16},
-    // rank 1 block 49: shares 117..117 ({step, share, of})
-    {4, 0, 16},
-    // rank 1 block 50: shares 118..118 ({step, share, of})
-    {4, 1, 16},
-    // rank 1 block 51: shares 119..119 ({step, share, of})
-    {4, 2, 16},
-    // rank 1 block 52: shares 120..120 ({step, share, of})
-    {4, 3, 16},
-    // rank 1 block 53: shares 121..121 ({step, share, of})
-    {4, 4, 16},
-    // rank 1 block 54: shares 122..122 ({step, share, of})
-    {4, 5, 16},
-    // rank 1 block 55: shares 123..123 ({step, share, of})
-    {4, 6, 16},
-    // rank 1 block 56: shares 124..124 ({step, share, of})
-    {4, 7, 16},
-    // rank 1 block 57: shares 125..125 ({step, share, of})
-    {4, 8, 16},
-    // rank 1 block 58: shares 126..126 ({step, share, of})
-    {4, 9, 16},
-    // rank 1 block 59: shares 127..127 ({step, share, of})
-    {4, 10, 16},
-    // rank 1 block 60: shares 128..128 ({step, share, of})
-    {4, 11, 16},
-    // rank 1 block 61: shares 129..129 ({step, share, of})
-    {4, 12, 16},
-    // rank 1 block 62: shares 130..130 ({step, share, of})
-    {4, 13, 16},
-    // rank 1 block 63: shares 131..131 ({step, share, of})
-    {4, 14, 16},
-    // rank 2 block 0: shares 132..133 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 2 block 1: shares 134..135 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 2 block 2: shares 136..136 ({step, share, of})
-    {1, 1, 16},
-    // rank 2 block 3: shares 137..137 ({step, share, of})
-    {1, 2, 16},
-    // rank 2 block 4: shares 138..138 ({step, share, of})
-    {1, 3, 16},
-    // rank 2 block 5: shares 139..139 ({step, share, of})
-    {1, 4, 16},
-    // rank 2 block 6: shares 140..140 ({step, share, of})
-    {1, 5, 16},
-    // rank 2 block 7: shares 141..141 ({step, share, of})
-    {1, 6, 16},
-    // rank 2 block 8: shares 142..142 ({step, share, of})
-    {1, 7, 16},
-    // rank 2 block 9: shares 143..143 ({step, share, of})
-    {1, 8, 16},
-    // rank 2 block 10: shares 144..144 ({step, share, of})
-    {1, 9, 16},
-    // rank 2 block 11: shares 145..145 ({step, share, of})
-    {1, 10, 16},
-    // rank 2 block 12: shares 146..146 ({step, share, of})
-    {1, 11, 16},
-    // rank 2 block 13: shares 147..147 ({step, share, of})
-    {1, 12, 16},
-    // rank 2 block 14: shares 148..148 ({step, share, of})
-    {1, 13, 16},
-    // rank 2 block 15: shares 149..149 ({step, share, of})
-    {1, 14, 16},
-    // rank 2 block 16: shares 150..150 ({step, share, of})
-    {1, 15, 16},
-    // rank 2 block 17: shares 151..151 ({step, share, of})
-    {2, 0, 16},
-    // rank 2 block 18: shares 152..152 ({step, share, of})
-    {2, 1, 16},
-    // rank 2 block 19: shares 153..153 ({step, share, of})
-    {2, 2, 16},
-    // rank 2 block 20: shares 154..154 ({step, share, of})
-    {2, 3, 16},
-    // rank 2 block 21: shares 155..155 ({step, share, of})
-    {2, 4, 16},
-    // rank 2 block 22: shares 156..156 ({step, share, of})
-    {2, 5, 16},
-    // rank 2 block 23: shares 157..157 ({step, share, of})
-    {2, 6, 16},
-    // rank 2 block 24: shares 158..158 ({step, share, of})
-    {2, 7, 16},
-    // rank 2 block 25: shares 159..159 ({step, share, of})
-    {2, 8, 16},
-    // rank 2 block 26: shares 160..160 ({step, share, of})
-    {2, 9, 16},
-    // rank 2 block 27: shares 161..161 ({step, share, of})
-    {2, 10, 16},
-    // rank 2 block 28: shares 162..162 ({step, share, of})
-    {2, 11, 16},
-    // rank 2 block 29: shares 163..163 ({step, share, of})
-    {2, 12, 16},
-    // rank 2 block 30: shares 164..164 ({step, share, of})
-    {2, 13, 16},
-    // rank 2 block 31: shares 165..165 ({step, share, of})
-    {2, 14, 16},
-    // rank 2 block 32: shares 166..166 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 33: shares 167..167 ({step, share, of})
-    {3, 0, 16},
-    // rank 2 block 34: shares 168..168 ({step, share, of})
-    {3, 1, 16},
-    // rank 2 block 35: shares 169..169 ({step, share, of})
-    {3, 2, 16},
-    // rank 2 block 36: shares 170..170 ({step, share, of})
-    {3, 3, 16},
-    // rank 2 block 37: shares 171..171 ({step, share, of})
-    {3, 4, 16},
-    // rank 2 block 38: shares 172..172 ({step, share, of})
-    {3, 5, 16},
-    // rank 2 block 39: shares 173..173 ({step, share, of})
-    {3, 6, 16},
-    // rank 2 block 40: shares 174..174 ({step, share, of})
-    {3, 7, 16},
-    // rank 2 block 41: shares 175..175 ({step, share, of})
-    {3, 8, 16},
-    // rank 2 block 42: shares 176..176 ({step, share, of})
-    {3, 9, 16},
-    // rank 2 block 43: shares 177..177 ({step, share, of})
-    {3, 10, 16},
-    // rank 2 block 44: shares 178..178 ({step, share, of})
-    {3, 11, 16},
-    // rank 2 block 45: shares 179..179 ({step, share, of})
-    {3, 12, 16},
-    // rank 2 block 46: shares 180..180 ({step, share, of})
-    {3, 13, 16},
-    // rank 2 block 47: shares 181..181 ({step, share, of})
-    {3, 14, 16},
-    // rank 2 block 48: shares 182..182 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 49: shares 183..183 ({step, share, of})
-    {4, 0, 16},
-    // rank 2 block 50: shares 184..184 ({step, share, of})
-    {4, 1, 16},
-    // rank 2 block 51: shares 185..185 ({step, share, of})
-    {4, 2, 16},
-    // rank 2 block 52: shares 186..186 ({step, share, of})
-    {4, 3, 16},
-    // rank 2 block 53: shares 187..187 ({step, share, of})
-    {4, 4, 16},
-    // rank 2 block 54: shares 188..188 ({step, share, of})
-    {4, 5, 16},
-    // rank 2 block 55: shares 189..189 ({step, share, of})
-    {4, 6, 16},
-    // rank 2 block 56: shares 190..190 ({step, share, of})
-    {4, 7, 16},
-    // rank 2 block 57: shares 191..191 ({step, share, of})
-    {4, 8, 16},
-    // rank 2 block 58: shares 192..192 ({step, share, of})
-    {4, 9, 16},
-    // rank 2 block 59: shares 193..193 ({step, share, of})
-    {4, 10, 16},
-    // rank 2 block 60: shares 194..194 ({step, share, of})
-    {4, 11, 16},
-    // rank 2 block 61: shares 195..195 ({step, share, of})
-    {4, 12, 16},
-    // rank 2 block 62: shares 196..196 ({step, share, of})
-    {4, 13, 16},
-    // rank 2 block 63: shares 197..197 ({step, share, of})
-    {4, 14, 16},
-    // rank 3 block 0: shares 198..199 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 3 block 1: shares 200..201 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 3 block 2: shares 202..202 ({step, share, of})
-    {1, 1, 16},
-    // rank 3 block 3: shares 203..203 ({step, share, of})
-    {1, 2, 16},
-    // rank 3 block 4: shares 204..204 ({step, share, of})
-    {1, 3, 16},
-    // rank 3 block 5: shares 205..205 ({step, share, of})
-    {1, 4, 16},
-    // rank 3 block 6: shares 206..206 ({step, share, of})
-    {1, 5, 16},
-    // rank 3 block 7: shares 207..207 ({step, share, of})
-    {1, 6, 16},
-    // rank 3 block 8: shares 208..208 ({step, share, of})
-    {1, 7, 16},
-    // rank 3 block 9: shares 209..209 ({step, share, of})
-    {1, 8, 16},
-    // rank 3 block 10: shares 210..210 ({step, share, of})
-    {1, 9, 16},
-    // rank 3 block 11: shares 211..211 ({step, share, of})
-    {1, 10, 16},
-    // rank 3 block 12: shares 212..212 ({step, share, of})
-    {1, 11, 16},
-    // rank 3 block 13: shares 213..213 ({step, share, of})
-    {1, 12, 16},
-    // rank 3 block 14: shares 214..214 ({step, share, of})
-    {1, 13, 16},
-    // rank 3 block 15: shares 215..215 ({step, share, of})
-    {1, 14, 16},
-    // rank 3 block 16: shares 216..216 ({step, share, of})
-    {1, 15, 16},
-    // rank 3 block 17: shares 217..217 ({step, share, of})
-    {2, 0, 16},
-    // rank 3 block 18: shares 218..218 ({step, share, of})
-    {2, 1, 16},
-    // rank 3 block 19: shares 219..219 ({step, share, of})
-    {2, 2, 16},
-    // rank 3 block 20: shares 220..220 ({step, share, of})
-    {2, 3, 16},
-    // rank 3 block 21: shares 221..221 ({step, share, of})
-    {2, 4, 16},
-    // rank 3 block 22: shares 222..222 ({step, share, of})
-    {2, 5, 16},
-    // rank 3 block 23: shares 223..223 ({step, share, of})
-    {2, 6, 16},
-    // rank 3 block 24: shares 224..224 ({step, share, of})
-    {2, 7, 16},
-    // rank 3 block 25: shares 225..225 ({step, share, of})
-    {2, 8, 16},
-    // rank 3 block 26: shares 226..226 ({step, share, of})
-    {2, 9, 16},
-    // rank 3 block 27: shares 227..227 ({step, share, of})
-    {2, 10, 16},
-    // rank 3 block 28: shares 228..228 ({step, share, of})
-    {2, 11, 16},
-    // rank 3 block 29: shares 229..229 ({step, share, of})
-    {2, 12, 16},
-    // rank 3 block 30: shares 230..230 ({step, share, of})
-    {2, 13, 16},
-    // rank 3 block 31: shares 231..231 ({step, share, of})
-    {2, 14, 16},
-    // rank 3 block 32: shares 232..232 ({step, share, of})
-    {2, 15, 16},
-    // rank 3 block 33: shares 233..233 ({step, share, of})
-    {3, 0, 16},
-    // rank 3 block 34: shares 234..234 ({step, share, of})
-    {3, 1, 16},
-    // rank 3 block 35: shares 235..235 ({step, share, of})
-    {3, 2, 16},
-    // rank 3 block 36: shares 236..236 ({step, share, of})
-    {3, 3, 16},
-    // rank 3 block 37: shares 237..237 ({step, share, of})
-    {3, 4, 16},
-    // rank 3 block 38: shares 238..238 ({step, share, of})
-    {3, 5, 16},
-    // rank 3 block 39: shares 239..239 ({step, share, of})
-    {3, 6, 16},
-    // rank 3 block 40: shares 240..240 ({step, share, of})
-    {3, 7, 16},
-    // rank 3 block 41: shares 241..241 ({step, share, of})
-    {3, 8, 16},
-    // rank 3 block 42: shares 242..242 ({step, share, of})
-    {3, 9, 16},
-    // rank 3 block 43: shares 243..243 ({step, share, of})
-    {3, 10, 16},
-    // rank 3 block 44: shares 244..244 ({step, share, of})
-    {3, 11, 16},
-    // rank 3 block 45: shares 245..245 ({step, share, of})
-    {3, 12, 16},
-    // rank 3 block 46: shares 246..246 ({step, share, of})
-    {3, 13, 16},
-    // rank 3 block 47: shares 247..247 ({step, share, of})
-    {3, 14, 16},
-    // rank 3 block 48: shares 248..248 ({step, share, of})
-    {3, 15, 16},
-    // rank 3 block 49: shares 249..249 ({step, share, of})
-    {4, 0, 16},
-    // rank 3 block 50: shares 250..250 ({step, share, of})
-    {4, 1, 16},
-    // rank 3 block 51: shares 251..251 ({step, share, of})
-    {4, 2, 16},
-    // rank 3 block 52: shares 252..252 ({step, share, of})
-    {4, 3, 16},
-    // rank 3 block 53: shares 253..253 ({step, share, of})
-    {4, 4, 16},
-    // rank 3 block 54: shares 254..254 ({step, share, of})
-    {4, 5, 16},
-    // rank 3 block 55: shares 255..255 ({step, share, of})
-    {4, 6, 16},
-    // rank 3 block 56: shares 256..256 ({step, share, of})
-    {4, 7, 16},
-    // rank 3 block 57: shares 257..257 ({step, share, of})
-    {4, 8, 16},
-    // rank 3 block 58: shares 258..258 ({step, share, of})
-    {4, 9, 16},
-    // rank 3 block 59: shares 259..259 ({step, share, of})
-    {4, 10, 16},
-    // rank 3 block 60: shares 260..260 ({step, share, of})
-    {4, 11, 16},
-    // rank 3 block 61: shares 261..261 ({step, share, of})
-    {4, 12, 16},
-    // rank 3 block 62: shares 262..262 ({step, share, of})
-    {4, 13, 16},
-    // rank 3 block 63: shares 263..263 ({step, share, of})
-    {4, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w4[] = {
+    // rank 0: shares 0..65
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
+    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
+    // rank 1: shares 66..131
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
+    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
+    // rank 2: shares 132..197
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
+    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
+    // rank 3: shares 198..263
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
+    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
 };
+static __device__ const tsgen_share_table<264> shares_w4 =
+    tsgen_expand_shares<264>(share_runs_w4);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
     { 0, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66 },
@@ -2728,1032 +1851,156 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..2 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 3..5 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 0 block 2: shares 6..7 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 0 block 3: shares 8..9 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 0 block 4: shares 10..11 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 0 block 5: shares 12..13 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 0 block 6: shares 14..15 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 0 block 7: shares 16..17 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 0 block 8: shares 18..19 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 0 block 9: shares 20..21 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 0 block 10: shares 22..23 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 0 block 11: shares 24..25 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 0 block 12: shares 26..27 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 0 block 13: shares 28..29 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 0 block 14: shares 30..31 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 0 block 15: shares 32..33 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 0 block 16: shares 34..35 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 0 block 17: shares 36..37 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 0 block 18: shares 38..39 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 0 block 19: shares 40..41 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 0 block 20: shares 42..43 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 0 block 21: shares 44..45 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 0 block 22: shares 46..47 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 0 block 23: shares 48..49 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 0 block 24: shares 50..51 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 0 block 25: shares 52..53 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 0 block 26: shares 54..55 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 0 block 27: shares 56..57 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 0 block 28: shares 58..59 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 0 block 29: shares 60..61 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 0 block 30: shares 62..63 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 0 block 31: shares 64..65 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 0 block 32: shares 66..67 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 0 block 33: shares 68..69 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 0 block 34: shares 70..71 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 0 block 35: shares 72..73 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 0 block 36: shares 74..75 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 0 block 37: shares 76..77 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 0 block 38: shares 78..79 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 0 block 39: shares 80..81 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 0 block 40: shares 82..83 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 0 block 41: shares 84..85 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 0 block 42: shares 86..87 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 0 block 43: shares 88..89 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 0 block 44: shares 90..91 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 0 block 45: shares 92..93 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 0 block 46: shares 94..95 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 0 block 47: shares 96..97 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 0 block 48: shares 98..99 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 0 block 49: shares 100..101 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 0 block 50: shares 102..103 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 104..105 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 106..107 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 108..109 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 110..111 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 112..113 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 114..115 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 116..117 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 118..119 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 120..121 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 122..123 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 124..125 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 126..127 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 128..129 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 130..132 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 133..135 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 1 block 2: shares 136..137 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 1 block 3: shares 138..139 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 1 block 4: shares 140..141 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 1 block 5: shares 142..143 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 1 block 6: shares 144..145 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 1 block 7: shares 146..147 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 1 block 8: shares 148..149 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 1 block 9: shares 150..151 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 1 block 10: shares 152..153 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 1 block 11: shares 154..155 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 1 block 12: shares 156..157 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 1 block 13: shares 158..159 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 1 block 14: shares 160..161 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 1 block 15: shares 162..163 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 1 block 16: shares 164..165 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 1 block 17: shares 166..167 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 1 block 18: shares 168..169 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 1 block 19: shares 170..171 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 1 block 20: shares 172..173 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 1 block 21: shares 174..175 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 1 block 22: shares 176..177 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 1 block 23: shares 178..179 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 1 block 24: shares 180..181 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 1 block 25: shares 182..183 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 1 block 26: shares 184..185 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 1 block 27: shares 186..187 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 1 block 28: shares 188..189 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 1 block 29: shares 190..191 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 1 block 30: shares 192..193 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 1 block 31: shares 194..195 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 1 block 32: shares 196..197 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 1 block 33: shares 198..199 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 1 block 34: shares 200..201 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 1 block 35: shares 202..203 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 1 block 36: shares 204..205 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 1 block 37: shares 206..207 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 1 block 38: shares 208..209 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 1 block 39: shares 210..211 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 1 block 40: shares 212..213 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 1 block 41: shares 214..215 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 1 block 42: shares 216..217 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 1 block 43: shares 218..219 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 1 block 44: shares 220..221 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 1 block 45: shares 222..223 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 1 block 46: shares 224..225 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 1 block 47: shares 226..227 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 1 block 48: shares 228..229 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 1 block 49: shares 230..231 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 1 block 50: shares 232..233 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 234..235 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 236..237 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 238..239 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 240..241 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 242..243 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 244..245 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 246..247 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 248..249 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 250..251 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 252..253 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 254..255 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 256..257 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 258..259 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 260..262 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 263..265 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 2 block 2: shares 266..267 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 2 block 3: shares 268..269 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 2 block 4: shares 270..271 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 2 block 5: shares 272..273 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 2 block 6: shares 274..275 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 2 block 7: shares 276..277 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 2 block 8: shares 278..279 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 2 block 9: shares 280..281 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 2 block 10: shares 282..283 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 2 block 11: shares 284..285 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 2 block 12: shares 286..287 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 2 block 13: shares 288..289 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 2 block 14: shares 290..291 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 2 block 15: shares 292..293 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 2 block 16: shares 294..295 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 2 block 17: shares 296..297 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 2 block 18: shares 298..299 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 2 block 19: shares 300..301 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 2 block 20: shares 302..303 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 2 block 21: shares 304..305 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 2 block 22: shares 306..307 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 2 block 23: shares 308..309 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 2 block 24: shares 310..311 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 2 block 25: shares 312..313 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 2 block 26: shares 314..315 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 2 block 27: shares 316..317 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 2 block 28: shares 318..319 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 2 block 29: shares 320..321 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 2 block 30: shares 322..323 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 2 block 31: shares 324..325 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 2 block 32: shares 326..327 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 2 block 33: shares 328..329 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 2 block 34: shares 330..331 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 2 block 35: shares 332..333 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 2 block 36: shares 334..335 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 2 block 37: shares 336..337 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 2 block 38: shares 338..339 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 2 block 39: shares 340..341 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 2 block 40: shares 342..343 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 2 block 41: shares 344..345 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 2 block 42: shares 346..347 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 2 block 43: shares 348..349 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 2 block 44: shares 350..351 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 2 block 45: shares 352..353 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 2 block 46: shares 354..355 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 2 block 47: shares 356..357 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 2 block 48: shares 358..359 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 2 block 49: shares 360..361 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 2 block 50: shares 362..363 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 364..365 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 366..367 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 368..369 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 370..371 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 372..373 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 374..375 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 376..377 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 378..379 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 380..381 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 382..383 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 384..385 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 386..387 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 388..389 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 3 block 0: shares 390..392 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 3 block 1: shares 393..395 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 3 block 2: shares 396..397 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 3 block 3: shares 398..399 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 3 block 4: shares 400..401 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 3 block 5: shares 402..403 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 3 block 6: shares 404..405 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 3 block 7: shares 406..407 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 3 block 8: shares 408..409 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 3 block 9: shares 410..411 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 3 block 10: shares 412..413 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 3 block 11: shares 414..415 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 3 block 12: shares 416..417 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 3 block 13: shares 418..419 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 3 block 14: shares 420..421 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 3 block 15: shares 422..423 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 3 block 16: shares 424..425 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 3 block 17: shares 426..427 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 3 block 18: shares 428..429 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 3 block 19: shares 430..431 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 3 block 20: shares 432..433 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 3 block 21: shares 434..435 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 3 block 22: shares 436..437 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 3 block 23: shares 438..439 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 3 block 24: shares 440..441 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 3 block 25: shares 442..443 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 3 block 26: shares 444..445 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 3 block 27: shares 446..447 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 3 block 28: shares 448..449 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 3 block 29: shares 450..451 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 3 block 30: shares 452..453 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 3 block 31: shares 454..455 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 3 block 32: shares 456..457 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 3 block 33: shares 458..459 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 3 block 34: shares 460..461 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 3 block 35: shares 462..463 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 3 block 36: shares 464..465 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 3 block 37: shares 466..467 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 3 block 38: shares 468..469 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 3 block 39: shares 470..471 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 3 block 40: shares 472..473 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 3 block 41: shares 474..475 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 3 block 42: shares 476..477 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 3 block 43: shares 478..479 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 3 block 44: shares 480..481 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 3 block 45: shares 482..483 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 3 block 46: shares 484..485 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 3 block 47: shares 486..487 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 3 block 48: shares 488..489 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 3 block 49: shares 490..491 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 3 block 50: shares 492..493 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 3 block 51: shares 494..495 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 3 block 52: shares 496..497 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 3 block 53: shares 498..499 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 3 block 54: shares 500..501 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 3 block 55: shares 502..503 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 3 block 56: shares 504..505 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 3 block 57: shares 506..507 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 3 block 58: shares 508..509 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 3 block 59: shares 510..511 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 3 block 60: shares 512..513 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 3 block 61: shares 514..515 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 3 block 62: shares 516..517 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 3 block 63: shares 518..519 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 4 block 0: shares 520..522 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 4 block 1: shares 523..525 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 4 block 2: shares 526..527 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 4 block 3: shares 528..529 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 4 block 4: shares 530..531 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 4 block 5: shares 532..533 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 4 block 6: shares 534..535 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 4 block 7: shares 536..537 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 4 block 8: shares 538..539 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 4 block 9: shares 540..541 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 4 block 10: shares 542..543 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 4 block 11: shares 544..545 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 4 block 12: shares 546..547 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 4 block 13: shares 548..549 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 4 block 14: shares 550..551 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 4 block 15: shares 552..553 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 4 block 16: shares 554..555 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 4 block 17: shares 556..557 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 4 block 18: shares 558..559 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 4 block 19: shares 560..561 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 4 block 20: shares 562..563 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 4 block 21: shares 564..565 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 4 block 22: shares 566..567 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 4 block 23: shares 568..569 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 4 block 24: shares 570..571 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 4 block 25: shares 572..573 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 4 block 26: shares 574..575 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 4 block 27: shares 576..577 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 4 block 28: shares 578..579 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 4 block 29: shares 580..581 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 4 block 30: shares 582..583 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 4 block 31: shares 584..585 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 4 block 32: shares 586..587 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 4 block 33: shares 588..589 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 4 block 34: shares 590..591 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 4 block 35: shares 592..593 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 4 block 36: shares 594..595 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 4 block 37: shares 596..597 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 4 block 38: shares 598..599 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 4 block 39: shares 600..601 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 4 block 40: shares 602..603 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 4 block 41: shares 604..605 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 4 block 42: shares 606..607 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 4 block 43: shares 608..609 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 4 block 44: shares 610..611 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 4 block 45: shares 612..613 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 4 block 46: shares 614..615 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 4 block 47: shares 616..617 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 4 block 48: shares 618..619 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 4 block 49: shares 620..621 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 4 block 50: shares 622..623 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 4 block 51: shares 624..625 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 4 block 52: shares 626..627 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 4 block 53: shares 628..629 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 4 block 54: shares 630..631 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 4 block 55: shares 632..633 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 4 block 56: shares 634..635 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 4 block 57: shares 636..637 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 4 block 58: shares 638..639 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 4 block 59: shares 640..641 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 4 block 60: shares 642..643 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 4 block 61: shares 644..645 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 4 block 62: shares 646..647 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 4 block 63: shares 648..649 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 5 block 0: shares 650..652 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 5 block 1: shares 653..655 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 5 block 2: shares 656..657 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 5 block 3: shares 658..659 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 5 block 4: shares 660..661 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 5 block 5: shares 662..663 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 5 block 6: shares 664..665 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 5 block 7: shares 666..667 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 5 block 8: shares 668..669 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 5 block 9: shares 670..671 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 5 block 10: shares 672..673 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 5 block 11: shares 674..675 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 5 block 12: shares 676..677 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 5 block 13: shares 678..679 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 5 block 14: shares 680..681 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 5 block 15: shares 682..683 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 5 block 16: shares 684..685 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 5 block 17: shares 686..687 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 5 block 18: shares 688..689 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 5 block 19: shares 690..691 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 5 block 20: shares 692..693 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 5 block 21: shares 694..695 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 5 block 22: shares 696..697 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 5 block 23: shares 698..699 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 5 block 24: shares 700..701 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 5 block 25: shares 702..703 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 5 block 26: shares 704..705 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 5 block 27: shares 706..707 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 5 block 28: shares 708..709 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 5 block 29: shares 710..711 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 5 block 30: shares 712..713 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 5 block 31: shares 714..715 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 5 block 32: shares 716..717 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 5 block 33: shares 718..719 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 5 block 34: shares 720..721 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 5 block 35: shares 722..723 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 5 block 36: shares 724..725 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 5 block 37: shares 726..727 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 5 block 38: shares 728..729 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 5 block 39: shares 730..731 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 5 block 40: shares 732..733 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 5 block 41: shares 734..735 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 5 block 42: shares 736..737 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 5 block 43: shares 738..739 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 5 block 44: shares 740..741 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 5 block 45: shares 742..743 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 5 block 46: shares 744..745 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 5 block 47: shares 746..747 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 5 block 48: shares 748..749 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 5 block 49: shares 750..751 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 5 block 50: shares 752..753 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 5 block 51: shares 754..755 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 5 block 52: shares 756..757 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 5 block 53: shares 758..759 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 5 block 54: shares 760..761 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 5 block 55: shares 762..763 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 5 block 56: shares 764..765 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 5 block 57: shares 766..767 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 5 block 58: shares 768..769 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 5 block 59: shares 770..771 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 5 block 60: shares 772..773 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 5 block 61: shares 774..775 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 5 block 62: shares 776..777 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 5 block 63: shares 778..779 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 6 block 0: shares 780..782 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 6 block 1: shares 783..785 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 6 block 2: shares 786..787 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 6 block 3: shares 788..789 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 6 block 4: shares 790..791 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 6 block 5: shares 792..793 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 6 block 6: shares 794..795 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 6 block 7: shares 796..797 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 6 block 8: shares 798..799 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 6 block 9: shares 800..801 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 6 block 10: shares 802..803 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 6 block 11: shares 804..805 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 6 block 12: shares 806..807 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 6 block 13: shares 808..809 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 6 block 14: shares 810..811 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 6 block 15: shares 812..813 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 6 block 16: shares 814..815 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 6 block 17: shares 816..817 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 6 block 18: shares 818..819 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 6 block 19: shares 820..821 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 6 block 20: shares 822..823 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 6 block 21: shares 824..825 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 6 block 22: shares 826..827 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 6 block 23: shares 828..829 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 6 block 24: shares 830..831 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 6 block 25: shares 832..833 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 6 block 26: shares 834..835 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 6 block 27: shares 836..837 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 6 block 28: shares 838..839 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 6 block 29: shares 840..841 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 6 block 30: shares 842..843 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 6 block 31: shares 844..845 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 6 block 32: shares 846..847 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 6 block 33: shares 848..849 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 6 block 34: shares 850..851 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 6 block 35: shares 852..853 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 6 block 36: shares 854..855 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 6 block 37: shares 856..857 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 6 block 38: shares 858..859 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 6 block 39: shares 860..861 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 6 block 40: shares 862..863 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 6 block 41: shares 864..865 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 6 block 42: shares 866..867 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 6 block 43: shares 868..869 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 6 block 44: shares 870..871 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 6 block 45: shares 872..873 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 6 block 46: shares 874..875 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 6 block 47: shares 876..877 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 6 block 48: shares 878..879 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 6 block 49: shares 880..881 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 6 block 50: shares 882..883 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 6 block 51: shares 884..885 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 6 block 52: shares 886..887 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 6 block 53: shares 888..889 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 6 block 54: shares 890..891 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 6 block 55: shares 892..893 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 6 block 56: shares 894..895 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 6 block 57: shares 896..897 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 6 block 58: shares 898..899 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 6 block 59: shares 900..901 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 6 block 60: shares 902..903 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 6 block 61: shares 904..905 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 6 block 62: shares 906..907 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 6 block 63: shares 908..909 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 7 block 0: shares 910..912 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 7 block 1: shares 913..915 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 7 block 2: shares 916..917 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 7 block 3: shares 918..919 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 7 block 4: shares 920..921 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 7 block 5: shares 922..923 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 7 block 6: shares 924..925 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 7 block 7: shares 926..927 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 7 block 8: shares 928..929 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 7 block 9: shares 930..931 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 7 block 10: shares 932..933 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 7 block 11: shares 934..935 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 7 block 12: shares 936..937 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 7 block 13: shares 938..939 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 7 block 14: shares 940..941 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 7 block 15: shares 942..943 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 7 block 16: shares 944..945 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 7 block 17: shares 946..947 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 7 block 18: shares 948..949 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 7 block 19: shares 950..951 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 7 block 20: shares 952..953 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 7 block 21: shares 954..955 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 7 block 22: shares 956..957 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 7 block 23: shares 958..959 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 7 block 24: shares 960..961 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 7 block 25: shares 962..963 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 7 block 26: shares 964..965 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 7 block 27: shares 966..967 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 7 block 28: shares 968..969 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 7 block 29: shares 970..971 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 7 block 30: shares 972..973 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 7 block 31: shares 974..975 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 7 block 32: shares 976..977 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 7 block 33: shares 978..979 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 7 block 34: shares 980..981 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 7 block 35: shares 982..983 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 7 block 36: shares 984..985 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 7 block 37: shares 986..987 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 7 block 38: shares 988..989 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 7 block 39: shares 990..991 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 7 block 40: shares 992..993 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 7 block 41: shares 994..995 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 7 block 42: shares 996..997 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 7 block 43: shares 998..999 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 7 block 44: shares 1000..1001 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 7 block 45: shares 1002..1003 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 7 block 46: shares 1004..1005 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 7 block 47: shares 1006..1007 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 7 block 48: shares 1008..1009 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 7 block 49: shares 1010..1011 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 7 block 50: shares 1012..1013 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 7 block 51: shares 1014..1015 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 7 block 52: shares 1016..1017 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 7 block 53: shares 1018..1019 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 7 block 54: shares 1020..1021 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 7 block 55: shares 1022..1023 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 7 block 56: shares 1024..1025 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 7 block 57: shares 1026..1027 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 7 block 58: shares 1028..1029 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 7 block 59: shares 1030..1031 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 7 block 60: shares 1032..1033 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 7 block 61: shares 1034..1035 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 7 block 62: shares 1036..1037 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 7 block 63: shares 1038..1039 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..129
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    // rank 1: shares 130..259
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    // rank 2: shares 260..389
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    // rank 3: shares 390..519
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    // rank 4: shares 520..649
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    // rank 5: shares 650..779
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    // rank 6: shares 780..909
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    // rank 7: shares 910..1039
+    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
+    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
+    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
+    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
+    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
+    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
+    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
+    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
+    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
+    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
+    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
+    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
+    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
+    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
+    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
+    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
+    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
 };
+static __device__ const tsgen_share_table<1040> shares_w8 =
+    tsgen_expand_shares<1040>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
     { 0, 3, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130 },
@@ -3766,37 +2013,27 @@ static __device__ const uint16_t first_w8[8][65] = {
     { 910, 913, 916, 918, 920, 922, 924, 926, 928, 930, 932, 934, 936, 938, 940, 942, 944, 946, 948, 950, 952, 954, 956, 958, 960, 962, 964, 966, 968, 970, 972, 974, 976, 978, 980, 982, 984, 986, 988, 990, 992, 994, 996, 998, 1000, 1002, 1004, 1006, 1008, 1010, 1012, 1014, 1016, 1018, 1020, 1022, 1024, 1026, 1028, 1030, 1032, 1034, 1036, 1038, 1040 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  (void)peers;
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  tsgen_nvshmem_run_plan<T, UNROLL, WORLD>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                                           plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                                           rank, epoch, count, bufs, buffer_names);
-}
 
 }  // namespace allgather_nvshmem
 
@@ -3807,23 +2044,11 @@ extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w2(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_nvshmem_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   allgather_nvshmem::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_nvshmem_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -3833,12 +2058,6 @@ extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w4(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_nvshmem_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -3846,9 +2065,17 @@ extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w8(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_nvshmem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_nvshmem_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through allgather_nvshmem::launch.
+namespace allgather_nvshmem {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
   return cudaGetLastError();
 }
+}  // namespace allgather_nvshmem
 
+extern "C" cudaError_t allgather_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_nvshmem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }

@@ -2,7 +2,7 @@
 // spec sha256 42416c9723e68a6e4c22eaee4d5bde339a90b0e9260988260b2f2550c1d13ad6
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)
+// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (pull: each rank reads every peer's input)
 // kernels: allgather_pull_w2, allgather_pull_w3, allgather_pull_w4, allgather_pull_w8 (one per world size; grid 64 x 512 threads)
 // count unit: elements
 //
@@ -914,6 +914,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1251,6 +1273,18 @@ typedef __nv_bfloat16 T;
 //   4: done
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "done" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 8 steps, 66 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1274,145 +1308,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 1: shares 33..33 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 34..34 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 35..35 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 36..36 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 37..37 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 38..38 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 39..39 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 40..40 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 41..41 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 42..42 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 43..43 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 44..44 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 45..45 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 46..46 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 47..47 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 48..48 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 49..49 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 50..50 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 51..51 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 52..52 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 53..53 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 54..54 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 55..55 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 56..56 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 57..57 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 58..58 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 59..59 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 60..60 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 61..61 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 62..62 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 63..63 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 64..64 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 65..65 ({step, share, of})
-    {3, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33 },
-    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 15 steps, 147 block shares over 64 blocks.
@@ -1451,308 +1347,7 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 16},
-    // rank 0 block 2: shares 1..1 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 2..2 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 3..3 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 4..4 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 5..5 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 6..6 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 7..7 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 8..8 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 9..9 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 10..10 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 11..11 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 12..12 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 13..13 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 14..14 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 15..15 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 16..16 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 17..17 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 18..18 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 19..19 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 20..20 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 21..21 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 22..22 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 23..23 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 24..24 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 25..25 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 26..26 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 27..27 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 28..28 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 29..29 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 30..30 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 31..31 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 32..32 ({step, share, of})
-    {3, 0, 16},
-    // rank 0 block 34: shares 33..33 ({step, share, of})
-    {3, 1, 16},
-    // rank 0 block 35: shares 34..34 ({step, share, of})
-    {3, 2, 16},
-    // rank 0 block 36: shares 35..35 ({step, share, of})
-    {3, 3, 16},
-    // rank 0 block 37: shares 36..36 ({step, share, of})
-    {3, 4, 16},
-    // rank 0 block 38: shares 37..37 ({step, share, of})
-    {3, 5, 16},
-    // rank 0 block 39: shares 38..38 ({step, share, of})
-    {3, 6, 16},
-    // rank 0 block 40: shares 39..39 ({step, share, of})
-    {3, 7, 16},
-    // rank 0 block 41: shares 40..40 ({step, share, of})
-    {3, 8, 16},
-    // rank 0 block 42: shares 41..41 ({step, share, of})
-    {3, 9, 16},
-    // rank 0 block 43: shares 42..42 ({step, share, of})
-    {3, 10, 16},
-    // rank 0 block 44: shares 43..43 ({step, share, of})
-    {3, 11, 16},
-    // rank 0 block 45: shares 44..44 ({step, share, of})
-    {3, 12, 16},
-    // rank 0 block 46: shares 45..45 ({step, share, of})
-    {3, 13, 16},
-    // rank 0 block 47: shares 46..46 ({step, share, of})
-    {3, 14, 16},
-    // rank 0 block 48: shares 47..47 ({step, share, of})
-    {3, 15, 16},
-    // rank 0 block 49: shares 48..48 ({step, share, of})
-    {4, 0, 1},
-    // rank 1 block 1: shares 49..49 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 2: shares 50..50 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 51..51 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 52..52 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 53..53 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 54..54 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 55..55 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 56..56 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 57..57 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 58..58 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 59..59 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 60..60 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 61..61 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 62..62 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 63..63 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 64..64 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 65..65 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 66..66 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 67..67 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 68..68 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 69..69 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 70..70 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 71..71 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 72..72 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 73..73 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 74..74 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 75..75 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 76..76 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 77..77 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 78..78 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 79..79 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 80..80 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 81..81 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 34: shares 82..82 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 35: shares 83..83 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 36: shares 84..84 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 37: shares 85..85 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 38: shares 86..86 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 39: shares 87..87 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 40: shares 88..88 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 41: shares 89..89 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 42: shares 90..90 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 43: shares 91..91 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 44: shares 92..92 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 45: shares 93..93 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 46: shares 94..94 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 47: shares 95..95 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 48: shares 96..96 ({step, share, of})
-    {3, 15, 16},
-    // rank 1 block 49: shares 97..97 ({step, share, of})
-    {4, 0, 1},
-    // rank 2 block 1: shares 98..98 ({step, share, of})
-    {1, 0, 16},
-    // rank 2 block 2: shares 99..99 ({step, share, of})
-    {1, 1, 16},
-    // rank 2 block 3: shares 100..100 ({step, share, of})
-    {1, 2, 16},
-    // rank 2 block 4: shares 101..101 ({step, share, of})
-    {1, 3, 16},
-    // rank 2 block 5: shares 102..102 ({step, share, of})
-    {1, 4, 16},
-    // rank 2 block 6: shares 103..103 ({step, share, of})
-    {1, 5, 16},
-    // rank 2 block 7: shares 104..104 ({step, share, of})
-    {1, 6, 16},
-    // rank 2 block 8: shares 105..105 ({step, share, of})
-    {1, 7, 16},
-    // rank 2 block 9: shares 106..106 ({step, share, of})
-    {1, 8, 16},
-    // rank 2 block 10: shares 107..107 ({step, share, of})
-    {1, 9, 16},
-    // rank 2 block 11: shares 108..108 ({step, share, of})
-    {1, 10, 16},
-    // rank 2 block 12: shares 109..109 ({step, share, of})
-    {1, 11, 16},
-    // rank 2 block 13: shares 110..110 ({step, share, of})
-    {1, 12, 16},
-    // rank 2 block 14: shares 111..111 ({step, share, of})
-    {1, 13, 16},
-    // rank 2 block 15: shares 112..112 ({step, share, of})
-    {1, 14, 16},
-    // rank 2 block 16: shares 113..113 ({step, share, of})
-    {1, 15, 16},
-    // rank 2 block 17: shares 114..114 ({step, share, of})
-    {2, 0, 16},
-    // rank 2 block 18: shares 115..115 ({step, share, of})
-    {2, 1, 16},
-    // rank 2 block 19: shares 116..116 ({step, share, of})
-    {2, 2, 16},
-    // rank 2 block 20: shares 117..117 ({step, share, of})
-    {2, 3, 16},
-    // rank 2 block 21: shares 118..118 ({step, share, of})
-    {2, 4, 16},
-    // rank 2 block 22: shares 119..119 ({step, share, of})
-    {2, 5, 16},
-    // rank 2 block 23: shares 120..120 ({step, share, of})
-    {2, 6, 16},
-    // rank 2 block 24: shares 121..121 ({step, share, of})
-    {2, 7, 16},
-    // rank 2 block 25: shares 122..122 ({step, share, of})
-    {2, 8, 16},
-    // rank 2 block 26: shares 123..123 ({step, share, of})
-    {2, 9, 16},
-    // rank 2 block 27: shares 124..124 ({step, share, of})
-    {2, 10, 16},
-    // rank 2 block 28: shares 125..125 ({step, share, of})
-    {2, 11, 16},
-    // rank 2 block 29: shares 126..126 ({step, share, of})
-    {2, 12, 16},
-    // rank 2 block 30: shares 127..127 ({step, share, of})
-    {2, 13, 16},
-    // rank 2 block 31: shares 128..128 ({step, share, of})
-    {2, 14, 16},
-    // rank 2 block 32: shares 129..129 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 33: shares 130..130 ({step, share, of})
-    {3, 0, 16},
-    // rank 2 block 34: shares 131..131 ({step, share, of})
-    {3, 1, 16},
-    // rank 2 block 35: shares 132..132 ({step, share, of})
-    {3, 2, 16},
-    // rank 2 block 36: shares 133..133 ({step, share, of})
-    {3, 3, 16},
-    // rank 2 block 37: shares 134..134 ({step, share, of})
-    {3, 4, 16},
-    // rank 2 block 38: shares 135..135 ({step, share, of})
-    {3, 5, 16},
-    // rank 2 block 39: shares 136..136 ({step, share, of})
-    {3, 6, 16},
-    // rank 2 block 40: shares 137..137 ({step, share, of})
-    {3, 7, 16},
-    // rank 2 block 41: shares 138..138 ({step, share, of})
-    {3, 8, 16},
-    // rank 2 block 42: shares 139..139 ({step, share, of})
-    {3, 9, 16},
-    // rank 2 block 43: shares 140..140 ({step, share, of})
-    {3, 10, 16},
-    // rank 2 block 44: shares 141..141 ({step, share, of})
-    {3, 11, 16},
-    // rank 2 block 45: shares 142..142 ({step, share, of})
-    {3, 12, 16},
-    // rank 2 block 46: shares 143..143 ({step, share, of})
-    {3, 13, 16},
-    // rank 2 block 47: shares 144..144 ({step, share, of})
-    {3, 14, 16},
-    // rank 2 block 48: shares 145..145 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 49: shares 146..146 ({step, share, of})
-    {4, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49 },
-    { 49, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98 },
-    { 98, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147 },
-};
+// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 4: 24 steps, 260 block shares over 64 blocks.
@@ -1809,527 +1404,7 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {4, 15, 16},
-    // rank 0 block 1: shares 1..2 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 0 block 2: shares 3..3 ({step, share, of})
-    {1, 1, 16},
-    // rank 0 block 3: shares 4..4 ({step, share, of})
-    {1, 2, 16},
-    // rank 0 block 4: shares 5..5 ({step, share, of})
-    {1, 3, 16},
-    // rank 0 block 5: shares 6..6 ({step, share, of})
-    {1, 4, 16},
-    // rank 0 block 6: shares 7..7 ({step, share, of})
-    {1, 5, 16},
-    // rank 0 block 7: shares 8..8 ({step, share, of})
-    {1, 6, 16},
-    // rank 0 block 8: shares 9..9 ({step, share, of})
-    {1, 7, 16},
-    // rank 0 block 9: shares 10..10 ({step, share, of})
-    {1, 8, 16},
-    // rank 0 block 10: shares 11..11 ({step, share, of})
-    {1, 9, 16},
-    // rank 0 block 11: shares 12..12 ({step, share, of})
-    {1, 10, 16},
-    // rank 0 block 12: shares 13..13 ({step, share, of})
-    {1, 11, 16},
-    // rank 0 block 13: shares 14..14 ({step, share, of})
-    {1, 12, 16},
-    // rank 0 block 14: shares 15..15 ({step, share, of})
-    {1, 13, 16},
-    // rank 0 block 15: shares 16..16 ({step, share, of})
-    {1, 14, 16},
-    // rank 0 block 16: shares 17..17 ({step, share, of})
-    {1, 15, 16},
-    // rank 0 block 17: shares 18..18 ({step, share, of})
-    {2, 0, 16},
-    // rank 0 block 18: shares 19..19 ({step, share, of})
-    {2, 1, 16},
-    // rank 0 block 19: shares 20..20 ({step, share, of})
-    {2, 2, 16},
-    // rank 0 block 20: shares 21..21 ({step, share, of})
-    {2, 3, 16},
-    // rank 0 block 21: shares 22..22 ({step, share, of})
-    {2, 4, 16},
-    // rank 0 block 22: shares 23..23 ({step, share, of})
-    {2, 5, 16},
-    // rank 0 block 23: shares 24..24 ({step, share, of})
-    {2, 6, 16},
-    // rank 0 block 24: shares 25..25 ({step, share, of})
-    {2, 7, 16},
-    // rank 0 block 25: shares 26..26 ({step, share, of})
-    {2, 8, 16},
-    // rank 0 block 26: shares 27..27 ({step, share, of})
-    {2, 9, 16},
-    // rank 0 block 27: shares 28..28 ({step, share, of})
-    {2, 10, 16},
-    // rank 0 block 28: shares 29..29 ({step, share, of})
-    {2, 11, 16},
-    // rank 0 block 29: shares 30..30 ({step, share, of})
-    {2, 12, 16},
-    // rank 0 block 30: shares 31..31 ({step, share, of})
-    {2, 13, 16},
-    // rank 0 block 31: shares 32..32 ({step, share, of})
-    {2, 14, 16},
-    // rank 0 block 32: shares 33..33 ({step, share, of})
-    {2, 15, 16},
-    // rank 0 block 33: shares 34..34 ({step, share, of})
-    {3, 0, 16},
-    // rank 0 block 34: shares 35..35 ({step, share, of})
-    {3, 1, 16},
-    // rank 0 block 35: shares 36..36 ({step, share, of})
-    {3, 2, 16},
-    // rank 0 block 36: shares 37..37 ({step, share, of})
-    {3, 3, 16},
-    // rank 0 block 37: shares 38..38 ({step, share, of})
-    {3, 4, 16},
-    // rank 0 block 38: shares 39..39 ({step, share, of})
-    {3, 5, 16},
-    // rank 0 block 39: shares 40..40 ({step, share, of})
-    {3, 6, 16},
-    // rank 0 block 40: shares 41..41 ({step, share, of})
-    {3, 7, 16},
-    // rank 0 block 41: shares 42..42 ({step, share, of})
-    {3, 8, 16},
-    // rank 0 block 42: shares 43..43 ({step, share, of})
-    {3, 9, 16},
-    // rank 0 block 43: shares 44..44 ({step, share, of})
-    {3, 10, 16},
-    // rank 0 block 44: shares 45..45 ({step, share, of})
-    {3, 11, 16},
-    // rank 0 block 45: shares 46..46 ({step, share, of})
-    {3, 12, 16},
-    // rank 0 block 46: shares 47..47 ({step, share, of})
-    {3, 13, 16},
-    // rank 0 block 47: shares 48..48 ({step, share, of})
-    {3, 14, 16},
-    // rank 0 block 48: shares 49..49 ({step, share, of})
-    {3, 15, 16},
-    // rank 0 block 49: shares 50..50 ({step, share, of})
-    {4, 0, 16},
-    // rank 0 block 50: shares 51..51 ({step, share, of})
-    {4, 1, 16},
-    // rank 0 block 51: shares 52..52 ({step, share, of})
-    {4, 2, 16},
-    // rank 0 block 52: shares 53..53 ({step, share, of})
-    {4, 3, 16},
-    // rank 0 block 53: shares 54..54 ({step, share, of})
-    {4, 4, 16},
-    // rank 0 block 54: shares 55..55 ({step, share, of})
-    {4, 5, 16},
-    // rank 0 block 55: shares 56..56 ({step, share, of})
-    {4, 6, 16},
-    // rank 0 block 56: shares 57..57 ({step, share, of})
-    {4, 7, 16},
-    // rank 0 block 57: shares 58..58 ({step, share, of})
-    {4, 8, 16},
-    // rank 0 block 58: shares 59..59 ({step, share, of})
-    {4, 9, 16},
-    // rank 0 block 59: shares 60..60 ({step, share, of})
-    {4, 10, 16},
-    // rank 0 block 60: shares 61..61 ({step, share, of})
-    {4, 11, 16},
-    // rank 0 block 61: shares 62..62 ({step, share, of})
-    {4, 12, 16},
-    // rank 0 block 62: shares 63..63 ({step, share, of})
-    {4, 13, 16},
-    // rank 0 block 63: shares 64..64 ({step, share, of})
-    {4, 14, 16},
-    // rank 1 block 0: shares 65..65 ({step, share, of})
-    {4, 15, 16},
-    // rank 1 block 1: shares 66..67 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 1 block 2: shares 68..68 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 3: shares 69..69 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 4: shares 70..70 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 5: shares 71..71 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 6: shares 72..72 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 7: shares 73..73 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 8: shares 74..74 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 9: shares 75..75 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 10: shares 76..76 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 11: shares 77..77 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 12: shares 78..78 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 13: shares 79..79 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 14: shares 80..80 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 15: shares 81..81 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 16: shares 82..82 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 17: shares 83..83 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 18: shares 84..84 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 19: shares 85..85 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 20: shares 86..86 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 21: shares 87..87 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 22: shares 88..88 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 23: shares 89..89 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 24: shares 90..90 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 25: shares 91..91 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 26: shares 92..92 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 27: shares 93..93 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 28: shares 94..94 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 29: shares 95..95 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 30: shares 96..96 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 31: shares 97..97 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 32: shares 98..98 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 33: shares 99..99 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 34: shares 100..100 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 35: shares 101..101 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 36: shares 102..102 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 37: shares 103..103 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 38: shares 104..104 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 39: shares 105..105 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 40: shares 106..106 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 41: shares 107..107 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 42: shares 108..108 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 43: shares 109..109 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 44: shares 110..110 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 45: shares 111..111 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 46: shares 112..112 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 47: shares 113..113 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 48: shares 114..114 ({step, share, of})
-    {3, 15, 16},
-    // rank 1 block 49: shares 115..115 ({step, share, of})
-    {4, 0, 16},
-    // rank 1 block 50: shares 116..116 ({step, share, of})
-    {4, 1, 16},
-    // rank 1 block 51: shares 117..117 ({step, share, of})
-    {4, 2, 16},
-    // rank 1 block 52: shares 118..118 ({step, share, of})
-    {4, 3, 16},
-    // rank 1 block 53: shares 119..119 ({step, share, of})
-    {4, 4, 16},
-    // rank 1 block 54: shares 120..120 ({step, share, of})
-    {4, 5, 16},
-    // rank 1 block 55: shares 121..121 ({step, share, of})
-    {4, 6, 16},
-    // rank 1 block 56: shares 122..122 ({step, share, of})
-    {4, 7, 16},
-    // rank 1 block 57: shares 123..123 ({step, share, of})
-    {4, 8, 16},
-    // rank 1 block 58: shares 124..124 ({step, share, of})
-    {4, 9, 16},
-    // rank 1 block 59: shares 125..125 ({step, share, of})
-    {4, 10, 16},
-    // rank 1 block 60: shares 126..126 ({step, share, of})
-    {4, 11, 16},
-    // rank 1 block 61: shares 127..127 ({step, share, of})
-    {4, 12, 16},
-    // rank 1 block 62: shares 128..128 ({step, share, of})
-    {4, 13, 16},
-    // rank 1 block 63: shares 129..129 ({step, share, of})
-    {4, 14, 16},
-    // rank 2 block 0: shares 130..130 ({step, share, of})
-    {4, 15, 16},
-    // rank 2 block 1: shares 131..132 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 2 block 2: shares 133..133 ({step, share, of})
-    {1, 1, 16},
-    // rank 2 block 3: shares 134..134 ({step, share, of})
-    {1, 2, 16},
-    // rank 2 block 4: shares 135..135 ({step, share, of})
-    {1, 3, 16},
-    // rank 2 block 5: shares 136..136 ({step, share, of})
-    {1, 4, 16},
-    // rank 2 block 6: shares 137..137 ({step, share, of})
-    {1, 5, 16},
-    // rank 2 block 7: shares 138..138 ({step, share, of})
-    {1, 6, 16},
-    // rank 2 block 8: shares 139..139 ({step, share, of})
-    {1, 7, 16},
-    // rank 2 block 9: shares 140..140 ({step, share, of})
-    {1, 8, 16},
-    // rank 2 block 10: shares 141..141 ({step, share, of})
-    {1, 9, 16},
-    // rank 2 block 11: shares 142..142 ({step, share, of})
-    {1, 10, 16},
-    // rank 2 block 12: shares 143..143 ({step, share, of})
-    {1, 11, 16},
-    // rank 2 block 13: shares 144..144 ({step, share, of})
-    {1, 12, 16},
-    // rank 2 block 14: shares 145..145 ({step, share, of})
-    {1, 13, 16},
-    // rank 2 block 15: shares 146..146 ({step, share, of})
-    {1, 14, 16},
-    // rank 2 block 16: shares 147..147 ({step, share, of})
-    {1, 15, 16},
-    // rank 2 block 17: shares 148..148 ({step, share, of})
-    {2, 0, 16},
-    // rank 2 block 18: shares 149..149 ({step, share, of})
-    {2, 1, 16},
-    // rank 2 block 19: shares 150..150 ({step, share, of})
-    {2, 2, 16},
-    // rank 2 block 20: shares 151..151 ({step, share, of})
-    {2, 3, 16},
-    // rank 2 block 21: shares 152..152 ({step, share, of})
-    {2, 4, 16},
-    // rank 2 block 22: shares 153..153 ({step, share, of})
-    {2, 5, 16},
-    // rank 2 block 23: shares 154..154 ({step, share, of})
-    {2, 6, 16},
-    // rank 2 block 24: shares 155..155 ({step, share, of})
-    {2, 7, 16},
-    // rank 2 block 25: shares 156..156 ({step, share, of})
-    {2, 8, 16},
-    // rank 2 block 26: shares 157..157 ({step, share, of})
-    {2, 9, 16},
-    // rank 2 block 27: shares 158..158 ({step, share, of})
-    {2, 10, 16},
-    // rank 2 block 28: shares 159..159 ({step, share, of})
-    {2, 11, 16},
-    // rank 2 block 29: shares 160..160 ({step, share, of})
-    {2, 12, 16},
-    // rank 2 block 30: shares 161..161 ({step, share, of})
-    {2, 13, 16},
-    // rank 2 block 31: shares 162..162 ({step, share, of})
-    {2, 14, 16},
-    // rank 2 block 32: shares 163..163 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 33: shares 164..164 ({step, share, of})
-    {3, 0, 16},
-    // rank 2 block 34: shares 165..165 ({step, share, of})
-    {3, 1, 16},
-    // rank 2 block 35: shares 166..166 ({step, share, of})
-    {3, 2, 16},
-    // rank 2 block 36: shares 167..167 ({step, share, of})
-    {3, 3, 16},
-    // rank 2 block 37: shares 168..168 ({step, share, of})
-    {3, 4, 16},
-    // rank 2 block 38: shares 169..169 ({step, share, of})
-    {3, 5, 16},
-    // rank 2 block 39: shares 170..170 ({step, share, of})
-    {3, 6, 16},
-    // rank 2 block 40: shares 171..171 ({step, share, of})
-    {3, 7, 16},
-    // rank 2 block 41: shares 172..172 ({step, share, of})
-    {3, 8, 16},
-    // rank 2 block 42: shares 173..173 ({step, share, of})
-    {3, 9, 16},
-    // rank 2 block 43: shares 174..174 ({step, share, of})
-    {3, 10, 16},
-    // rank 2 block 44: shares 175..175 ({step, share, of})
-    {3, 11, 16},
-    // rank 2 block 45: shares 176..176 ({step, share, of})
-    {3, 12, 16},
-    // rank 2 block 46: shares 177..177 ({step, share, of})
-    {3, 13, 16},
-    // rank 2 block 47: shares 178..178 ({step, share, of})
-    {3, 14, 16},
-    // rank 2 block 48: shares 179..179 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 49: shares 180..180 ({step, share, of})
-    {4, 0, 16},
-    // rank 2 block 50: shares 181..181 ({step, share, of})
-    {4, 1, 16},
-    // rank 2 block 51: shares 182..182 ({step, share, of})
-    {4, 2, 16},
-    // rank 2 block 52: shares 183..183 ({step, share, of})
-    {4, 3, 16},
-    // rank 2 block 53: shares 184..184 ({step, share, of})
-    {4, 4, 16},
-    // rank 2 block 54: shares 185..185 ({step, share, of})
-    {4, 5, 16},
-    // rank 2 block 55: shares 186..186 ({step, share, of})
-    {4, 6, 16},
-    // rank 2 block 56: shares 187..187 ({step, share, of})
-    {4, 7, 16},
-    // rank 2 block 57: shares 188..188 ({step, share, of})
-    {4, 8, 16},
-    // rank 2 block 58: shares 189..189 ({step, share, of})
-    {4, 9, 16},
-    // rank 2 block 59: shares 190..190 ({step, share, of})
-    {4, 10, 16},
-    // rank 2 block 60: shares 191..191 ({step, share, of})
-    {4, 11, 16},
-    // rank 2 block 61: shares 192..192 ({step, share, of})
-    {4, 12, 16},
-    // rank 2 block 62: shares 193..193 ({step, share, of})
-    {4, 13, 16},
-    // rank 2 block 63: shares 194..194 ({step, share, of})
-    {4, 14, 16},
-    // rank 3 block 0: shares 195..195 ({step, share, of})
-    {4, 15, 16},
-    // rank 3 block 1: shares 196..197 ({step, share, of})
-    {1, 0, 16}, {5, 0, 1},
-    // rank 3 block 2: shares 198..198 ({step, share, of})
-    {1, 1, 16},
-    // rank 3 block 3: shares 199..199 ({step, share, of})
-    {1, 2, 16},
-    // rank 3 block 4: shares 200..200 ({step, share, of})
-    {1, 3, 16},
-    // rank 3 block 5: shares 201..201 ({step, share, of})
-    {1, 4, 16},
-    // rank 3 block 6: shares 202..202 ({step, share, of})
-    {1, 5, 16},
-    // rank 3 block 7: shares 203..203 ({step, share, of})
-    {1, 6, 16},
-    // rank 3 block 8: shares 204..204 ({step, share, of})
-    {1, 7, 16},
-    // rank 3 block 9: shares 205..205 ({step, share, of})
-    {1, 8, 16},
-    // rank 3 block 10: shares 206..206 ({step, share, of})
-    {1, 9, 16},
-    // rank 3 block 11: shares 207..207 ({step, share, of})
-    {1, 10, 16},
-    // rank 3 block 12: shares 208..208 ({step, share, of})
-    {1, 11, 16},
-    // rank 3 block 13: shares 209..209 ({step, share, of})
-    {1, 12, 16},
-    // rank 3 block 14: shares 210..210 ({step, share, of})
-    {1, 13, 16},
-    // rank 3 block 15: shares 211..211 ({step, share, of})
-    {1, 14, 16},
-    // rank 3 block 16: shares 212..212 ({step, share, of})
-    {1, 15, 16},
-    // rank 3 block 17: shares 213..213 ({step, share, of})
-    {2, 0, 16},
-    // rank 3 block 18: shares 214..214 ({step, share, of})
-    {2, 1, 16},
-    // rank 3 block 19: shares 215..215 ({step, share, of})
-    {2, 2, 16},
-    // rank 3 block 20: shares 216..216 ({step, share, of})
-    {2, 3, 16},
-    // rank 3 block 21: shares 217..217 ({step, share, of})
-    {2, 4, 16},
-    // rank 3 block 22: shares 218..218 ({step, share, of})
-    {2, 5, 16},
-    // rank 3 block 23: shares 219..219 ({step, share, of})
-    {2, 6, 16},
-    // rank 3 block 24: shares 220..220 ({step, share, of})
-    {2, 7, 16},
-    // rank 3 block 25: shares 221..221 ({step, share, of})
-    {2, 8, 16},
-    // rank 3 block 26: shares 222..222 ({step, share, of})
-    {2, 9, 16},
-    // rank 3 block 27: shares 223..223 ({step, share, of})
-    {2, 10, 16},
-    // rank 3 block 28: shares 224..224 ({step, share, of})
-    {2, 11, 16},
-    // rank 3 block 29: shares 225..225 ({step, share, of})
-    {2, 12, 16},
-    // rank 3 block 30: shares 226..226 ({step, share, of})
-    {2, 13, 16},
-    // rank 3 block 31: shares 227..227 ({step, share, of})
-    {2, 14, 16},
-    // rank 3 block 32: shares 228..228 ({step, share, of})
-    {2, 15, 16},
-    // rank 3 block 33: shares 229..229 ({step, share, of})
-    {3, 0, 16},
-    // rank 3 block 34: shares 230..230 ({step, share, of})
-    {3, 1, 16},
-    // rank 3 block 35: shares 231..231 ({step, share, of})
-    {3, 2, 16},
-    // rank 3 block 36: shares 232..232 ({step, share, of})
-    {3, 3, 16},
-    // rank 3 block 37: shares 233..233 ({step, share, of})
-    {3, 4, 16},
-    // rank 3 block 38: shares 234..234 ({step, share, of})
-    {3, 5, 16},
-    // rank 3 block 39: shares 235..235 ({step, share, of})
-    {3, 6, 16},
-    // rank 3 block 40: shares 236..236 ({step, share, of})
-    {3, 7, 16},
-    // rank 3 block 41: shares 237..237 ({step, share, of})
-    {3, 8, 16},
-    // rank 3 block 42: shares 238..238 ({step, share, of})
-    {3, 9, 16},
-    // rank 3 block 43: shares 239..239 ({step, share, of})
-    {3, 10, 16},
-    // rank 3 block 44: shares 240..240 ({step, share, of})
-    {3, 11, 16},
-    // rank 3 block 45: shares 241..241 ({step, share, of})
-    {3, 12, 16},
-    // rank 3 block 46: shares 242..242 ({step, share, of})
-    {3, 13, 16},
-    // rank 3 block 47: shares 243..243 ({step, share, of})
-    {3, 14, 16},
-    // rank 3 block 48: shares 244..244 ({step, share, of})
-    {3, 15, 16},
-    // rank 3 block 49: shares 245..245 ({step, share, of})
-    {4, 0, 16},
-    // rank 3 block 50: shares 246..246 ({step, share, of})
-    {4, 1, 16},
-    // rank 3 block 51: shares 247..247 ({step, share, of})
-    {4, 2, 16},
-    // rank 3 block 52: shares 248..248 ({step, share, of})
-    {4, 3, 16},
-    // rank 3 block 53: shares 249..249 ({step, share, of})
-    {4, 4, 16},
-    // rank 3 block 54: shares 250..250 ({step, share, of})
-    {4, 5, 16},
-    // rank 3 block 55: shares 251..251 ({step, share, of})
-    {4, 6, 16},
-    // rank 3 block 56: shares 252..252 ({step, share, of})
-    {4, 7, 16},
-    // rank 3 block 57: shares 253..253 ({step, share, of})
-    {4, 8, 16},
-    // rank 3 block 58: shares 254..254 ({step, share, of})
-    {4, 9, 16},
-    // rank 3 block 59: shares 255..255 ({step, share, of})
-    {4, 10, 16},
-    // rank 3 block 60: shares 256..256 ({step, share, of})
-    {4, 11, 16},
-    // rank 3 block 61: shares 257..257 ({step, share, of})
-    {4, 12, 16},
-    // rank 3 block 62: shares 258..258 ({step, share, of})
-    {4, 13, 16},
-    // rank 3 block 63: shares 259..259 ({step, share, of})
-    {4, 14, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
-    { 65, 66, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130 },
-    { 130, 131, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195 },
-    { 195, 196, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260 },
-};
+// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 8: 80 steps, 1032 block shares over 64 blocks.
@@ -2498,1032 +1573,156 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 2..4 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 0 block 2: shares 5..6 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 0 block 3: shares 7..8 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 0 block 4: shares 9..10 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 0 block 5: shares 11..12 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 0 block 6: shares 13..14 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 0 block 7: shares 15..16 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 0 block 8: shares 17..18 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 0 block 9: shares 19..20 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 0 block 10: shares 21..22 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 0 block 11: shares 23..24 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 0 block 12: shares 25..26 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 0 block 13: shares 27..28 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 0 block 14: shares 29..30 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 0 block 15: shares 31..32 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 0 block 16: shares 33..34 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 0 block 17: shares 35..36 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 0 block 18: shares 37..38 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 0 block 19: shares 39..40 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 0 block 20: shares 41..42 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 0 block 21: shares 43..44 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 0 block 22: shares 45..46 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 0 block 23: shares 47..48 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 0 block 24: shares 49..50 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 0 block 25: shares 51..52 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 0 block 26: shares 53..54 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 0 block 27: shares 55..56 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 0 block 28: shares 57..58 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 0 block 29: shares 59..60 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 0 block 30: shares 61..62 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 0 block 31: shares 63..64 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 0 block 32: shares 65..66 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 0 block 33: shares 67..68 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 0 block 34: shares 69..70 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 0 block 35: shares 71..72 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 0 block 36: shares 73..74 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 0 block 37: shares 75..76 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 0 block 38: shares 77..78 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 0 block 39: shares 79..80 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 0 block 40: shares 81..82 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 0 block 41: shares 83..84 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 0 block 42: shares 85..86 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 0 block 43: shares 87..88 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 0 block 44: shares 89..90 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 0 block 45: shares 91..92 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 0 block 46: shares 93..94 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 0 block 47: shares 95..96 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 0 block 48: shares 97..98 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 0 block 49: shares 99..100 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 0 block 50: shares 101..102 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 103..104 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 105..106 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 107..108 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 109..110 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 111..112 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 113..114 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 115..116 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 117..118 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 119..120 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 121..122 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 123..124 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 125..126 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 127..128 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 129..130 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 131..133 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 1 block 2: shares 134..135 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 1 block 3: shares 136..137 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 1 block 4: shares 138..139 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 1 block 5: shares 140..141 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 1 block 6: shares 142..143 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 1 block 7: shares 144..145 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 1 block 8: shares 146..147 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 1 block 9: shares 148..149 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 1 block 10: shares 150..151 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 1 block 11: shares 152..153 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 1 block 12: shares 154..155 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 1 block 13: shares 156..157 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 1 block 14: shares 158..159 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 1 block 15: shares 160..161 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 1 block 16: shares 162..163 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 1 block 17: shares 164..165 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 1 block 18: shares 166..167 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 1 block 19: shares 168..169 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 1 block 20: shares 170..171 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 1 block 21: shares 172..173 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 1 block 22: shares 174..175 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 1 block 23: shares 176..177 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 1 block 24: shares 178..179 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 1 block 25: shares 180..181 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 1 block 26: shares 182..183 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 1 block 27: shares 184..185 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 1 block 28: shares 186..187 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 1 block 29: shares 188..189 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 1 block 30: shares 190..191 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 1 block 31: shares 192..193 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 1 block 32: shares 194..195 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 1 block 33: shares 196..197 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 1 block 34: shares 198..199 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 1 block 35: shares 200..201 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 1 block 36: shares 202..203 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 1 block 37: shares 204..205 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 1 block 38: shares 206..207 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 1 block 39: shares 208..209 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 1 block 40: shares 210..211 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 1 block 41: shares 212..213 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 1 block 42: shares 214..215 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 1 block 43: shares 216..217 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 1 block 44: shares 218..219 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 1 block 45: shares 220..221 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 1 block 46: shares 222..223 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 1 block 47: shares 224..225 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 1 block 48: shares 226..227 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 1 block 49: shares 228..229 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 1 block 50: shares 230..231 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 232..233 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 234..235 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 236..237 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 238..239 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 240..241 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 242..243 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 244..245 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 246..247 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 248..249 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 250..251 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 252..253 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 254..255 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 256..257 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 258..259 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 260..262 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 2 block 2: shares 263..264 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 2 block 3: shares 265..266 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 2 block 4: shares 267..268 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 2 block 5: shares 269..270 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 2 block 6: shares 271..272 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 2 block 7: shares 273..274 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 2 block 8: shares 275..276 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 2 block 9: shares 277..278 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 2 block 10: shares 279..280 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 2 block 11: shares 281..282 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 2 block 12: shares 283..284 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 2 block 13: shares 285..286 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 2 block 14: shares 287..288 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 2 block 15: shares 289..290 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 2 block 16: shares 291..292 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 2 block 17: shares 293..294 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 2 block 18: shares 295..296 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 2 block 19: shares 297..298 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 2 block 20: shares 299..300 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 2 block 21: shares 301..302 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 2 block 22: shares 303..304 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 2 block 23: shares 305..306 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 2 block 24: shares 307..308 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 2 block 25: shares 309..310 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 2 block 26: shares 311..312 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 2 block 27: shares 313..314 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 2 block 28: shares 315..316 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 2 block 29: shares 317..318 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 2 block 30: shares 319..320 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 2 block 31: shares 321..322 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 2 block 32: shares 323..324 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 2 block 33: shares 325..326 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 2 block 34: shares 327..328 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 2 block 35: shares 329..330 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 2 block 36: shares 331..332 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 2 block 37: shares 333..334 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 2 block 38: shares 335..336 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 2 block 39: shares 337..338 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 2 block 40: shares 339..340 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 2 block 41: shares 341..342 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 2 block 42: shares 343..344 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 2 block 43: shares 345..346 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 2 block 44: shares 347..348 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 2 block 45: shares 349..350 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 2 block 46: shares 351..352 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 2 block 47: shares 353..354 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 2 block 48: shares 355..356 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 2 block 49: shares 357..358 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 2 block 50: shares 359..360 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 361..362 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 363..364 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 365..366 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 367..368 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 369..370 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 371..372 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 373..374 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 375..376 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 377..378 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 379..380 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 381..382 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 383..384 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 385..386 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 3 block 0: shares 387..388 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 3 block 1: shares 389..391 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 3 block 2: shares 392..393 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 3 block 3: shares 394..395 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 3 block 4: shares 396..397 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 3 block 5: shares 398..399 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 3 block 6: shares 400..401 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 3 block 7: shares 402..403 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 3 block 8: shares 404..405 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 3 block 9: shares 406..407 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 3 block 10: shares 408..409 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 3 block 11: shares 410..411 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 3 block 12: shares 412..413 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 3 block 13: shares 414..415 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 3 block 14: shares 416..417 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 3 block 15: shares 418..419 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 3 block 16: shares 420..421 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 3 block 17: shares 422..423 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 3 block 18: shares 424..425 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 3 block 19: shares 426..427 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 3 block 20: shares 428..429 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 3 block 21: shares 430..431 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 3 block 22: shares 432..433 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 3 block 23: shares 434..435 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 3 block 24: shares 436..437 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 3 block 25: shares 438..439 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 3 block 26: shares 440..441 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 3 block 27: shares 442..443 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 3 block 28: shares 444..445 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 3 block 29: shares 446..447 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 3 block 30: shares 448..449 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 3 block 31: shares 450..451 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 3 block 32: shares 452..453 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 3 block 33: shares 454..455 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 3 block 34: shares 456..457 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 3 block 35: shares 458..459 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 3 block 36: shares 460..461 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 3 block 37: shares 462..463 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 3 block 38: shares 464..465 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 3 block 39: shares 466..467 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 3 block 40: shares 468..469 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 3 block 41: shares 470..471 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 3 block 42: shares 472..473 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 3 block 43: shares 474..475 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 3 block 44: shares 476..477 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 3 block 45: shares 478..479 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 3 block 46: shares 480..481 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 3 block 47: shares 482..483 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 3 block 48: shares 484..485 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 3 block 49: shares 486..487 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 3 block 50: shares 488..489 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 3 block 51: shares 490..491 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 3 block 52: shares 492..493 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 3 block 53: shares 494..495 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 3 block 54: shares 496..497 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 3 block 55: shares 498..499 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 3 block 56: shares 500..501 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 3 block 57: shares 502..503 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 3 block 58: shares 504..505 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 3 block 59: shares 506..507 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 3 block 60: shares 508..509 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 3 block 61: shares 510..511 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 3 block 62: shares 512..513 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 3 block 63: shares 514..515 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 4 block 0: shares 516..517 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 4 block 1: shares 518..520 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 4 block 2: shares 521..522 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 4 block 3: shares 523..524 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 4 block 4: shares 525..526 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 4 block 5: shares 527..528 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 4 block 6: shares 529..530 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 4 block 7: shares 531..532 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 4 block 8: shares 533..534 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 4 block 9: shares 535..536 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 4 block 10: shares 537..538 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 4 block 11: shares 539..540 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 4 block 12: shares 541..542 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 4 block 13: shares 543..544 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 4 block 14: shares 545..546 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 4 block 15: shares 547..548 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 4 block 16: shares 549..550 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 4 block 17: shares 551..552 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 4 block 18: shares 553..554 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 4 block 19: shares 555..556 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 4 block 20: shares 557..558 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 4 block 21: shares 559..560 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 4 block 22: shares 561..562 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 4 block 23: shares 563..564 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 4 block 24: shares 565..566 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 4 block 25: shares 567..568 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 4 block 26: shares 569..570 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 4 block 27: shares 571..572 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 4 block 28: shares 573..574 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 4 block 29: shares 575..576 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 4 block 30: shares 577..578 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 4 block 31: shares 579..580 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 4 block 32: shares 581..582 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 4 block 33: shares 583..584 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 4 block 34: shares 585..586 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 4 block 35: shares 587..588 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 4 block 36: shares 589..590 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 4 block 37: shares 591..592 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 4 block 38: shares 593..594 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 4 block 39: shares 595..596 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 4 block 40: shares 597..598 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 4 block 41: shares 599..600 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 4 block 42: shares 601..602 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 4 block 43: shares 603..604 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 4 block 44: shares 605..606 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 4 block 45: shares 607..608 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 4 block 46: shares 609..610 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 4 block 47: shares 611..612 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 4 block 48: shares 613..614 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 4 block 49: shares 615..616 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 4 block 50: shares 617..618 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 4 block 51: shares 619..620 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 4 block 52: shares 621..622 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 4 block 53: shares 623..624 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 4 block 54: shares 625..626 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 4 block 55: shares 627..628 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 4 block 56: shares 629..630 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 4 block 57: shares 631..632 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 4 block 58: shares 633..634 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 4 block 59: shares 635..636 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 4 block 60: shares 637..638 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 4 block 61: shares 639..640 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 4 block 62: shares 641..642 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 4 block 63: shares 643..644 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 5 block 0: shares 645..646 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 5 block 1: shares 647..649 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 5 block 2: shares 650..651 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 5 block 3: shares 652..653 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 5 block 4: shares 654..655 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 5 block 5: shares 656..657 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 5 block 6: shares 658..659 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 5 block 7: shares 660..661 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 5 block 8: shares 662..663 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 5 block 9: shares 664..665 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 5 block 10: shares 666..667 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 5 block 11: shares 668..669 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 5 block 12: shares 670..671 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 5 block 13: shares 672..673 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 5 block 14: shares 674..675 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 5 block 15: shares 676..677 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 5 block 16: shares 678..679 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 5 block 17: shares 680..681 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 5 block 18: shares 682..683 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 5 block 19: shares 684..685 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 5 block 20: shares 686..687 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 5 block 21: shares 688..689 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 5 block 22: shares 690..691 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 5 block 23: shares 692..693 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 5 block 24: shares 694..695 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 5 block 25: shares 696..697 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 5 block 26: shares 698..699 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 5 block 27: shares 700..701 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 5 block 28: shares 702..703 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 5 block 29: shares 704..705 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 5 block 30: shares 706..707 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 5 block 31: shares 708..709 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 5 block 32: shares 710..711 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 5 block 33: shares 712..713 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 5 block 34: shares 714..715 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 5 block 35: shares 716..717 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 5 block 36: shares 718..719 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 5 block 37: shares 720..721 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 5 block 38: shares 722..723 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 5 block 39: shares 724..725 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 5 block 40: shares 726..727 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 5 block 41: shares 728..729 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 5 block 42: shares 730..731 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 5 block 43: shares 732..733 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 5 block 44: shares 734..735 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 5 block 45: shares 736..737 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 5 block 46: shares 738..739 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 5 block 47: shares 740..741 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 5 block 48: shares 742..743 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 5 block 49: shares 744..745 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 5 block 50: shares 746..747 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 5 block 51: shares 748..749 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 5 block 52: shares 750..751 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 5 block 53: shares 752..753 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 5 block 54: shares 754..755 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 5 block 55: shares 756..757 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 5 block 56: shares 758..759 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 5 block 57: shares 760..761 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 5 block 58: shares 762..763 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 5 block 59: shares 764..765 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 5 block 60: shares 766..767 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 5 block 61: shares 768..769 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 5 block 62: shares 770..771 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 5 block 63: shares 772..773 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 6 block 0: shares 774..775 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 6 block 1: shares 776..778 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 6 block 2: shares 779..780 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 6 block 3: shares 781..782 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 6 block 4: shares 783..784 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 6 block 5: shares 785..786 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 6 block 6: shares 787..788 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 6 block 7: shares 789..790 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 6 block 8: shares 791..792 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 6 block 9: shares 793..794 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 6 block 10: shares 795..796 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 6 block 11: shares 797..798 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 6 block 12: shares 799..800 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 6 block 13: shares 801..802 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 6 block 14: shares 803..804 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 6 block 15: shares 805..806 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 6 block 16: shares 807..808 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 6 block 17: shares 809..810 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 6 block 18: shares 811..812 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 6 block 19: shares 813..814 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 6 block 20: shares 815..816 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 6 block 21: shares 817..818 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 6 block 22: shares 819..820 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 6 block 23: shares 821..822 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 6 block 24: shares 823..824 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 6 block 25: shares 825..826 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 6 block 26: shares 827..828 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 6 block 27: shares 829..830 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 6 block 28: shares 831..832 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 6 block 29: shares 833..834 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 6 block 30: shares 835..836 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 6 block 31: shares 837..838 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 6 block 32: shares 839..840 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 6 block 33: shares 841..842 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 6 block 34: shares 843..844 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 6 block 35: shares 845..846 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 6 block 36: shares 847..848 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 6 block 37: shares 849..850 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 6 block 38: shares 851..852 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 6 block 39: shares 853..854 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 6 block 40: shares 855..856 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 6 block 41: shares 857..858 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 6 block 42: shares 859..860 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 6 block 43: shares 861..862 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 6 block 44: shares 863..864 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 6 block 45: shares 865..866 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 6 block 46: shares 867..868 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 6 block 47: shares 869..870 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 6 block 48: shares 871..872 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 6 block 49: shares 873..874 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 6 block 50: shares 875..876 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 6 block 51: shares 877..878 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 6 block 52: shares 879..880 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 6 block 53: shares 881..882 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 6 block 54: shares 883..884 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 6 block 55: shares 885..886 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 6 block 56: shares 887..888 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 6 block 57: shares 889..890 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 6 block 58: shares 891..892 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 6 block 59: shares 893..894 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 6 block 60: shares 895..896 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 6 block 61: shares 897..898 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 6 block 62: shares 899..900 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 6 block 63: shares 901..902 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
-    // rank 7 block 0: shares 903..904 ({step, share, of})
-    {4, 15, 16}, {8, 15, 16},
-    // rank 7 block 1: shares 905..907 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 7 block 2: shares 908..909 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 7 block 3: shares 910..911 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 7 block 4: shares 912..913 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 7 block 5: shares 914..915 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 7 block 6: shares 916..917 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 7 block 7: shares 918..919 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 7 block 8: shares 920..921 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 7 block 9: shares 922..923 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 7 block 10: shares 924..925 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 7 block 11: shares 926..927 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 7 block 12: shares 928..929 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 7 block 13: shares 930..931 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 7 block 14: shares 932..933 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 7 block 15: shares 934..935 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 7 block 16: shares 936..937 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 7 block 17: shares 938..939 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 7 block 18: shares 940..941 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 7 block 19: shares 942..943 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 7 block 20: shares 944..945 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 7 block 21: shares 946..947 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 7 block 22: shares 948..949 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 7 block 23: shares 950..951 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 7 block 24: shares 952..953 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 7 block 25: shares 954..955 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 7 block 26: shares 956..957 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 7 block 27: shares 958..959 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 7 block 28: shares 960..961 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 7 block 29: shares 962..963 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 7 block 30: shares 964..965 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 7 block 31: shares 966..967 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 7 block 32: shares 968..969 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 7 block 33: shares 970..971 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 7 block 34: shares 972..973 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 7 block 35: shares 974..975 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 7 block 36: shares 976..977 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 7 block 37: shares 978..979 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 7 block 38: shares 980..981 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 7 block 39: shares 982..983 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 7 block 40: shares 984..985 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 7 block 41: shares 986..987 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 7 block 42: shares 988..989 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 7 block 43: shares 990..991 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 7 block 44: shares 992..993 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 7 block 45: shares 994..995 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 7 block 46: shares 996..997 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 7 block 47: shares 998..999 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 7 block 48: shares 1000..1001 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 7 block 49: shares 1002..1003 ({step, share, of})
-    {4, 0, 16}, {8, 0, 16},
-    // rank 7 block 50: shares 1004..1005 ({step, share, of})
-    {4, 1, 16}, {8, 1, 16},
-    // rank 7 block 51: shares 1006..1007 ({step, share, of})
-    {4, 2, 16}, {8, 2, 16},
-    // rank 7 block 52: shares 1008..1009 ({step, share, of})
-    {4, 3, 16}, {8, 3, 16},
-    // rank 7 block 53: shares 1010..1011 ({step, share, of})
-    {4, 4, 16}, {8, 4, 16},
-    // rank 7 block 54: shares 1012..1013 ({step, share, of})
-    {4, 5, 16}, {8, 5, 16},
-    // rank 7 block 55: shares 1014..1015 ({step, share, of})
-    {4, 6, 16}, {8, 6, 16},
-    // rank 7 block 56: shares 1016..1017 ({step, share, of})
-    {4, 7, 16}, {8, 7, 16},
-    // rank 7 block 57: shares 1018..1019 ({step, share, of})
-    {4, 8, 16}, {8, 8, 16},
-    // rank 7 block 58: shares 1020..1021 ({step, share, of})
-    {4, 9, 16}, {8, 9, 16},
-    // rank 7 block 59: shares 1022..1023 ({step, share, of})
-    {4, 10, 16}, {8, 10, 16},
-    // rank 7 block 60: shares 1024..1025 ({step, share, of})
-    {4, 11, 16}, {8, 11, 16},
-    // rank 7 block 61: shares 1026..1027 ({step, share, of})
-    {4, 12, 16}, {8, 12, 16},
-    // rank 7 block 62: shares 1028..1029 ({step, share, of})
-    {4, 13, 16}, {8, 13, 16},
-    // rank 7 block 63: shares 1030..1031 ({step, share, of})
-    {4, 14, 16}, {8, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..128
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
+    // rank 1: shares 129..257
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
+    // rank 2: shares 258..386
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
+    // rank 3: shares 387..515
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
+    // rank 4: shares 516..644
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
+    // rank 5: shares 645..773
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
+    // rank 6: shares 774..902
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
+    // rank 7: shares 903..1031
+    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
+    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
+    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
+    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
+    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
+    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
+    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
+    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
+    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
+    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
+    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
+    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
+    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
+    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
+    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
+    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
+    {4, 14, 16, 2, 4, 0},
 };
+static __device__ const tsgen_share_table<1032> shares_w8 =
+    tsgen_expand_shares<1032>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
     { 0, 2, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129 },
@@ -3536,11 +1735,8 @@ static __device__ const uint16_t first_w8[8][65] = {
     { 903, 905, 908, 910, 912, 914, 916, 918, 920, 922, 924, 926, 928, 930, 932, 934, 936, 938, 940, 942, 944, 946, 948, 950, 952, 954, 956, 958, 960, 962, 964, 966, 968, 970, 972, 974, 976, 978, 980, 982, 984, 986, 988, 990, 992, 994, 996, 998, 1000, 1002, 1004, 1006, 1008, 1010, 1012, 1014, 1016, 1018, 1020, 1022, 1024, 1026, 1028, 1030, 1032 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3600,8 +1796,6 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3693,8 +1887,6 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3852,7 +2044,7 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -3874,15 +2066,6 @@ template <> struct plan<8> {
   }
 };
 
-
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
 
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
@@ -3917,23 +2100,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w2(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_pull_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) {
-  allgather_pull_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, done);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
   const uint64_t epoch = tsgen_call_begin(calls);
   allgather_pull::run<3>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_pull_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) {
-  allgather_pull_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, done);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -3943,12 +2114,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w4(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_pull_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) {
-  allgather_pull_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, done);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) allgather_pull_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -3956,9 +2121,17 @@ extern "C" __global__ void __launch_bounds__(512) allgather_pull_w8(char* const*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_pull_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) {
-  allgather_pull_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, done);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through allgather_pull::launch.
+namespace allgather_pull {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, done);
   return cudaGetLastError();
 }
+}  // namespace allgather_pull
 
+extern "C" cudaError_t allgather_pull_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
+extern "C" cudaError_t allgather_pull_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
+extern "C" cudaError_t allgather_pull_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
+extern "C" cudaError_t allgather_pull_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }

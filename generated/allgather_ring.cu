@@ -2,7 +2,7 @@
 // spec sha256 2f8cec57454e3fdb5671f301038618b131e9297513a6b9576b772c18005cb537
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)
+// op allgather: every rank ends with all ranks' inputs, rank j's at offset j*count (ring: chunks pass around the ring r -> r+1 in pieces)
 // kernels: allgather_ring_w2, allgather_ring_w3, allgather_ring_w4, allgather_ring_w8 (one per world size; grid 128 x 512 threads)
 // count unit: elements
 //
@@ -918,6 +918,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1255,6 +1277,18 @@ typedef __nv_bfloat16 T;
 //   4: arrive
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 20 steps, 1026 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1302,525 +1336,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 10 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..3 ({step, share, of})
-    {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 0 block 1: shares 4..8 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {9, 0, 1},
-    // rank 0 block 2: shares 9..12 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64},
-    // rank 0 block 3: shares 13..16 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64},
-    // rank 0 block 4: shares 17..20 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64},
-    // rank 0 block 5: shares 21..24 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64},
-    // rank 0 block 6: shares 25..28 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64},
-    // rank 0 block 7: shares 29..32 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64},
-    // rank 0 block 8: shares 33..36 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64},
-    // rank 0 block 9: shares 37..40 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64},
-    // rank 0 block 10: shares 41..44 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64},
-    // rank 0 block 11: shares 45..48 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64},
-    // rank 0 block 12: shares 49..52 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64},
-    // rank 0 block 13: shares 53..56 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64},
-    // rank 0 block 14: shares 57..60 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64},
-    // rank 0 block 15: shares 61..64 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64},
-    // rank 0 block 16: shares 65..68 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64},
-    // rank 0 block 17: shares 69..72 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64},
-    // rank 0 block 18: shares 73..76 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64},
-    // rank 0 block 19: shares 77..80 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64},
-    // rank 0 block 20: shares 81..84 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64},
-    // rank 0 block 21: shares 85..88 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64},
-    // rank 0 block 22: shares 89..92 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64},
-    // rank 0 block 23: shares 93..96 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64},
-    // rank 0 block 24: shares 97..100 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64},
-    // rank 0 block 25: shares 101..104 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64},
-    // rank 0 block 26: shares 105..108 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64},
-    // rank 0 block 27: shares 109..112 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64},
-    // rank 0 block 28: shares 113..116 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64},
-    // rank 0 block 29: shares 117..120 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64},
-    // rank 0 block 30: shares 121..124 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64},
-    // rank 0 block 31: shares 125..128 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64},
-    // rank 0 block 32: shares 129..132 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64},
-    // rank 0 block 33: shares 133..136 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64},
-    // rank 0 block 34: shares 137..140 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64},
-    // rank 0 block 35: shares 141..144 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64},
-    // rank 0 block 36: shares 145..148 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64},
-    // rank 0 block 37: shares 149..152 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64},
-    // rank 0 block 38: shares 153..156 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64},
-    // rank 0 block 39: shares 157..160 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64},
-    // rank 0 block 40: shares 161..164 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64},
-    // rank 0 block 41: shares 165..168 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64},
-    // rank 0 block 42: shares 169..172 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64},
-    // rank 0 block 43: shares 173..176 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64},
-    // rank 0 block 44: shares 177..180 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64},
-    // rank 0 block 45: shares 181..184 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64},
-    // rank 0 block 46: shares 185..188 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64},
-    // rank 0 block 47: shares 189..192 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64},
-    // rank 0 block 48: shares 193..196 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64},
-    // rank 0 block 49: shares 197..200 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64},
-    // rank 0 block 50: shares 201..204 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64},
-    // rank 0 block 51: shares 205..208 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64},
-    // rank 0 block 52: shares 209..212 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64},
-    // rank 0 block 53: shares 213..216 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64},
-    // rank 0 block 54: shares 217..220 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64},
-    // rank 0 block 55: shares 221..224 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64},
-    // rank 0 block 56: shares 225..228 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64},
-    // rank 0 block 57: shares 229..232 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64},
-    // rank 0 block 58: shares 233..236 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64},
-    // rank 0 block 59: shares 237..240 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64},
-    // rank 0 block 60: shares 241..244 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64},
-    // rank 0 block 61: shares 245..248 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64},
-    // rank 0 block 62: shares 249..252 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64},
-    // rank 0 block 63: shares 253..256 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64},
-    // rank 0 block 64: shares 257..260 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64},
-    // rank 0 block 65: shares 261..264 ({step, share, of})
-    {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    // rank 0 block 66: shares 265..268 ({step, share, of})
-    {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 0 block 67: shares 269..272 ({step, share, of})
-    {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 0 block 68: shares 273..276 ({step, share, of})
-    {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 0 block 69: shares 277..280 ({step, share, of})
-    {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 0 block 70: shares 281..284 ({step, share, of})
-    {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 0 block 71: shares 285..288 ({step, share, of})
-    {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 0 block 72: shares 289..292 ({step, share, of})
-    {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 0 block 73: shares 293..296 ({step, share, of})
-    {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 0 block 74: shares 297..300 ({step, share, of})
-    {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 0 block 75: shares 301..304 ({step, share, of})
-    {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 0 block 76: shares 305..308 ({step, share, of})
-    {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 0 block 77: shares 309..312 ({step, share, of})
-    {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 0 block 78: shares 313..316 ({step, share, of})
-    {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 0 block 79: shares 317..320 ({step, share, of})
-    {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 0 block 80: shares 321..324 ({step, share, of})
-    {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 0 block 81: shares 325..328 ({step, share, of})
-    {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 0 block 82: shares 329..332 ({step, share, of})
-    {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 0 block 83: shares 333..336 ({step, share, of})
-    {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 0 block 84: shares 337..340 ({step, share, of})
-    {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 0 block 85: shares 341..344 ({step, share, of})
-    {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 0 block 86: shares 345..348 ({step, share, of})
-    {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 0 block 87: shares 349..352 ({step, share, of})
-    {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 0 block 88: shares 353..356 ({step, share, of})
-    {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 0 block 89: shares 357..360 ({step, share, of})
-    {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 0 block 90: shares 361..364 ({step, share, of})
-    {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 0 block 91: shares 365..368 ({step, share, of})
-    {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 0 block 92: shares 369..372 ({step, share, of})
-    {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 0 block 93: shares 373..376 ({step, share, of})
-    {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 0 block 94: shares 377..380 ({step, share, of})
-    {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 0 block 95: shares 381..384 ({step, share, of})
-    {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 0 block 96: shares 385..388 ({step, share, of})
-    {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 0 block 97: shares 389..392 ({step, share, of})
-    {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 0 block 98: shares 393..396 ({step, share, of})
-    {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 0 block 99: shares 397..400 ({step, share, of})
-    {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 0 block 100: shares 401..404 ({step, share, of})
-    {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 0 block 101: shares 405..408 ({step, share, of})
-    {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 0 block 102: shares 409..412 ({step, share, of})
-    {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 0 block 103: shares 413..416 ({step, share, of})
-    {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 0 block 104: shares 417..420 ({step, share, of})
-    {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 0 block 105: shares 421..424 ({step, share, of})
-    {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 0 block 106: shares 425..428 ({step, share, of})
-    {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 0 block 107: shares 429..432 ({step, share, of})
-    {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 0 block 108: shares 433..436 ({step, share, of})
-    {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 0 block 109: shares 437..440 ({step, share, of})
-    {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 0 block 110: shares 441..444 ({step, share, of})
-    {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 0 block 111: shares 445..448 ({step, share, of})
-    {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 0 block 112: shares 449..452 ({step, share, of})
-    {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 0 block 113: shares 453..456 ({step, share, of})
-    {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 0 block 114: shares 457..460 ({step, share, of})
-    {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 0 block 115: shares 461..464 ({step, share, of})
-    {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 0 block 116: shares 465..468 ({step, share, of})
-    {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 0 block 117: shares 469..472 ({step, share, of})
-    {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 0 block 118: shares 473..476 ({step, share, of})
-    {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 0 block 119: shares 477..480 ({step, share, of})
-    {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 0 block 120: shares 481..484 ({step, share, of})
-    {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 0 block 121: shares 485..488 ({step, share, of})
-    {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 0 block 122: shares 489..492 ({step, share, of})
-    {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 0 block 123: shares 493..496 ({step, share, of})
-    {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 0 block 124: shares 497..500 ({step, share, of})
-    {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 0 block 125: shares 501..504 ({step, share, of})
-    {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 0 block 126: shares 505..508 ({step, share, of})
-    {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 0 block 127: shares 509..512 ({step, share, of})
-    {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 1 block 0: shares 513..516 ({step, share, of})
-    {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 1 block 1: shares 517..521 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {9, 0, 1},
-    // rank 1 block 2: shares 522..525 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64},
-    // rank 1 block 3: shares 526..529 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64},
-    // rank 1 block 4: shares 530..533 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64},
-    // rank 1 block 5: shares 534..537 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64},
-    // rank 1 block 6: shares 538..541 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64},
-    // rank 1 block 7: shares 542..545 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64},
-    // rank 1 block 8: shares 546..549 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64},
-    // rank 1 block 9: shares 550..553 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64},
-    // rank 1 block 10: shares 554..557 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64},
-    // rank 1 block 11: shares 558..561 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64},
-    // rank 1 block 12: shares 562..565 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64},
-    // rank 1 block 13: shares 566..569 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64},
-    // rank 1 block 14: shares 570..573 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64},
-    // rank 1 block 15: shares 574..577 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64},
-    // rank 1 block 16: shares 578..581 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64},
-    // rank 1 block 17: shares 582..585 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64},
-    // rank 1 block 18: shares 586..589 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64},
-    // rank 1 block 19: shares 590..593 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64},
-    // rank 1 block 20: shares 594..597 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64},
-    // rank 1 block 21: shares 598..601 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64},
-    // rank 1 block 22: shares 602..605 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64},
-    // rank 1 block 23: shares 606..609 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64},
-    // rank 1 block 24: shares 610..613 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64},
-    // rank 1 block 25: shares 614..617 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64},
-    // rank 1 block 26: shares 618..621 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64},
-    // rank 1 block 27: shares 622..625 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64},
-    // rank 1 block 28: shares 626..629 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64},
-    // rank 1 block 29: shares 630..633 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64},
-    // rank 1 block 30: shares 634..637 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64},
-    // rank 1 block 31: shares 638..641 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64},
-    // rank 1 block 32: shares 642..645 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64},
-    // rank 1 block 33: shares 646..649 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64},
-    // rank 1 block 34: shares 650..653 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64},
-    // rank 1 block 35: shares 654..657 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64},
-    // rank 1 block 36: shares 658..661 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64},
-    // rank 1 block 37: shares 662..665 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64},
-    // rank 1 block 38: shares 666..669 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64},
-    // rank 1 block 39: shares 670..673 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64},
-    // rank 1 block 40: shares 674..677 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64},
-    // rank 1 block 41: shares 678..681 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64},
-    // rank 1 block 42: shares 682..685 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64},
-    // rank 1 block 43: shares 686..689 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64},
-    // rank 1 block 44: shares 690..693 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64},
-    // rank 1 block 45: shares 694..697 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64},
-    // rank 1 block 46: shares 698..701 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64},
-    // rank 1 block 47: shares 702..705 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64},
-    // rank 1 block 48: shares 706..709 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64},
-    // rank 1 block 49: shares 710..713 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64},
-    // rank 1 block 50: shares 714..717 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64},
-    // rank 1 block 51: shares 718..721 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64},
-    // rank 1 block 52: shares 722..725 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64},
-    // rank 1 block 53: shares 726..729 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64},
-    // rank 1 block 54: shares 730..733 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64},
-    // rank 1 block 55: shares 734..737 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64},
-    // rank 1 block 56: shares 738..741 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64},
-    // rank 1 block 57: shares 742..745 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64},
-    // rank 1 block 58: shares 746..749 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64},
-    // rank 1 block 59: shares 750..753 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64},
-    // rank 1 block 60: shares 754..757 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64},
-    // rank 1 block 61: shares 758..761 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64},
-    // rank 1 block 62: shares 762..765 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64},
-    // rank 1 block 63: shares 766..769 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64},
-    // rank 1 block 64: shares 770..773 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64},
-    // rank 1 block 65: shares 774..777 ({step, share, of})
-    {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    // rank 1 block 66: shares 778..781 ({step, share, of})
-    {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 1 block 67: shares 782..785 ({step, share, of})
-    {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 1 block 68: shares 786..789 ({step, share, of})
-    {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 1 block 69: shares 790..793 ({step, share, of})
-    {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 1 block 70: shares 794..797 ({step, share, of})
-    {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 1 block 71: shares 798..801 ({step, share, of})
-    {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 1 block 72: shares 802..805 ({step, share, of})
-    {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 1 block 73: shares 806..809 ({step, share, of})
-    {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 1 block 74: shares 810..813 ({step, share, of})
-    {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 1 block 75: shares 814..817 ({step, share, of})
-    {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 1 block 76: shares 818..821 ({step, share, of})
-    {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 1 block 77: shares 822..825 ({step, share, of})
-    {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 1 block 78: shares 826..829 ({step, share, of})
-    {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 1 block 79: shares 830..833 ({step, share, of})
-    {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 1 block 80: shares 834..837 ({step, share, of})
-    {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 1 block 81: shares 838..841 ({step, share, of})
-    {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 1 block 82: shares 842..845 ({step, share, of})
-    {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 1 block 83: shares 846..849 ({step, share, of})
-    {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 1 block 84: shares 850..853 ({step, share, of})
-    {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 1 block 85: shares 854..857 ({step, share, of})
-    {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 1 block 86: shares 858..861 ({step, share, of})
-    {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 1 block 87: shares 862..865 ({step, share, of})
-    {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 1 block 88: shares 866..869 ({step, share, of})
-    {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 1 block 89: shares 870..873 ({step, share, of})
-    {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 1 block 90: shares 874..877 ({step, share, of})
-    {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 1 block 91: shares 878..881 ({step, share, of})
-    {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 1 block 92: shares 882..885 ({step, share, of})
-    {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 1 block 93: shares 886..889 ({step, share, of})
-    {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 1 block 94: shares 890..893 ({step, share, of})
-    {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 1 block 95: shares 894..897 ({step, share, of})
-    {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 1 block 96: shares 898..901 ({step, share, of})
-    {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 1 block 97: shares 902..905 ({step, share, of})
-    {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 1 block 98: shares 906..909 ({step, share, of})
-    {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 1 block 99: shares 910..913 ({step, share, of})
-    {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 1 block 100: shares 914..917 ({step, share, of})
-    {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 1 block 101: shares 918..921 ({step, share, of})
-    {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 1 block 102: shares 922..925 ({step, share, of})
-    {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 1 block 103: shares 926..929 ({step, share, of})
-    {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 1 block 104: shares 930..933 ({step, share, of})
-    {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 1 block 105: shares 934..937 ({step, share, of})
-    {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 1 block 106: shares 938..941 ({step, share, of})
-    {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 1 block 107: shares 942..945 ({step, share, of})
-    {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 1 block 108: shares 946..949 ({step, share, of})
-    {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 1 block 109: shares 950..953 ({step, share, of})
-    {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 1 block 110: shares 954..957 ({step, share, of})
-    {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 1 block 111: shares 958..961 ({step, share, of})
-    {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 1 block 112: shares 962..965 ({step, share, of})
-    {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 1 block 113: shares 966..969 ({step, share, of})
-    {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 1 block 114: shares 970..973 ({step, share, of})
-    {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 1 block 115: shares 974..977 ({step, share, of})
-    {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 1 block 116: shares 978..981 ({step, share, of})
-    {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 1 block 117: shares 982..985 ({step, share, of})
-    {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 1 block 118: shares 986..989 ({step, share, of})
-    {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 1 block 119: shares 990..993 ({step, share, of})
-    {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 1 block 120: shares 994..997 ({step, share, of})
-    {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 1 block 121: shares 998..1001 ({step, share, of})
-    {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 1 block 122: shares 1002..1005 ({step, share, of})
-    {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 1 block 123: shares 1006..1009 ({step, share, of})
-    {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 1 block 124: shares 1010..1013 ({step, share, of})
-    {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 1 block 125: shares 1014..1017 ({step, share, of})
-    {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 1 block 126: shares 1018..1021 ({step, share, of})
-    {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 1 block 127: shares 1022..1025 ({step, share, of})
-    {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][129] = {
-    { 0, 4, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89, 93, 97, 101, 105, 109, 113, 117, 121, 125, 129, 133, 137, 141, 145, 149, 153, 157, 161, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 233, 237, 241, 245, 249, 253, 257, 261, 265, 269, 273, 277, 281, 285, 289, 293, 297, 301, 305, 309, 313, 317, 321, 325, 329, 333, 337, 341, 345, 349, 353, 357, 361, 365, 369, 373, 377, 381, 385, 389, 393, 397, 401, 405, 409, 413, 417, 421, 425, 429, 433, 437, 441, 445, 449, 453, 457, 461, 465, 469, 473, 477, 481, 485, 489, 493, 497, 501, 505, 509, 513 },
-    { 513, 517, 522, 526, 530, 534, 538, 542, 546, 550, 554, 558, 562, 566, 570, 574, 578, 582, 586, 590, 594, 598, 602, 606, 610, 614, 618, 622, 626, 630, 634, 638, 642, 646, 650, 654, 658, 662, 666, 670, 674, 678, 682, 686, 690, 694, 698, 702, 706, 710, 714, 718, 722, 726, 730, 734, 738, 742, 746, 750, 754, 758, 762, 766, 770, 774, 778, 782, 786, 790, 794, 798, 802, 806, 810, 814, 818, 822, 826, 830, 834, 838, 842, 846, 850, 854, 858, 862, 866, 870, 874, 878, 882, 886, 890, 894, 898, 902, 906, 910, 914, 918, 922, 926, 930, 934, 938, 942, 946, 950, 954, 958, 962, 966, 970, 974, 978, 982, 986, 990, 994, 998, 1002, 1006, 1010, 1014, 1018, 1022, 1026 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 42 steps, 2307 block shares over 128 blocks.
@@ -1913,779 +1429,114 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 14, 28 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..3 ({step, share, of})
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 0 block 1: shares 4..12 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {13, 0, 1},
-    // rank 0 block 2: shares 13..20 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 0 block 3: shares 21..28 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 0 block 4: shares 29..36 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 0 block 5: shares 37..44 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 0 block 6: shares 45..52 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 0 block 7: shares 53..60 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 0 block 8: shares 61..68 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 0 block 9: shares 69..76 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 0 block 10: shares 77..84 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 0 block 11: shares 85..92 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 0 block 12: shares 93..100 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 0 block 13: shares 101..108 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 0 block 14: shares 109..116 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 0 block 15: shares 117..124 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 0 block 16: shares 125..132 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 0 block 17: shares 133..140 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 0 block 18: shares 141..148 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 0 block 19: shares 149..156 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 0 block 20: shares 157..164 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 0 block 21: shares 165..172 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 0 block 22: shares 173..180 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 0 block 23: shares 181..188 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 0 block 24: shares 189..196 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 0 block 25: shares 197..204 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 0 block 26: shares 205..212 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 0 block 27: shares 213..220 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 0 block 28: shares 221..228 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 0 block 29: shares 229..236 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 0 block 30: shares 237..244 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 0 block 31: shares 245..252 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 0 block 32: shares 253..260 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 0 block 33: shares 261..268 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 0 block 34: shares 269..276 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 0 block 35: shares 277..284 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 0 block 36: shares 285..292 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 0 block 37: shares 293..300 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 0 block 38: shares 301..308 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 0 block 39: shares 309..316 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 0 block 40: shares 317..324 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 0 block 41: shares 325..332 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 0 block 42: shares 333..340 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 0 block 43: shares 341..348 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 0 block 44: shares 349..356 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 0 block 45: shares 357..364 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 0 block 46: shares 365..372 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 0 block 47: shares 373..380 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 0 block 48: shares 381..388 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 0 block 49: shares 389..396 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 0 block 50: shares 397..404 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 0 block 51: shares 405..412 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 0 block 52: shares 413..420 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 0 block 53: shares 421..428 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 0 block 54: shares 429..436 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 0 block 55: shares 437..444 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 0 block 56: shares 445..452 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 0 block 57: shares 453..460 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 0 block 58: shares 461..468 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 0 block 59: shares 469..476 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 0 block 60: shares 477..484 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 0 block 61: shares 485..492 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 0 block 62: shares 493..500 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 0 block 63: shares 501..508 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 0 block 64: shares 509..516 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 0 block 65: shares 517..520 ({step, share, of})
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64},
-    // rank 0 block 66: shares 521..524 ({step, share, of})
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64},
-    // rank 0 block 67: shares 525..528 ({step, share, of})
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 0 block 68: shares 529..532 ({step, share, of})
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 0 block 69: shares 533..536 ({step, share, of})
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 0 block 70: shares 537..540 ({step, share, of})
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 0 block 71: shares 541..544 ({step, share, of})
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 0 block 72: shares 545..548 ({step, share, of})
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 0 block 73: shares 549..552 ({step, share, of})
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 0 block 74: shares 553..556 ({step, share, of})
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 0 block 75: shares 557..560 ({step, share, of})
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 0 block 76: shares 561..564 ({step, share, of})
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 0 block 77: shares 565..568 ({step, share, of})
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 0 block 78: shares 569..572 ({step, share, of})
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 0 block 79: shares 573..576 ({step, share, of})
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 0 block 80: shares 577..580 ({step, share, of})
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 0 block 81: shares 581..584 ({step, share, of})
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 0 block 82: shares 585..588 ({step, share, of})
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 0 block 83: shares 589..592 ({step, share, of})
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 0 block 84: shares 593..596 ({step, share, of})
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 0 block 85: shares 597..600 ({step, share, of})
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 0 block 86: shares 601..604 ({step, share, of})
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 0 block 87: shares 605..608 ({step, share, of})
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 0 block 88: shares 609..612 ({step, share, of})
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 0 block 89: shares 613..616 ({step, share, of})
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 0 block 90: shares 617..620 ({step, share, of})
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 0 block 91: shares 621..624 ({step, share, of})
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 0 block 92: shares 625..628 ({step, share, of})
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 0 block 93: shares 629..632 ({step, share, of})
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 0 block 94: shares 633..636 ({step, share, of})
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 0 block 95: shares 637..640 ({step, share, of})
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 0 block 96: shares 641..644 ({step, share, of})
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 0 block 97: shares 645..648 ({step, share, of})
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 0 block 98: shares 649..652 ({step, share, of})
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 0 block 99: shares 653..656 ({step, share, of})
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 0 block 100: shares 657..660 ({step, share, of})
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 0 block 101: shares 661..664 ({step, share, of})
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 0 block 102: shares 665..668 ({step, share, of})
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 0 block 103: shares 669..672 ({step, share, of})
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 0 block 104: shares 673..676 ({step, share, of})
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 0 block 105: shares 677..680 ({step, share, of})
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 0 block 106: shares 681..684 ({step, share, of})
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 0 block 107: shares 685..688 ({step, share, of})
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 0 block 108: shares 689..692 ({step, share, of})
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 0 block 109: shares 693..696 ({step, share, of})
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 0 block 110: shares 697..700 ({step, share, of})
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 0 block 111: shares 701..704 ({step, share, of})
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 0 block 112: shares 705..708 ({step, share, of})
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 0 block 113: shares 709..712 ({step, share, of})
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 0 block 114: shares 713..716 ({step, share, of})
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 0 block 115: shares 717..720 ({step, share, of})
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 0 block 116: shares 721..724 ({step, share, of})
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 0 block 117: shares 725..728 ({step, share, of})
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 0 block 118: shares 729..732 ({step, share, of})
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 0 block 119: shares 733..736 ({step, share, of})
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 0 block 120: shares 737..740 ({step, share, of})
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 0 block 121: shares 741..744 ({step, share, of})
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 0 block 122: shares 745..748 ({step, share, of})
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 0 block 123: shares 749..752 ({step, share, of})
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 0 block 124: shares 753..756 ({step, share, of})
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 0 block 125: shares 757..760 ({step, share, of})
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 0 block 126: shares 761..764 ({step, share, of})
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 0 block 127: shares 765..768 ({step, share, of})
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 1 block 0: shares 769..772 ({step, share, of})
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 1 block 1: shares 773..781 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {13, 0, 1},
-    // rank 1 block 2: shares 782..789 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 1 block 3: shares 790..797 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 1 block 4: shares 798..805 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 1 block 5: shares 806..813 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 1 block 6: shares 814..821 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 1 block 7: shares 822..829 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 1 block 8: shares 830..837 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 1 block 9: shares 838..845 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 1 block 10: shares 846..853 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 1 block 11: shares 854..861 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 1 block 12: shares 862..869 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 1 block 13: shares 870..877 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 1 block 14: shares 878..885 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 1 block 15: shares 886..893 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 1 block 16: shares 894..901 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 1 block 17: shares 902..909 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 1 block 18: shares 910..917 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 1 block 19: shares 918..925 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 1 block 20: shares 926..933 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 1 block 21: shares 934..941 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 1 block 22: shares 942..949 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 1 block 23: shares 950..957 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 1 block 24: shares 958..965 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 1 block 25: shares 966..973 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 1 block 26: shares 974..981 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 1 block 27: shares 982..989 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 1 block 28: shares 990..997 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 1 block 29: shares 998..1005 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 1 block 30: shares 1006..1013 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 1 block 31: shares 1014..1021 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 1 block 32: shares 1022..1029 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 1 block 33: shares 1030..1037 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 1 block 34: shares 1038..1045 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 1 block 35: shares 1046..1053 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 1 block 36: shares 1054..1061 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 1 block 37: shares 1062..1069 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 1 block 38: shares 1070..1077 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 1 block 39: shares 1078..1085 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 1 block 40: shares 1086..1093 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 1 block 41: shares 1094..1101 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 1 block 42: shares 1102..1109 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 1 block 43: shares 1110..1117 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 1 block 44: shares 1118..1125 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 1 block 45: shares 1126..1133 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 1 block 46: shares 1134..1141 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 1 block 47: shares 1142..1149 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 1 block 48: shares 1150..1157 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 1 block 49: shares 1158..1165 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 1 block 50: shares 1166..1173 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 1 block 51: shares 1174..1181 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 1 block 52: shares 1182..1189 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 1 block 53: shares 1190..1197 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 1 block 54: shares 1198..1205 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 1 block 55: shares 1206..1213 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 1 block 56: shares 1214..1221 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 1 block 57: shares 1222..1229 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 1 block 58: shares 1230..1237 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 1 block 59: shares 1238..1245 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 1 block 60: shares 1246..1253 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 1 block 61: shares 1254..1261 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 1 block 62: shares 1262..1269 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 1 block 63: shares 1270..1277 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 1 block 64: shares 1278..1285 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 1 block 65: shares 1286..1289 ({step, share, of})
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64},
-    // rank 1 block 66: shares 1290..1293 ({step, share, of})
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64},
-    // rank 1 block 67: shares 1294..1297 ({step, share, of})
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 1 block 68: shares 1298..1301 ({step, share, of})
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 1 block 69: shares 1302..1305 ({step, share, of})
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 1 block 70: shares 1306..1309 ({step, share, of})
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 1 block 71: shares 1310..1313 ({step, share, of})
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 1 block 72: shares 1314..1317 ({step, share, of})
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 1 block 73: shares 1318..1321 ({step, share, of})
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 1 block 74: shares 1322..1325 ({step, share, of})
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 1 block 75: shares 1326..1329 ({step, share, of})
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 1 block 76: shares 1330..1333 ({step, share, of})
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 1 block 77: shares 1334..1337 ({step, share, of})
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 1 block 78: shares 1338..1341 ({step, share, of})
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 1 block 79: shares 1342..1345 ({step, share, of})
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 1 block 80: shares 1346..1349 ({step, share, of})
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 1 block 81: shares 1350..1353 ({step, share, of})
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 1 block 82: shares 1354..1357 ({step, share, of})
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 1 block 83: shares 1358..1361 ({step, share, of})
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 1 block 84: shares 1362..1365 ({step, share, of})
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 1 block 85: shares 1366..1369 ({step, share, of})
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 1 block 86: shares 1370..1373 ({step, share, of})
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 1 block 87: shares 1374..1377 ({step, share, of})
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 1 block 88: shares 1378..1381 ({step, share, of})
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 1 block 89: shares 1382..1385 ({step, share, of})
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 1 block 90: shares 1386..1389 ({step, share, of})
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 1 block 91: shares 1390..1393 ({step, share, of})
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 1 block 92: shares 1394..1397 ({step, share, of})
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 1 block 93: shares 1398..1401 ({step, share, of})
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 1 block 94: shares 1402..1405 ({step, share, of})
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 1 block 95: shares 1406..1409 ({step, share, of})
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 1 block 96: shares 1410..1413 ({step, share, of})
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 1 block 97: shares 1414..1417 ({step, share, of})
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 1 block 98: shares 1418..1421 ({step, share, of})
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 1 block 99: shares 1422..1425 ({step, share, of})
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 1 block 100: shares 1426..1429 ({step, share, of})
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 1 block 101: shares 1430..1433 ({step, share, of})
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 1 block 102: shares 1434..1437 ({step, share, of})
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 1 block 103: shares 1438..1441 ({step, share, of})
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 1 block 104: shares 1442..1445 ({step, share, of})
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 1 block 105: shares 1446..1449 ({step, share, of})
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 1 block 106: shares 1450..1453 ({step, share, of})
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 1 block 107: shares 1454..1457 ({step, share, of})
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 1 block 108: shares 1458..1461 ({step, share, of})
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 1 block 109: shares 1462..1465 ({step, share, of})
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 1 block 110: shares 1466..1469 ({step, share, of})
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 1 block 111: shares 1470..1473 ({step, share, of})
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 1 block 112: shares 1474..1477 ({step, share, of})
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 1 block 113: shares 1478..1481 ({step, share, of})
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 1 block 114: shares 1482..1485 ({step, share, of})
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 1 block 115: shares 1486..1489 ({step, share, of})
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 1 block 116: shares 1490..1493 ({step, share, of})
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 1 block 117: shares 1494..1497 ({step, share, of})
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 1 block 118: shares 1498..1501 ({step, share, of})
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 1 block 119: shares 1502..1505 ({step, share, of})
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 1 block 120: shares 1506..1509 ({step, share, of})
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 1 block 121: shares 1510..1513 ({step, share, of})
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 1 block 122: shares 1514..1517 ({step, share, of})
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 1 block 123: shares 1518..1521 ({step, share, of})
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 1 block 124: shares 1522..1525 ({step, share, of})
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 1 block 125: shares 1526..1529 ({step, share, of})
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 1 block 126: shares 1530..1533 ({step, share, of})
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 1 block 127: shares 1534..1537 ({step, share, of})
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 2 block 0: shares 1538..1541 ({step, share, of})
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 2 block 1: shares 1542..1550 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {13, 0, 1},
-    // rank 2 block 2: shares 1551..1558 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 2 block 3: shares 1559..1566 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 2 block 4: shares 1567..1574 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 2 block 5: shares 1575..1582 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 2 block 6: shares 1583..1590 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 2 block 7: shares 1591..1598 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 2 block 8: shares 1599..1606 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 2 block 9: shares 1607..1614 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 2 block 10: shares 1615..1622 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 2 block 11: shares 1623..1630 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 2 block 12: shares 1631..1638 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 2 block 13: shares 1639..1646 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 2 block 14: shares 1647..1654 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 2 block 15: shares 1655..1662 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 2 block 16: shares 1663..1670 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 2 block 17: shares 1671..1678 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 2 block 18: shares 1679..1686 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 2 block 19: shares 1687..1694 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 2 block 20: shares 1695..1702 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 2 block 21: shares 1703..1710 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 2 block 22: shares 1711..1718 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 2 block 23: shares 1719..1726 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 2 block 24: shares 1727..1734 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 2 block 25: shares 1735..1742 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 2 block 26: shares 1743..1750 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 2 block 27: shares 1751..1758 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 2 block 28: shares 1759..1766 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 2 block 29: shares 1767..1774 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 2 block 30: shares 1775..1782 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 2 block 31: shares 1783..1790 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 2 block 32: shares 1791..1798 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 2 block 33: shares 1799..1806 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 2 block 34: shares 1807..1814 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 2 block 35: shares 1815..1822 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 2 block 36: shares 1823..1830 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 2 block 37: shares 1831..1838 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 2 block 38: shares 1839..1846 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 2 block 39: shares 1847..1854 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 2 block 40: shares 1855..1862 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 2 block 41: shares 1863..1870 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 2 block 42: shares 1871..1878 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 2 block 43: shares 1879..1886 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 2 block 44: shares 1887..1894 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 2 block 45: shares 1895..1902 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 2 block 46: shares 1903..1910 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 2 block 47: shares 1911..1918 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 2 block 48: shares 1919..1926 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 2 block 49: shares 1927..1934 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 2 block 50: shares 1935..1942 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 2 block 51: shares 1943..1950 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 2 block 52: shares 1951..1958 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 2 block 53: shares 1959..1966 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 2 block 54: shares 1967..1974 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 2 block 55: shares 1975..1982 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 2 block 56: shares 1983..1990 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 2 block 57: shares 1991..1998 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 2 block 58: shares 1999..2006 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 2 block 59: shares 2007..2014 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 2 block 60: shares 2015..2022 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 2 block 61: shares 2023..2030 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 2 block 62: shares 2031..2038 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 2 block 63: shares 2039..2046 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 2 block 64: shares 2047..2054 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 2 block 65: shares 2055..2058 ({step, share, of})
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64},
-    // rank 2 block 66: shares 2059..2062 ({step, share, of})
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64},
-    // rank 2 block 67: shares 2063..2066 ({step, share, of})
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 2 block 68: shares 2067..2070 ({step, share, of})
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 2 block 69: shares 2071..2074 ({step, share, of})
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 2 block 70: shares 2075..2078 ({step, share, of})
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 2 block 71: shares 2079..2082 ({step, share, of})
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 2 block 72: shares 2083..2086 ({step, share, of})
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 2 block 73: shares 2087..2090 ({step, share, of})
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 2 block 74: shares 2091..2094 ({step, share, of})
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 2 block 75: shares 2095..2098 ({step, share, of})
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 2 block 76: shares 2099..2102 ({step, share, of})
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 2 block 77: shares 2103..2106 ({step, share, of})
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 2 block 78: shares 2107..2110 ({step, share, of})
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 2 block 79: shares 2111..2114 ({step, share, of})
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 2 block 80: shares 2115..2118 ({step, share, of})
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 2 block 81: shares 2119..2122 ({step, share, of})
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 2 block 82: shares 2123..2126 ({step, share, of})
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 2 block 83: shares 2127..2130 ({step, share, of})
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 2 block 84: shares 2131..2134 ({step, share, of})
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 2 block 85: shares 2135..2138 ({step, share, of})
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 2 block 86: shares 2139..2142 ({step, share, of})
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 2 block 87: shares 2143..2146 ({step, share, of})
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 2 block 88: shares 2147..2150 ({step, share, of})
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 2 block 89: shares 2151..2154 ({step, share, of})
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 2 block 90: shares 2155..2158 ({step, share, of})
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 2 block 91: shares 2159..2162 ({step, share, of})
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 2 block 92: shares 2163..2166 ({step, share, of})
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 2 block 93: shares 2167..2170 ({step, share, of})
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 2 block 94: shares 2171..2174 ({step, share, of})
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 2 block 95: shares 2175..2178 ({step, share, of})
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 2 block 96: shares 2179..2182 ({step, share, of})
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 2 block 97: shares 2183..2186 ({step, share, of})
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 2 block 98: shares 2187..2190 ({step, share, of})
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 2 block 99: shares 2191..2194 ({step, share, of})
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 2 block 100: shares 2195..2198 ({step, share, of})
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 2 block 101: shares 2199..2202 ({step, share, of})
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 2 block 102: shares 2203..2206 ({step, share, of})
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 2 block 103: shares 2207..2210 ({step, share, of})
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 2 block 104: shares 2211..2214 ({step, share, of})
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 2 block 105: shares 2215..2218 ({step, share, of})
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 2 block 106: shares 2219..2222 ({step, share, of})
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 2 block 107: shares 2223..2226 ({step, share, of})
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 2 block 108: shares 2227..2230 ({step, share, of})
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 2 block 109: shares 2231..2234 ({step, share, of})
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 2 block 110: shares 2235..2238 ({step, share, of})
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 2 block 111: shares 2239..2242 ({step, share, of})
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 2 block 112: shares 2243..2246 ({step, share, of})
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 2 block 113: shares 2247..2250 ({step, share, of})
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 2 block 114: shares 2251..2254 ({step, share, of})
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 2 block 115: shares 2255..2258 ({step, share, of})
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 2 block 116: shares 2259..2262 ({step, share, of})
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 2 block 117: shares 2263..2266 ({step, share, of})
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 2 block 118: shares 2267..2270 ({step, share, of})
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 2 block 119: shares 2271..2274 ({step, share, of})
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 2 block 120: shares 2275..2278 ({step, share, of})
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 2 block 121: shares 2279..2282 ({step, share, of})
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 2 block 122: shares 2283..2286 ({step, share, of})
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 2 block 123: shares 2287..2290 ({step, share, of})
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 2 block 124: shares 2291..2294 ({step, share, of})
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 2 block 125: shares 2295..2298 ({step, share, of})
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 2 block 126: shares 2299..2302 ({step, share, of})
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 2 block 127: shares 2303..2306 ({step, share, of})
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w3[] = {
+    // rank 0: shares 0..768
+    {9, 63, 64, 4, 1, 0}, {1, 0, 64, 8, 1, 0}, {13, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
+    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
+    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
+    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
+    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
+    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
+    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
+    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
+    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
+    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
+    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
+    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
+    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
+    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
+    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
+    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
+    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 4, 1, 0}, {9, 1, 64, 4, 1, 0},
+    {9, 2, 64, 4, 1, 0}, {9, 3, 64, 4, 1, 0}, {9, 4, 64, 4, 1, 0}, {9, 5, 64, 4, 1, 0},
+    {9, 6, 64, 4, 1, 0}, {9, 7, 64, 4, 1, 0}, {9, 8, 64, 4, 1, 0}, {9, 9, 64, 4, 1, 0},
+    {9, 10, 64, 4, 1, 0}, {9, 11, 64, 4, 1, 0}, {9, 12, 64, 4, 1, 0}, {9, 13, 64, 4, 1, 0},
+    {9, 14, 64, 4, 1, 0}, {9, 15, 64, 4, 1, 0}, {9, 16, 64, 4, 1, 0}, {9, 17, 64, 4, 1, 0},
+    {9, 18, 64, 4, 1, 0}, {9, 19, 64, 4, 1, 0}, {9, 20, 64, 4, 1, 0}, {9, 21, 64, 4, 1, 0},
+    {9, 22, 64, 4, 1, 0}, {9, 23, 64, 4, 1, 0}, {9, 24, 64, 4, 1, 0}, {9, 25, 64, 4, 1, 0},
+    {9, 26, 64, 4, 1, 0}, {9, 27, 64, 4, 1, 0}, {9, 28, 64, 4, 1, 0}, {9, 29, 64, 4, 1, 0},
+    {9, 30, 64, 4, 1, 0}, {9, 31, 64, 4, 1, 0}, {9, 32, 64, 4, 1, 0}, {9, 33, 64, 4, 1, 0},
+    {9, 34, 64, 4, 1, 0}, {9, 35, 64, 4, 1, 0}, {9, 36, 64, 4, 1, 0}, {9, 37, 64, 4, 1, 0},
+    {9, 38, 64, 4, 1, 0}, {9, 39, 64, 4, 1, 0}, {9, 40, 64, 4, 1, 0}, {9, 41, 64, 4, 1, 0},
+    {9, 42, 64, 4, 1, 0}, {9, 43, 64, 4, 1, 0}, {9, 44, 64, 4, 1, 0}, {9, 45, 64, 4, 1, 0},
+    {9, 46, 64, 4, 1, 0}, {9, 47, 64, 4, 1, 0}, {9, 48, 64, 4, 1, 0}, {9, 49, 64, 4, 1, 0},
+    {9, 50, 64, 4, 1, 0}, {9, 51, 64, 4, 1, 0}, {9, 52, 64, 4, 1, 0}, {9, 53, 64, 4, 1, 0},
+    {9, 54, 64, 4, 1, 0}, {9, 55, 64, 4, 1, 0}, {9, 56, 64, 4, 1, 0}, {9, 57, 64, 4, 1, 0},
+    {9, 58, 64, 4, 1, 0}, {9, 59, 64, 4, 1, 0}, {9, 60, 64, 4, 1, 0}, {9, 61, 64, 4, 1, 0},
+    {9, 62, 64, 4, 1, 0},
+    // rank 1: shares 769..1537
+    {9, 63, 64, 4, 1, 0}, {1, 0, 64, 8, 1, 0}, {13, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
+    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
+    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
+    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
+    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
+    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
+    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
+    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
+    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
+    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
+    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
+    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
+    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
+    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
+    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
+    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
+    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 4, 1, 0}, {9, 1, 64, 4, 1, 0},
+    {9, 2, 64, 4, 1, 0}, {9, 3, 64, 4, 1, 0}, {9, 4, 64, 4, 1, 0}, {9, 5, 64, 4, 1, 0},
+    {9, 6, 64, 4, 1, 0}, {9, 7, 64, 4, 1, 0}, {9, 8, 64, 4, 1, 0}, {9, 9, 64, 4, 1, 0},
+    {9, 10, 64, 4, 1, 0}, {9, 11, 64, 4, 1, 0}, {9, 12, 64, 4, 1, 0}, {9, 13, 64, 4, 1, 0},
+    {9, 14, 64, 4, 1, 0}, {9, 15, 64, 4, 1, 0}, {9, 16, 64, 4, 1, 0}, {9, 17, 64, 4, 1, 0},
+    {9, 18, 64, 4, 1, 0}, {9, 19, 64, 4, 1, 0}, {9, 20, 64, 4, 1, 0}, {9, 21, 64, 4, 1, 0},
+    {9, 22, 64, 4, 1, 0}, {9, 23, 64, 4, 1, 0}, {9, 24, 64, 4, 1, 0}, {9, 25, 64, 4, 1, 0},
+    {9, 26, 64, 4, 1, 0}, {9, 27, 64, 4, 1, 0}, {9, 28, 64, 4, 1, 0}, {9, 29, 64, 4, 1, 0},
+    {9, 30, 64, 4, 1, 0}, {9, 31, 64, 4, 1, 0}, {9, 32, 64, 4, 1, 0}, {9, 33, 64, 4, 1, 0},
+    {9, 34, 64, 4, 1, 0}, {9, 35, 64, 4, 1, 0}, {9, 36, 64, 4, 1, 0}, {9, 37, 64, 4, 1, 0},
+    {9, 38, 64, 4, 1, 0}, {9, 39, 64, 4, 1, 0}, {9, 40, 64, 4, 1, 0}, {9, 41, 64, 4, 1, 0},
+    {9, 42, 64, 4, 1, 0}, {9, 43, 64, 4, 1, 0}, {9, 44, 64, 4, 1, 0}, {9, 45, 64, 4, 1, 0},
+    {9, 46, 64, 4, 1, 0}, {9, 47, 64, 4, 1, 0}, {9, 48, 64, 4, 1, 0}, {9, 49, 64, 4, 1, 0},
+    {9, 50, 64, 4, 1, 0}, {9, 51, 64, 4, 1, 0}, {9, 52, 64, 4, 1, 0}, {9, 53, 64, 4, 1, 0},
+    {9, 54, 64, 4, 1, 0}, {9, 55, 64, 4, 1, 0}, {9, 56, 64, 4, 1, 0}, {9, 57, 64, 4, 1, 0},
+    {9, 58, 64, 4, 1, 0}, {9, 59, 64, 4, 1, 0}, {9, 60, 64, 4, 1, 0}, {9, 61, 64, 4, 1, 0},
+    {9, 62, 64, 4, 1, 0},
+    // rank 2: shares 1538..2306
+    {9, 63, 64, 4, 1, 0}, {1, 0, 64, 8, 1, 0}, {13, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
+    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
+    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
+    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
+    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
+    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
+    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
+    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
+    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
+    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
+    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
+    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
+    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
+    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
+    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
+    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
+    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 4, 1, 0}, {9, 1, 64, 4, 1, 0},
+    {9, 2, 64, 4, 1, 0}, {9, 3, 64, 4, 1, 0}, {9, 4, 64, 4, 1, 0}, {9, 5, 64, 4, 1, 0},
+    {9, 6, 64, 4, 1, 0}, {9, 7, 64, 4, 1, 0}, {9, 8, 64, 4, 1, 0}, {9, 9, 64, 4, 1, 0},
+    {9, 10, 64, 4, 1, 0}, {9, 11, 64, 4, 1, 0}, {9, 12, 64, 4, 1, 0}, {9, 13, 64, 4, 1, 0},
+    {9, 14, 64, 4, 1, 0}, {9, 15, 64, 4, 1, 0}, {9, 16, 64, 4, 1, 0}, {9, 17, 64, 4, 1, 0},
+    {9, 18, 64, 4, 1, 0}, {9, 19, 64, 4, 1, 0}, {9, 20, 64, 4, 1, 0}, {9, 21, 64, 4, 1, 0},
+    {9, 22, 64, 4, 1, 0}, {9, 23, 64, 4, 1, 0}, {9, 24, 64, 4, 1, 0}, {9, 25, 64, 4, 1, 0},
+    {9, 26, 64, 4, 1, 0}, {9, 27, 64, 4, 1, 0}, {9, 28, 64, 4, 1, 0}, {9, 29, 64, 4, 1, 0},
+    {9, 30, 64, 4, 1, 0}, {9, 31, 64, 4, 1, 0}, {9, 32, 64, 4, 1, 0}, {9, 33, 64, 4, 1, 0},
+    {9, 34, 64, 4, 1, 0}, {9, 35, 64, 4, 1, 0}, {9, 36, 64, 4, 1, 0}, {9, 37, 64, 4, 1, 0},
+    {9, 38, 64, 4, 1, 0}, {9, 39, 64, 4, 1, 0}, {9, 40, 64, 4, 1, 0}, {9, 41, 64, 4, 1, 0},
+    {9, 42, 64, 4, 1, 0}, {9, 43, 64, 4, 1, 0}, {9, 44, 64, 4, 1, 0}, {9, 45, 64, 4, 1, 0},
+    {9, 46, 64, 4, 1, 0}, {9, 47, 64, 4, 1, 0}, {9, 48, 64, 4, 1, 0}, {9, 49, 64, 4, 1, 0},
+    {9, 50, 64, 4, 1, 0}, {9, 51, 64, 4, 1, 0}, {9, 52, 64, 4, 1, 0}, {9, 53, 64, 4, 1, 0},
+    {9, 54, 64, 4, 1, 0}, {9, 55, 64, 4, 1, 0}, {9, 56, 64, 4, 1, 0}, {9, 57, 64, 4, 1, 0},
+    {9, 58, 64, 4, 1, 0}, {9, 59, 64, 4, 1, 0}, {9, 60, 64, 4, 1, 0}, {9, 61, 64, 4, 1, 0},
+    {9, 62, 64, 4, 1, 0},
 };
+static __device__ const tsgen_share_table<2307> shares_w3 =
+    tsgen_expand_shares<2307>(share_runs_w3);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][129] = {
     { 0, 4, 13, 21, 29, 37, 45, 53, 61, 69, 77, 85, 93, 101, 109, 117, 125, 133, 141, 149, 157, 165, 173, 181, 189, 197, 205, 213, 221, 229, 237, 245, 253, 261, 269, 277, 285, 293, 301, 309, 317, 325, 333, 341, 349, 357, 365, 373, 381, 389, 397, 405, 413, 421, 429, 437, 445, 453, 461, 469, 477, 485, 493, 501, 509, 517, 521, 525, 529, 533, 537, 541, 545, 549, 553, 557, 561, 565, 569, 573, 577, 581, 585, 589, 593, 597, 601, 605, 609, 613, 617, 621, 625, 629, 633, 637, 641, 645, 649, 653, 657, 661, 665, 669, 673, 677, 681, 685, 689, 693, 697, 701, 705, 709, 713, 717, 721, 725, 729, 733, 737, 741, 745, 749, 753, 757, 761, 765, 769 },
@@ -2852,1288 +1703,148 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 19, 38, 57 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..3 ({step, share, of})
-    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    // rank 0 block 1: shares 4..16 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {17, 0, 1},
-    // rank 0 block 2: shares 17..29 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {18, 0, 1},
-    // rank 0 block 3: shares 30..41 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 0 block 4: shares 42..53 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 0 block 5: shares 54..65 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 0 block 6: shares 66..77 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 0 block 7: shares 78..89 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 0 block 8: shares 90..101 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 0 block 9: shares 102..113 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 0 block 10: shares 114..125 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 0 block 11: shares 126..137 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 0 block 12: shares 138..149 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 0 block 13: shares 150..161 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 0 block 14: shares 162..173 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 0 block 15: shares 174..185 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 0 block 16: shares 186..197 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 0 block 17: shares 198..209 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 0 block 18: shares 210..221 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 0 block 19: shares 222..233 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 0 block 20: shares 234..245 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 0 block 21: shares 246..257 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 0 block 22: shares 258..269 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 0 block 23: shares 270..281 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 0 block 24: shares 282..293 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 0 block 25: shares 294..305 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 0 block 26: shares 306..317 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 0 block 27: shares 318..329 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 0 block 28: shares 330..341 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 0 block 29: shares 342..353 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 0 block 30: shares 354..365 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 0 block 31: shares 366..377 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 0 block 32: shares 378..389 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 0 block 33: shares 390..401 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 0 block 34: shares 402..413 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 0 block 35: shares 414..425 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 0 block 36: shares 426..437 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 0 block 37: shares 438..449 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 0 block 38: shares 450..461 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 0 block 39: shares 462..473 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 0 block 40: shares 474..485 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 0 block 41: shares 486..497 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 0 block 42: shares 498..509 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 0 block 43: shares 510..521 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 0 block 44: shares 522..533 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 0 block 45: shares 534..545 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 0 block 46: shares 546..557 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 0 block 47: shares 558..569 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 0 block 48: shares 570..581 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 0 block 49: shares 582..593 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 0 block 50: shares 594..605 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 0 block 51: shares 606..617 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 0 block 52: shares 618..629 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 0 block 53: shares 630..641 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 0 block 54: shares 642..653 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 0 block 55: shares 654..665 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 0 block 56: shares 666..677 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 0 block 57: shares 678..689 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 0 block 58: shares 690..701 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 0 block 59: shares 702..713 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 0 block 60: shares 714..725 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 0 block 61: shares 726..737 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 0 block 62: shares 738..749 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 0 block 63: shares 750..761 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 0 block 64: shares 762..773 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 0 block 65: shares 774..777 ({step, share, of})
-    {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 0 block 66: shares 778..781 ({step, share, of})
-    {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 0 block 67: shares 782..785 ({step, share, of})
-    {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 0 block 68: shares 786..789 ({step, share, of})
-    {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 0 block 69: shares 790..793 ({step, share, of})
-    {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 0 block 70: shares 794..797 ({step, share, of})
-    {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 0 block 71: shares 798..801 ({step, share, of})
-    {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 0 block 72: shares 802..805 ({step, share, of})
-    {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 0 block 73: shares 806..809 ({step, share, of})
-    {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 0 block 74: shares 810..813 ({step, share, of})
-    {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 0 block 75: shares 814..817 ({step, share, of})
-    {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 0 block 76: shares 818..821 ({step, share, of})
-    {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 0 block 77: shares 822..825 ({step, share, of})
-    {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 0 block 78: shares 826..829 ({step, share, of})
-    {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 0 block 79: shares 830..833 ({step, share, of})
-    {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 0 block 80: shares 834..837 ({step, share, of})
-    {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 0 block 81: shares 838..841 ({step, share, of})
-    {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 0 block 82: shares 842..845 ({step, share, of})
-    {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 0 block 83: shares 846..849 ({step, share, of})
-    {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 0 block 84: shares 850..853 ({step, share, of})
-    {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 0 block 85: shares 854..857 ({step, share, of})
-    {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 0 block 86: shares 858..861 ({step, share, of})
-    {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 0 block 87: shares 862..865 ({step, share, of})
-    {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 0 block 88: shares 866..869 ({step, share, of})
-    {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 0 block 89: shares 870..873 ({step, share, of})
-    {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 0 block 90: shares 874..877 ({step, share, of})
-    {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 0 block 91: shares 878..881 ({step, share, of})
-    {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 0 block 92: shares 882..885 ({step, share, of})
-    {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 0 block 93: shares 886..889 ({step, share, of})
-    {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 0 block 94: shares 890..893 ({step, share, of})
-    {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 0 block 95: shares 894..897 ({step, share, of})
-    {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 0 block 96: shares 898..901 ({step, share, of})
-    {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 0 block 97: shares 902..905 ({step, share, of})
-    {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 0 block 98: shares 906..909 ({step, share, of})
-    {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 0 block 99: shares 910..913 ({step, share, of})
-    {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 0 block 100: shares 914..917 ({step, share, of})
-    {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 0 block 101: shares 918..921 ({step, share, of})
-    {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 0 block 102: shares 922..925 ({step, share, of})
-    {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 0 block 103: shares 926..929 ({step, share, of})
-    {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 0 block 104: shares 930..933 ({step, share, of})
-    {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 0 block 105: shares 934..937 ({step, share, of})
-    {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 0 block 106: shares 938..941 ({step, share, of})
-    {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 0 block 107: shares 942..945 ({step, share, of})
-    {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 0 block 108: shares 946..949 ({step, share, of})
-    {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 0 block 109: shares 950..953 ({step, share, of})
-    {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 0 block 110: shares 954..957 ({step, share, of})
-    {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 0 block 111: shares 958..961 ({step, share, of})
-    {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 0 block 112: shares 962..965 ({step, share, of})
-    {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 0 block 113: shares 966..969 ({step, share, of})
-    {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 0 block 114: shares 970..973 ({step, share, of})
-    {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 0 block 115: shares 974..977 ({step, share, of})
-    {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 0 block 116: shares 978..981 ({step, share, of})
-    {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 0 block 117: shares 982..985 ({step, share, of})
-    {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 0 block 118: shares 986..989 ({step, share, of})
-    {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 0 block 119: shares 990..993 ({step, share, of})
-    {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 0 block 120: shares 994..997 ({step, share, of})
-    {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 0 block 121: shares 998..1001 ({step, share, of})
-    {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 0 block 122: shares 1002..1005 ({step, share, of})
-    {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 0 block 123: shares 1006..1009 ({step, share, of})
-    {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 0 block 124: shares 1010..1013 ({step, share, of})
-    {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 0 block 125: shares 1014..1017 ({step, share, of})
-    {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 0 block 126: shares 1018..1021 ({step, share, of})
-    {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 0 block 127: shares 1022..1025 ({step, share, of})
-    {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    // rank 1 block 0: shares 1026..1029 ({step, share, of})
-    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    // rank 1 block 1: shares 1030..1042 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {17, 0, 1},
-    // rank 1 block 2: shares 1043..1055 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {18, 0, 1},
-    // rank 1 block 3: shares 1056..1067 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 1 block 4: shares 1068..1079 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 1 block 5: shares 1080..1091 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 1 block 6: shares 1092..1103 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 1 block 7: shares 1104..1115 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 1 block 8: shares 1116..1127 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 1 block 9: shares 1128..1139 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 1 block 10: shares 1140..1151 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 1 block 11: shares 1152..1163 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 1 block 12: shares 1164..1175 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 1 block 13: shares 1176..1187 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 1 block 14: shares 1188..1199 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 1 block 15: shares 1200..1211 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 1 block 16: shares 1212..1223 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 1 block 17: shares 1224..1235 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 1 block 18: shares 1236..1247 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 1 block 19: shares 1248..1259 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 1 block 20: shares 1260..1271 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 1 block 21: shares 1272..1283 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 1 block 22: shares 1284..1295 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 1 block 23: shares 1296..1307 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 1 block 24: shares 1308..1319 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 1 block 25: shares 1320..1331 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 1 block 26: shares 1332..1343 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 1 block 27: shares 1344..1355 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 1 block 28: shares 1356..1367 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 1 block 29: shares 1368..1379 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 1 block 30: shares 1380..1391 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 1 block 31: shares 1392..1403 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 1 block 32: shares 1404..1415 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 1 block 33: shares 1416..1427 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 1 block 34: shares 1428..1439 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 1 block 35: shares 1440..1451 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 1 block 36: shares 1452..1463 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 1 block 37: shares 1464..1475 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 1 block 38: shares 1476..1487 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 1 block 39: shares 1488..1499 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 1 block 40: shares 1500..1511 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 1 block 41: shares 1512..1523 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 1 block 42: shares 1524..1535 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 1 block 43: shares 1536..1547 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 1 block 44: shares 1548..1559 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 1 block 45: shares 1560..1571 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 1 block 46: shares 1572..1583 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 1 block 47: shares 1584..1595 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 1 block 48: shares 1596..1607 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 1 block 49: shares 1608..1619 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 1 block 50: shares 1620..1631 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 1 block 51: shares 1632..1643 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 1 block 52: shares 1644..1655 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 1 block 53: shares 1656..1667 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 1 block 54: shares 1668..1679 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 1 block 55: shares 1680..1691 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 1 block 56: shares 1692..1703 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 1 block 57: shares 1704..1715 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 1 block 58: shares 1716..1727 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 1 block 59: shares 1728..1739 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 1 block 60: shares 1740..1751 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 1 block 61: shares 1752..1763 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 1 block 62: shares 1764..1775 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 1 block 63: shares 1776..1787 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 1 block 64: shares 1788..1799 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 1 block 65: shares 1800..1803 ({step, share, of})
-    {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 1 block 66: shares 1804..1807 ({step, share, of})
-    {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 1 block 67: shares 1808..1811 ({step, share, of})
-    {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 1 block 68: shares 1812..1815 ({step, share, of})
-    {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 1 block 69: shares 1816..1819 ({step, share, of})
-    {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 1 block 70: shares 1820..1823 ({step, share, of})
-    {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 1 block 71: shares 1824..1827 ({step, share, of})
-    {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 1 block 72: shares 1828..1831 ({step, share, of})
-    {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 1 block 73: shares 1832..1835 ({step, share, of})
-    {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 1 block 74: shares 1836..1839 ({step, share, of})
-    {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 1 block 75: shares 1840..1843 ({step, share, of})
-    {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 1 block 76: shares 1844..1847 ({step, share, of})
-    {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 1 block 77: shares 1848..1851 ({step, share, of})
-    {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 1 block 78: shares 1852..1855 ({step, share, of})
-    {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 1 block 79: shares 1856..1859 ({step, share, of})
-    {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 1 block 80: shares 1860..1863 ({step, share, of})
-    {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 1 block 81: shares 1864..1867 ({step, share, of})
-    {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 1 block 82: shares 1868..1871 ({step, share, of})
-    {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 1 block 83: shares 1872..1875 ({step, share, of})
-    {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 1 block 84: shares 1876..1879 ({step, share, of})
-    {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 1 block 85: shares 1880..1883 ({step, share, of})
-    {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 1 block 86: shares 1884..1887 ({step, share, of})
-    {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 1 block 87: shares 1888..1891 ({step, share, of})
-    {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 1 block 88: shares 1892..1895 ({step, share, of})
-    {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 1 block 89: shares 1896..1899 ({step, share, of})
-    {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 1 block 90: shares 1900..1903 ({step, share, of})
-    {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 1 block 91: shares 1904..1907 ({step, share, of})
-    {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 1 block 92: shares 1908..1911 ({step, share, of})
-    {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 1 block 93: shares 1912..1915 ({step, share, of})
-    {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 1 block 94: shares 1916..1919 ({step, share, of})
-    {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 1 block 95: shares 1920..1923 ({step, share, of})
-    {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 1 block 96: shares 1924..1927 ({step, share, of})
-    {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 1 block 97: shares 1928..1931 ({step, share, of})
-    {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 1 block 98: shares 1932..1935 ({step, share, of})
-    {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 1 block 99: shares 1936..1939 ({step, share, of})
-    {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 1 block 100: shares 1940..1943 ({step, share, of})
-    {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 1 block 101: shares 1944..1947 ({step, share, of})
-    {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 1 block 102: shares 1948..1951 ({step, share, of})
-    {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 1 block 103: shares 1952..1955 ({step, share, of})
-    {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 1 block 104: shares 1956..1959 ({step, share, of})
-    {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 1 block 105: shares 1960..1963 ({step, share, of})
-    {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 1 block 106: shares 1964..1967 ({step, share, of})
-    {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 1 block 107: shares 1968..1971 ({step, share, of})
-    {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 1 block 108: shares 1972..1975 ({step, share, of})
-    {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 1 block 109: shares 1976..1979 ({step, share, of})
-    {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 1 block 110: shares 1980..1983 ({step, share, of})
-    {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 1 block 111: shares 1984..1987 ({step, share, of})
-    {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 1 block 112: shares 1988..1991 ({step, share, of})
-    {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 1 block 113: shares 1992..1995 ({step, share, of})
-    {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 1 block 114: shares 1996..1999 ({step, share, of})
-    {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 1 block 115: shares 2000..2003 ({step, share, of})
-    {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 1 block 116: shares 2004..2007 ({step, share, of})
-    {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 1 block 117: shares 2008..2011 ({step, share, of})
-    {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 1 block 118: shares 2012..2015 ({step, share, of})
-    {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 1 block 119: shares 2016..2019 ({step, share, of})
-    {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 1 block 120: shares 2020..2023 ({step, share, of})
-    {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 1 block 121: shares 2024..2027 ({step, share, of})
-    {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 1 block 122: shares 2028..2031 ({step, share, of})
-    {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 1 block 123: shares 2032..2035 ({step, share, of})
-    {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 1 block 124: shares 2036..2039 ({step, share, of})
-    {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 1 block 125: shares 2040..2043 ({step, share, of})
-    {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 1 block 126: shares 2044..2047 ({step, share, of})
-    {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 1 block 127: shares 2048..2051 ({step, share, of})
-    {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    // rank 2 block 0: shares 2052..2055 ({step, share, of})
-    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    // rank 2 block 1: shares 2056..2068 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {17, 0, 1},
-    // rank 2 block 2: shares 2069..2081 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {18, 0, 1},
-    // rank 2 block 3: shares 2082..2093 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 2 block 4: shares 2094..2105 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 2 block 5: shares 2106..2117 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 2 block 6: shares 2118..2129 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 2 block 7: shares 2130..2141 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 2 block 8: shares 2142..2153 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 2 block 9: shares 2154..2165 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 2 block 10: shares 2166..2177 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 2 block 11: shares 2178..2189 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 2 block 12: shares 2190..2201 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 2 block 13: shares 2202..2213 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 2 block 14: shares 2214..2225 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 2 block 15: shares 2226..2237 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 2 block 16: shares 2238..2249 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 2 block 17: shares 2250..2261 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 2 block 18: shares 2262..2273 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 2 block 19: shares 2274..2285 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 2 block 20: shares 2286..2297 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 2 block 21: shares 2298..2309 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 2 block 22: shares 2310..2321 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 2 block 23: shares 2322..2333 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 2 block 24: shares 2334..2345 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 2 block 25: shares 2346..2357 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 2 block 26: shares 2358..2369 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 2 block 27: shares 2370..2381 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 2 block 28: shares 2382..2393 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 2 block 29: shares 2394..2405 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 2 block 30: shares 2406..2417 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 2 block 31: shares 2418..2429 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 2 block 32: shares 2430..2441 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 2 block 33: shares 2442..2453 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 2 block 34: shares 2454..2465 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 2 block 35: shares 2466..2477 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 2 block 36: shares 2478..2489 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 2 block 37: shares 2490..2501 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 2 block 38: shares 2502..2513 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 2 block 39: shares 2514..2525 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 2 block 40: shares 2526..2537 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 2 block 41: shares 2538..2549 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 2 block 42: shares 2550..2561 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 2 block 43: shares 2562..2573 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 2 block 44: shares 2574..2585 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 2 block 45: shares 2586..2597 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 2 block 46: shares 2598..2609 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 2 block 47: shares 2610..2621 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 2 block 48: shares 2622..2633 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 2 block 49: shares 2634..2645 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 2 block 50: shares 2646..2657 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 2 block 51: shares 2658..2669 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 2 block 52: shares 2670..2681 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 2 block 53: shares 2682..2693 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 2 block 54: shares 2694..2705 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 2 block 55: shares 2706..2717 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 2 block 56: shares 2718..2729 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 2 block 57: shares 2730..2741 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 2 block 58: shares 2742..2753 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 2 block 59: shares 2754..2765 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 2 block 60: shares 2766..2777 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 2 block 61: shares 2778..2789 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 2 block 62: shares 2790..2801 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 2 block 63: shares 2802..2813 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 2 block 64: shares 2814..2825 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 2 block 65: shares 2826..2829 ({step, share, of})
-    {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 2 block 66: shares 2830..2833 ({step, share, of})
-    {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 2 block 67: shares 2834..2837 ({step, share, of})
-    {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 2 block 68: shares 2838..2841 ({step, share, of})
-    {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 2 block 69: shares 2842..2845 ({step, share, of})
-    {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 2 block 70: shares 2846..2849 ({step, share, of})
-    {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 2 block 71: shares 2850..2853 ({step, share, of})
-    {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 2 block 72: shares 2854..2857 ({step, share, of})
-    {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 2 block 73: shares 2858..2861 ({step, share, of})
-    {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 2 block 74: shares 2862..2865 ({step, share, of})
-    {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 2 block 75: shares 2866..2869 ({step, share, of})
-    {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 2 block 76: shares 2870..2873 ({step, share, of})
-    {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 2 block 77: shares 2874..2877 ({step, share, of})
-    {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 2 block 78: shares 2878..2881 ({step, share, of})
-    {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 2 block 79: shares 2882..2885 ({step, share, of})
-    {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 2 block 80: shares 2886..2889 ({step, share, of})
-    {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 2 block 81: shares 2890..2893 ({step, share, of})
-    {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 2 block 82: shares 2894..2897 ({step, share, of})
-    {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 2 block 83: shares 2898..2901 ({step, share, of})
-    {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 2 block 84: shares 2902..2905 ({step, share, of})
-    {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 2 block 85: shares 2906..2909 ({step, share, of})
-    {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 2 block 86: shares 2910..2913 ({step, share, of})
-    {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 2 block 87: shares 2914..2917 ({step, share, of})
-    {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 2 block 88: shares 2918..2921 ({step, share, of})
-    {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 2 block 89: shares 2922..2925 ({step, share, of})
-    {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 2 block 90: shares 2926..2929 ({step, share, of})
-    {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 2 block 91: shares 2930..2933 ({step, share, of})
-    {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 2 block 92: shares 2934..2937 ({step, share, of})
-    {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 2 block 93: shares 2938..2941 ({step, share, of})
-    {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 2 block 94: shares 2942..2945 ({step, share, of})
-    {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 2 block 95: shares 2946..2949 ({step, share, of})
-    {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 2 block 96: shares 2950..2953 ({step, share, of})
-    {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 2 block 97: shares 2954..2957 ({step, share, of})
-    {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 2 block 98: shares 2958..2961 ({step, share, of})
-    {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 2 block 99: shares 2962..2965 ({step, share, of})
-    {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 2 block 100: shares 2966..2969 ({step, share, of})
-    {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 2 block 101: shares 2970..2973 ({step, share, of})
-    {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 2 block 102: shares 2974..2977 ({step, share, of})
-    {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 2 block 103: shares 2978..2981 ({step, share, of})
-    {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 2 block 104: shares 2982..2985 ({step, share, of})
-    {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 2 block 105: shares 2986..2989 ({step, share, of})
-    {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 2 block 106: shares 2990..2993 ({step, share, of})
-    {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 2 block 107: shares 2994..2997 ({step, share, of})
-    {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 2 block 108: shares 2998..3001 ({step, share, of})
-    {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 2 block 109: shares 3002..3005 ({step, share, of})
-    {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 2 block 110: shares 3006..3009 ({step, share, of})
-    {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 2 block 111: shares 3010..3013 ({step, share, of})
-    {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 2 block 112: shares 3014..3017 ({step, share, of})
-    {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 2 block 113: shares 3018..3021 ({step, share, of})
-    {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 2 block 114: shares 3022..3025 ({step, share, of})
-    {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 2 block 115: shares 3026..3029 ({step, share, of})
-    {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 2 block 116: shares 3030..3033 ({step, share, of})
-    {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 2 block 117: shares 3034..3037 ({step, share, of})
-    {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 2 block 118: shares 3038..3041 ({step, share, of})
-    {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 2 block 119: shares 3042..3045 ({step, share, of})
-    {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 2 block 120: shares 3046..3049 ({step, share, of})
-    {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 2 block 121: shares 3050..3053 ({step, share, of})
-    {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 2 block 122: shares 3054..3057 ({step, share, of})
-    {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 2 block 123: shares 3058..3061 ({step, share, of})
-    {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 2 block 124: shares 3062..3065 ({step, share, of})
-    {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 2 block 125: shares 3066..3069 ({step, share, of})
-    {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 2 block 126: shares 3070..3073 ({step, share, of})
-    {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 2 block 127: shares 3074..3077 ({step, share, of})
-    {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    // rank 3 block 0: shares 3078..3081 ({step, share, of})
-    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    // rank 3 block 1: shares 3082..3094 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {17, 0, 1},
-    // rank 3 block 2: shares 3095..3107 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {18, 0, 1},
-    // rank 3 block 3: shares 3108..3119 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 3 block 4: shares 3120..3131 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 3 block 5: shares 3132..3143 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 3 block 6: shares 3144..3155 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 3 block 7: shares 3156..3167 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 3 block 8: shares 3168..3179 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 3 block 9: shares 3180..3191 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 3 block 10: shares 3192..3203 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 3 block 11: shares 3204..3215 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 3 block 12: shares 3216..3227 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 3 block 13: shares 3228..3239 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 3 block 14: shares 3240..3251 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 3 block 15: shares 3252..3263 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 3 block 16: shares 3264..3275 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 3 block 17: shares 3276..3287 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 3 block 18: shares 3288..3299 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 3 block 19: shares 3300..3311 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 3 block 20: shares 3312..3323 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 3 block 21: shares 3324..3335 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 3 block 22: shares 3336..3347 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 3 block 23: shares 3348..3359 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 3 block 24: shares 3360..3371 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 3 block 25: shares 3372..3383 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 3 block 26: shares 3384..3395 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 3 block 27: shares 3396..3407 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 3 block 28: shares 3408..3419 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 3 block 29: shares 3420..3431 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 3 block 30: shares 3432..3443 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 3 block 31: shares 3444..3455 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 3 block 32: shares 3456..3467 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 3 block 33: shares 3468..3479 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 3 block 34: shares 3480..3491 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 3 block 35: shares 3492..3503 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 3 block 36: shares 3504..3515 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 3 block 37: shares 3516..3527 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 3 block 38: shares 3528..3539 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 3 block 39: shares 3540..3551 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 3 block 40: shares 3552..3563 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 3 block 41: shares 3564..3575 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 3 block 42: shares 3576..3587 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 3 block 43: shares 3588..3599 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 3 block 44: shares 3600..3611 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 3 block 45: shares 3612..3623 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 3 block 46: shares 3624..3635 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 3 block 47: shares 3636..3647 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 3 block 48: shares 3648..3659 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 3 block 49: shares 3660..3671 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 3 block 50: shares 3672..3683 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 3 block 51: shares 3684..3695 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 3 block 52: shares 3696..3707 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 3 block 53: shares 3708..3719 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 3 block 54: shares 3720..3731 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 3 block 55: shares 3732..3743 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 3 block 56: shares 3744..3755 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 3 block 57: shares 3756..3767 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 3 block 58: shares 3768..3779 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 3 block 59: shares 3780..3791 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 3 block 60: shares 3792..3803 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 3 block 61: shares 3804..3815 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 3 block 62: shares 3816..3827 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 3 block 63: shares 3828..3839 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 3 block 64: shares 3840..3851 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 3 block 65: shares 3852..3855 ({step, share, of})
-    {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 3 block 66: shares 3856..3859 ({step, share, of})
-    {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 3 block 67: shares 3860..3863 ({step, share, of})
-    {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 3 block 68: shares 3864..3867 ({step, share, of})
-    {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 3 block 69: shares 3868..3871 ({step, share, of})
-    {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 3 block 70: shares 3872..3875 ({step, share, of})
-    {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 3 block 71: shares 3876..3879 ({step, share, of})
-    {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 3 block 72: shares 3880..3883 ({step, share, of})
-    {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 3 block 73: shares 3884..3887 ({step, share, of})
-    {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 3 block 74: shares 3888..3891 ({step, share, of})
-    {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 3 block 75: shares 3892..3895 ({step, share, of})
-    {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 3 block 76: shares 3896..3899 ({step, share, of})
-    {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 3 block 77: shares 3900..3903 ({step, share, of})
-    {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 3 block 78: shares 3904..3907 ({step, share, of})
-    {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 3 block 79: shares 3908..3911 ({step, share, of})
-    {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 3 block 80: shares 3912..3915 ({step, share, of})
-    {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 3 block 81: shares 3916..3919 ({step, share, of})
-    {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 3 block 82: shares 3920..3923 ({step, share, of})
-    {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 3 block 83: shares 3924..3927 ({step, share, of})
-    {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 3 block 84: shares 3928..3931 ({step, share, of})
-    {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 3 block 85: shares 3932..3935 ({step, share, of})
-    {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 3 block 86: shares 3936..3939 ({step, share, of})
-    {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 3 block 87: shares 3940..3943 ({step, share, of})
-    {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 3 block 88: shares 3944..3947 ({step, share, of})
-    {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 3 block 89: shares 3948..3951 ({step, share, of})
-    {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 3 block 90: shares 3952..3955 ({step, share, of})
-    {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 3 block 91: shares 3956..3959 ({step, share, of})
-    {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 3 block 92: shares 3960..3963 ({step, share, of})
-    {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 3 block 93: shares 3964..3967 ({step, share, of})
-    {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 3 block 94: shares 3968..3971 ({step, share, of})
-    {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 3 block 95: shares 3972..3975 ({step, share, of})
-    {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 3 block 96: shares 3976..3979 ({step, share, of})
-    {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 3 block 97: shares 3980..3983 ({step, share, of})
-    {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 3 block 98: shares 3984..3987 ({step, share, of})
-    {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 3 block 99: shares 3988..3991 ({step, share, of})
-    {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 3 block 100: shares 3992..3995 ({step, share, of})
-    {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 3 block 101: shares 3996..3999 ({step, share, of})
-    {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 3 block 102: shares 4000..4003 ({step, share, of})
-    {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 3 block 103: shares 4004..4007 ({step, share, of})
-    {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 3 block 104: shares 4008..4011 ({step, share, of})
-    {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 3 block 105: shares 4012..4015 ({step, share, of})
-    {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 3 block 106: shares 4016..4019 ({step, share, of})
-    {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 3 block 107: shares 4020..4023 ({step, share, of})
-    {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 3 block 108: shares 4024..4027 ({step, share, of})
-    {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 3 block 109: shares 4028..4031 ({step, share, of})
-    {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 3 block 110: shares 4032..4035 ({step, share, of})
-    {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 3 block 111: shares 4036..4039 ({step, share, of})
-    {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 3 block 112: shares 4040..4043 ({step, share, of})
-    {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 3 block 113: shares 4044..4047 ({step, share, of})
-    {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 3 block 114: shares 4048..4051 ({step, share, of})
-    {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 3 block 115: shares 4052..4055 ({step, share, of})
-    {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 3 block 116: shares 4056..4059 ({step, share, of})
-    {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 3 block 117: shares 4060..4063 ({step, share, of})
-    {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 3 block 118: shares 4064..4067 ({step, share, of})
-    {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 3 block 119: shares 4068..4071 ({step, share, of})
-    {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 3 block 120: shares 4072..4075 ({step, share, of})
-    {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 3 block 121: shares 4076..4079 ({step, share, of})
-    {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 3 block 122: shares 4080..4083 ({step, share, of})
-    {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 3 block 123: shares 4084..4087 ({step, share, of})
-    {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 3 block 124: shares 4088..4091 ({step, share, of})
-    {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 3 block 125: shares 4092..4095 ({step, share, of})
-    {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 3 block 126: shares 4096..4099 ({step, share, of})
-    {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 3 block 127: shares 4100..4103 ({step, share, of})
-    {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w4[] = {
+    // rank 0: shares 0..1025
+    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
+    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
+    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
+    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
+    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
+    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
+    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
+    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
+    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
+    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
+    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
+    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
+    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
+    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
+    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
+    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
+    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
+    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
+    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
+    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
+    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
+    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
+    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
+    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
+    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
+    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
+    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
+    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
+    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
+    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
+    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
+    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
+    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
+    // rank 1: shares 1026..2051
+    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
+    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
+    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
+    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
+    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
+    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
+    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
+    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
+    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
+    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
+    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
+    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
+    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
+    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
+    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
+    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
+    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
+    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
+    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
+    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
+    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
+    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
+    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
+    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
+    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
+    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
+    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
+    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
+    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
+    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
+    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
+    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
+    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
+    // rank 2: shares 2052..3077
+    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
+    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
+    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
+    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
+    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
+    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
+    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
+    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
+    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
+    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
+    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
+    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
+    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
+    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
+    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
+    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
+    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
+    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
+    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
+    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
+    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
+    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
+    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
+    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
+    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
+    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
+    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
+    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
+    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
+    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
+    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
+    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
+    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
+    // rank 3: shares 3078..4103
+    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
+    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
+    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
+    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
+    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
+    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
+    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
+    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
+    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
+    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
+    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
+    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
+    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
+    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
+    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
+    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
+    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
+    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
+    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
+    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
+    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
+    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
+    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
+    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
+    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
+    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
+    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
+    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
+    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
+    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
+    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
+    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
+    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
 };
+static __device__ const tsgen_share_table<4104> shares_w4 =
+    tsgen_expand_shares<4104>(share_runs_w4);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][129] = {
     { 0, 4, 17, 30, 42, 54, 66, 78, 90, 102, 114, 126, 138, 150, 162, 174, 186, 198, 210, 222, 234, 246, 258, 270, 282, 294, 306, 318, 330, 342, 354, 366, 378, 390, 402, 414, 426, 438, 450, 462, 474, 486, 498, 510, 522, 534, 546, 558, 570, 582, 594, 606, 618, 630, 642, 654, 666, 678, 690, 702, 714, 726, 738, 750, 762, 774, 778, 782, 786, 790, 794, 798, 802, 806, 810, 814, 818, 822, 826, 830, 834, 838, 842, 846, 850, 854, 858, 862, 866, 870, 874, 878, 882, 886, 890, 894, 898, 902, 906, 910, 914, 918, 922, 926, 930, 934, 938, 942, 946, 950, 954, 958, 962, 966, 970, 974, 978, 982, 986, 990, 994, 998, 1002, 1006, 1010, 1014, 1018, 1022, 1026 },
@@ -4741,3592 +2452,284 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 37, 74, 111, 148, 185, 222, 259 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..3 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 0 block 1: shares 4..32 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 0 block 2: shares 33..61 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 0 block 3: shares 62..90 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 0 block 4: shares 91..119 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 0 block 5: shares 120..147 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 0 block 6: shares 148..175 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 0 block 7: shares 176..203 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 0 block 8: shares 204..231 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 0 block 9: shares 232..259 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 0 block 10: shares 260..287 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 0 block 11: shares 288..315 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 0 block 12: shares 316..343 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 0 block 13: shares 344..371 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 0 block 14: shares 372..399 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 0 block 15: shares 400..427 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 0 block 16: shares 428..455 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 0 block 17: shares 456..483 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 0 block 18: shares 484..511 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 0 block 19: shares 512..539 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 0 block 20: shares 540..567 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 0 block 21: shares 568..595 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 0 block 22: shares 596..623 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 0 block 23: shares 624..651 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 0 block 24: shares 652..679 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 0 block 25: shares 680..707 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 0 block 26: shares 708..735 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 0 block 27: shares 736..763 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 0 block 28: shares 764..791 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 0 block 29: shares 792..819 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 0 block 30: shares 820..847 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 0 block 31: shares 848..875 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 0 block 32: shares 876..903 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 0 block 33: shares 904..931 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 0 block 34: shares 932..959 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 0 block 35: shares 960..987 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 0 block 36: shares 988..1015 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 0 block 37: shares 1016..1043 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 0 block 38: shares 1044..1071 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 0 block 39: shares 1072..1099 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 0 block 40: shares 1100..1127 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 0 block 41: shares 1128..1155 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 0 block 42: shares 1156..1183 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 0 block 43: shares 1184..1211 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 0 block 44: shares 1212..1239 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 0 block 45: shares 1240..1267 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 0 block 46: shares 1268..1295 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 0 block 47: shares 1296..1323 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 0 block 48: shares 1324..1351 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 0 block 49: shares 1352..1379 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 0 block 50: shares 1380..1407 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 0 block 51: shares 1408..1435 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 0 block 52: shares 1436..1463 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 0 block 53: shares 1464..1491 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 0 block 54: shares 1492..1519 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 0 block 55: shares 1520..1547 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 0 block 56: shares 1548..1575 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 0 block 57: shares 1576..1603 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 0 block 58: shares 1604..1631 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 0 block 59: shares 1632..1659 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 0 block 60: shares 1660..1687 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 0 block 61: shares 1688..1715 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 0 block 62: shares 1716..1743 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 0 block 63: shares 1744..1771 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 0 block 64: shares 1772..1799 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 0 block 65: shares 1800..1803 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 0 block 66: shares 1804..1807 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 0 block 67: shares 1808..1811 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 0 block 68: shares 1812..1815 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 0 block 69: shares 1816..1819 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 0 block 70: shares 1820..1823 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 0 block 71: shares 1824..1827 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 0 block 72: shares 1828..1831 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 0 block 73: shares 1832..1835 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 0 block 74: shares 1836..1839 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 0 block 75: shares 1840..1843 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 0 block 76: shares 1844..1847 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 0 block 77: shares 1848..1851 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 0 block 78: shares 1852..1855 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 0 block 79: shares 1856..1859 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 0 block 80: shares 1860..1863 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 0 block 81: shares 1864..1867 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 0 block 82: shares 1868..1871 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 0 block 83: shares 1872..1875 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 0 block 84: shares 1876..1879 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 0 block 85: shares 1880..1883 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 0 block 86: shares 1884..1887 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 0 block 87: shares 1888..1891 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 0 block 88: shares 1892..1895 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 0 block 89: shares 1896..1899 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 0 block 90: shares 1900..1903 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 0 block 91: shares 1904..1907 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 0 block 92: shares 1908..1911 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 0 block 93: shares 1912..1915 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 0 block 94: shares 1916..1919 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 0 block 95: shares 1920..1923 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 0 block 96: shares 1924..1927 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 0 block 97: shares 1928..1931 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 0 block 98: shares 1932..1935 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 0 block 99: shares 1936..1939 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 0 block 100: shares 1940..1943 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 0 block 101: shares 1944..1947 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 0 block 102: shares 1948..1951 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 0 block 103: shares 1952..1955 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 0 block 104: shares 1956..1959 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 0 block 105: shares 1960..1963 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 0 block 106: shares 1964..1967 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 0 block 107: shares 1968..1971 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 0 block 108: shares 1972..1975 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 0 block 109: shares 1976..1979 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 0 block 110: shares 1980..1983 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 0 block 111: shares 1984..1987 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 0 block 112: shares 1988..1991 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 0 block 113: shares 1992..1995 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 0 block 114: shares 1996..1999 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 0 block 115: shares 2000..2003 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 0 block 116: shares 2004..2007 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 0 block 117: shares 2008..2011 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 0 block 118: shares 2012..2015 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 0 block 119: shares 2016..2019 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 0 block 120: shares 2020..2023 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 0 block 121: shares 2024..2027 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 0 block 122: shares 2028..2031 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 0 block 123: shares 2032..2035 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 0 block 124: shares 2036..2039 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 0 block 125: shares 2040..2043 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 0 block 126: shares 2044..2047 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 0 block 127: shares 2048..2051 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 1 block 0: shares 2052..2055 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 1 block 1: shares 2056..2084 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 1 block 2: shares 2085..2113 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 1 block 3: shares 2114..2142 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 1 block 4: shares 2143..2171 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 1 block 5: shares 2172..2199 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 1 block 6: shares 2200..2227 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 1 block 7: shares 2228..2255 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 1 block 8: shares 2256..2283 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 1 block 9: shares 2284..2311 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 1 block 10: shares 2312..2339 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 1 block 11: shares 2340..2367 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 1 block 12: shares 2368..2395 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 1 block 13: shares 2396..2423 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 1 block 14: shares 2424..2451 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 1 block 15: shares 2452..2479 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 1 block 16: shares 2480..2507 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 1 block 17: shares 2508..2535 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 1 block 18: shares 2536..2563 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 1 block 19: shares 2564..2591 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 1 block 20: shares 2592..2619 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 1 block 21: shares 2620..2647 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 1 block 22: shares 2648..2675 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 1 block 23: shares 2676..2703 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 1 block 24: shares 2704..2731 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 1 block 25: shares 2732..2759 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 1 block 26: shares 2760..2787 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 1 block 27: shares 2788..2815 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 1 block 28: shares 2816..2843 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 1 block 29: shares 2844..2871 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 1 block 30: shares 2872..2899 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 1 block 31: shares 2900..2927 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 1 block 32: shares 2928..2955 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 1 block 33: shares 2956..2983 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 1 block 34: shares 2984..3011 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 1 block 35: shares 3012..3039 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 1 block 36: shares 3040..3067 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 1 block 37: shares 3068..3095 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 1 block 38: shares 3096..3123 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 1 block 39: shares 3124..3151 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 1 block 40: shares 3152..3179 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 1 block 41: shares 3180..3207 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 1 block 42: shares 3208..3235 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 1 block 43: shares 3236..3263 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 1 block 44: shares 3264..3291 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 1 block 45: shares 3292..3319 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 1 block 46: shares 3320..3347 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 1 block 47: shares 3348..3375 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 1 block 48: shares 3376..3403 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 1 block 49: shares 3404..3431 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 1 block 50: shares 3432..3459 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 1 block 51: shares 3460..3487 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 1 block 52: shares 3488..3515 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 1 block 53: shares 3516..3543 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 1 block 54: shares 3544..3571 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 1 block 55: shares 3572..3599 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 1 block 56: shares 3600..3627 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 1 block 57: shares 3628..3655 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 1 block 58: shares 3656..3683 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 1 block 59: shares 3684..3711 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 1 block 60: shares 3712..3739 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 1 block 61: shares 3740..3767 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 1 block 62: shares 3768..3795 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 1 block 63: shares 3796..3823 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 1 block 64: shares 3824..3851 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 1 block 65: shares 3852..3855 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 1 block 66: shares 3856..3859 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 1 block 67: shares 3860..3863 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 1 block 68: shares 3864..3867 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 1 block 69: shares 3868..3871 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 1 block 70: shares 3872..3875 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 1 block 71: shares 3876..3879 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 1 block 72: shares 3880..3883 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 1 block 73: shares 3884..3887 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 1 block 74: shares 3888..3891 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 1 block 75: shares 3892..3895 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 1 block 76: shares 3896..3899 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 1 block 77: shares 3900..3903 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 1 block 78: shares 3904..3907 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 1 block 79: shares 3908..3911 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 1 block 80: shares 3912..3915 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 1 block 81: shares 3916..3919 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 1 block 82: shares 3920..3923 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 1 block 83: shares 3924..3927 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 1 block 84: shares 3928..3931 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 1 block 85: shares 3932..3935 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 1 block 86: shares 3936..3939 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 1 block 87: shares 3940..3943 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 1 block 88: shares 3944..3947 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 1 block 89: shares 3948..3951 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 1 block 90: shares 3952..3955 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 1 block 91: shares 3956..3959 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 1 block 92: shares 3960..3963 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 1 block 93: shares 3964..3967 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 1 block 94: shares 3968..3971 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 1 block 95: shares 3972..3975 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 1 block 96: shares 3976..3979 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 1 block 97: shares 3980..3983 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 1 block 98: shares 3984..3987 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 1 block 99: shares 3988..3991 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 1 block 100: shares 3992..3995 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 1 block 101: shares 3996..3999 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 1 block 102: shares 4000..4003 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 1 block 103: shares 4004..4007 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 1 block 104: shares 4008..4011 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 1 block 105: shares 4012..4015 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 1 block 106: shares 4016..4019 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 1 block 107: shares 4020..4023 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 1 block 108: shares 4024..4027 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 1 block 109: shares 4028..4031 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 1 block 110: shares 4032..4035 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 1 block 111: shares 4036..4039 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 1 block 112: shares 4040..4043 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 1 block 113: shares 4044..4047 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 1 block 114: shares 4048..4051 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 1 block 115: shares 4052..4055 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 1 block 116: shares 4056..4059 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 1 block 117: shares 4060..4063 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 1 block 118: shares 4064..4067 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 1 block 119: shares 4068..4071 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 1 block 120: shares 4072..4075 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 1 block 121: shares 4076..4079 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 1 block 122: shares 4080..4083 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 1 block 123: shares 4084..4087 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 1 block 124: shares 4088..4091 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 1 block 125: shares 4092..4095 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 1 block 126: shares 4096..4099 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 1 block 127: shares 4100..4103 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 2 block 0: shares 4104..4107 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 2 block 1: shares 4108..4136 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 2 block 2: shares 4137..4165 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 2 block 3: shares 4166..4194 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 2 block 4: shares 4195..4223 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 2 block 5: shares 4224..4251 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 2 block 6: shares 4252..4279 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 2 block 7: shares 4280..4307 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 2 block 8: shares 4308..4335 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 2 block 9: shares 4336..4363 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 2 block 10: shares 4364..4391 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 2 block 11: shares 4392..4419 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 2 block 12: shares 4420..4447 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 2 block 13: shares 4448..4475 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 2 block 14: shares 4476..4503 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 2 block 15: shares 4504..4531 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 2 block 16: shares 4532..4559 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 2 block 17: shares 4560..4587 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 2 block 18: shares 4588..4615 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 2 block 19: shares 4616..4643 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 2 block 20: shares 4644..4671 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 2 block 21: shares 4672..4699 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 2 block 22: shares 4700..4727 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 2 block 23: shares 4728..4755 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 2 block 24: shares 4756..4783 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 2 block 25: shares 4784..4811 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 2 block 26: shares 4812..4839 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 2 block 27: shares 4840..4867 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 2 block 28: shares 4868..4895 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 2 block 29: shares 4896..4923 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 2 block 30: shares 4924..4951 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 2 block 31: shares 4952..4979 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 2 block 32: shares 4980..5007 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 2 block 33: shares 5008..5035 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 2 block 34: shares 5036..5063 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 2 block 35: shares 5064..5091 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 2 block 36: shares 5092..5119 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 2 block 37: shares 5120..5147 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 2 block 38: shares 5148..5175 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 2 block 39: shares 5176..5203 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 2 block 40: shares 5204..5231 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 2 block 41: shares 5232..5259 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 2 block 42: shares 5260..5287 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 2 block 43: shares 5288..5315 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 2 block 44: shares 5316..5343 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 2 block 45: shares 5344..5371 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 2 block 46: shares 5372..5399 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 2 block 47: shares 5400..5427 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 2 block 48: shares 5428..5455 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 2 block 49: shares 5456..5483 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 2 block 50: shares 5484..5511 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 2 block 51: shares 5512..5539 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 2 block 52: shares 5540..5567 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 2 block 53: shares 5568..5595 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 2 block 54: shares 5596..5623 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 2 block 55: shares 5624..5651 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 2 block 56: shares 5652..5679 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 2 block 57: shares 5680..5707 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 2 block 58: shares 5708..5735 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 2 block 59: shares 5736..5763 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 2 block 60: shares 5764..5791 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 2 block 61: shares 5792..5819 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 2 block 62: shares 5820..5847 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 2 block 63: shares 5848..5875 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 2 block 64: shares 5876..5903 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 2 block 65: shares 5904..5907 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 2 block 66: shares 5908..5911 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 2 block 67: shares 5912..5915 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 2 block 68: shares 5916..5919 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 2 block 69: shares 5920..5923 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 2 block 70: shares 5924..5927 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 2 block 71: shares 5928..5931 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 2 block 72: shares 5932..5935 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 2 block 73: shares 5936..5939 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 2 block 74: shares 5940..5943 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 2 block 75: shares 5944..5947 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 2 block 76: shares 5948..5951 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 2 block 77: shares 5952..5955 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 2 block 78: shares 5956..5959 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 2 block 79: shares 5960..5963 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 2 block 80: shares 5964..5967 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 2 block 81: shares 5968..5971 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 2 block 82: shares 5972..5975 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 2 block 83: shares 5976..5979 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 2 block 84: shares 5980..5983 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 2 block 85: shares 5984..5987 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 2 block 86: shares 5988..5991 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 2 block 87: shares 5992..5995 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 2 block 88: shares 5996..5999 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 2 block 89: shares 6000..6003 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 2 block 90: shares 6004..6007 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 2 block 91: shares 6008..6011 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 2 block 92: shares 6012..6015 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 2 block 93: shares 6016..6019 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 2 block 94: shares 6020..6023 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 2 block 95: shares 6024..6027 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 2 block 96: shares 6028..6031 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 2 block 97: shares 6032..6035 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 2 block 98: shares 6036..6039 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 2 block 99: shares 6040..6043 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 2 block 100: shares 6044..6047 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 2 block 101: shares 6048..6051 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 2 block 102: shares 6052..6055 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 2 block 103: shares 6056..6059 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 2 block 104: shares 6060..6063 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 2 block 105: shares 6064..6067 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 2 block 106: shares 6068..6071 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 2 block 107: shares 6072..6075 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 2 block 108: shares 6076..6079 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 2 block 109: shares 6080..6083 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 2 block 110: shares 6084..6087 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 2 block 111: shares 6088..6091 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 2 block 112: shares 6092..6095 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 2 block 113: shares 6096..6099 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 2 block 114: shares 6100..6103 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 2 block 115: shares 6104..6107 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 2 block 116: shares 6108..6111 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 2 block 117: shares 6112..6115 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 2 block 118: shares 6116..6119 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 2 block 119: shares 6120..6123 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 2 block 120: shares 6124..6127 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 2 block 121: shares 6128..6131 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 2 block 122: shares 6132..6135 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 2 block 123: shares 6136..6139 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 2 block 124: shares 6140..6143 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 2 block 125: shares 6144..6147 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 2 block 126: shares 6148..6151 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 2 block 127: shares 6152..6155 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 3 block 0: shares 6156..6159 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 3 block 1: shares 6160..6188 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 3 block 2: shares 6189..6217 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 3 block 3: shares 6218..6246 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 3 block 4: shares 6247..6275 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 3 block 5: shares 6276..6303 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 3 block 6: shares 6304..6331 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 3 block 7: shares 6332..6359 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 3 block 8: shares 6360..6387 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 3 block 9: shares 6388..6415 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 3 block 10: shares 6416..6443 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 3 block 11: shares 6444..6471 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 3 block 12: shares 6472..6499 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 3 block 13: shares 6500..6527 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 3 block 14: shares 6528..6555 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 3 block 15: shares 6556..6583 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 3 block 16: shares 6584..6611 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 3 block 17: shares 6612..6639 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 3 block 18: shares 6640..6667 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 3 block 19: shares 6668..6695 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 3 block 20: shares 6696..6723 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 3 block 21: shares 6724..6751 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 3 block 22: shares 6752..6779 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 3 block 23: shares 6780..6807 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 3 block 24: shares 6808..6835 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 3 block 25: shares 6836..6863 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 3 block 26: shares 6864..6891 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 3 block 27: shares 6892..6919 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 3 block 28: shares 6920..6947 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 3 block 29: shares 6948..6975 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 3 block 30: shares 6976..7003 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 3 block 31: shares 7004..7031 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 3 block 32: shares 7032..7059 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 3 block 33: shares 7060..7087 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 3 block 34: shares 7088..7115 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 3 block 35: shares 7116..7143 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 3 block 36: shares 7144..7171 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 3 block 37: shares 7172..7199 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 3 block 38: shares 7200..7227 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 3 block 39: shares 7228..7255 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 3 block 40: shares 7256..7283 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 3 block 41: shares 7284..7311 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 3 block 42: shares 7312..7339 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 3 block 43: shares 7340..7367 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 3 block 44: shares 7368..7395 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 3 block 45: shares 7396..7423 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 3 block 46: shares 7424..7451 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 3 block 47: shares 7452..7479 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 3 block 48: shares 7480..7507 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 3 block 49: shares 7508..7535 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 3 block 50: shares 7536..7563 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 3 block 51: shares 7564..7591 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 3 block 52: shares 7592..7619 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 3 block 53: shares 7620..7647 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 3 block 54: shares 7648..7675 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 3 block 55: shares 7676..7703 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 3 block 56: shares 7704..7731 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 3 block 57: shares 7732..7759 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 3 block 58: shares 7760..7787 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 3 block 59: shares 7788..7815 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 3 block 60: shares 7816..7843 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 3 block 61: shares 7844..7871 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 3 block 62: shares 7872..7899 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 3 block 63: shares 7900..7927 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 3 block 64: shares 7928..7955 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 3 block 65: shares 7956..7959 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 3 block 66: shares 7960..7963 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 3 block 67: shares 7964..7967 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 3 block 68: shares 7968..7971 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 3 block 69: shares 7972..7975 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 3 block 70: shares 7976..7979 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 3 block 71: shares 7980..7983 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 3 block 72: shares 7984..7987 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 3 block 73: shares 7988..7991 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 3 block 74: shares 7992..7995 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 3 block 75: shares 7996..7999 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 3 block 76: shares 8000..8003 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 3 block 77: shares 8004..8007 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 3 block 78: shares 8008..8011 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 3 block 79: shares 8012..8015 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 3 block 80: shares 8016..8019 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 3 block 81: shares 8020..8023 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 3 block 82: shares 8024..8027 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 3 block 83: shares 8028..8031 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 3 block 84: shares 8032..8035 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 3 block 85: shares 8036..8039 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 3 block 86: shares 8040..8043 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 3 block 87: shares 8044..8047 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 3 block 88: shares 8048..8051 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 3 block 89: shares 8052..8055 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 3 block 90: shares 8056..8059 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 3 block 91: shares 8060..8063 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 3 block 92: shares 8064..8067 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 3 block 93: shares 8068..8071 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 3 block 94: shares 8072..8075 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 3 block 95: shares 8076..8079 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 3 block 96: shares 8080..8083 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 3 block 97: shares 8084..8087 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 3 block 98: shares 8088..8091 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 3 block 99: shares 8092..8095 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 3 block 100: shares 8096..8099 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 3 block 101: shares 8100..8103 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 3 block 102: shares 8104..8107 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 3 block 103: shares 8108..8111 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 3 block 104: shares 8112..8115 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 3 block 105: shares 8116..8119 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 3 block 106: shares 8120..8123 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 3 block 107: shares 8124..8127 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 3 block 108: shares 8128..8131 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 3 block 109: shares 8132..8135 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 3 block 110: shares 8136..8139 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 3 block 111: shares 8140..8143 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 3 block 112: shares 8144..8147 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 3 block 113: shares 8148..8151 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 3 block 114: shares 8152..8155 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 3 block 115: shares 8156..8159 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 3 block 116: shares 8160..8163 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 3 block 117: shares 8164..8167 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 3 block 118: shares 8168..8171 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 3 block 119: shares 8172..8175 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 3 block 120: shares 8176..8179 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 3 block 121: shares 8180..8183 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 3 block 122: shares 8184..8187 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 3 block 123: shares 8188..8191 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 3 block 124: shares 8192..8195 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 3 block 125: shares 8196..8199 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 3 block 126: shares 8200..8203 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 3 block 127: shares 8204..8207 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 4 block 0: shares 8208..8211 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 4 block 1: shares 8212..8240 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 4 block 2: shares 8241..8269 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 4 block 3: shares 8270..8298 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 4 block 4: shares 8299..8327 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 4 block 5: shares 8328..8355 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 4 block 6: shares 8356..8383 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 4 block 7: shares 8384..8411 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 4 block 8: shares 8412..8439 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 4 block 9: shares 8440..8467 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 4 block 10: shares 8468..8495 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 4 block 11: shares 8496..8523 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 4 block 12: shares 8524..8551 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 4 block 13: shares 8552..8579 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 4 block 14: shares 8580..8607 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 4 block 15: shares 8608..8635 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 4 block 16: shares 8636..8663 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 4 block 17: shares 8664..8691 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 4 block 18: shares 8692..8719 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 4 block 19: shares 8720..8747 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 4 block 20: shares 8748..8775 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 4 block 21: shares 8776..8803 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 4 block 22: shares 8804..8831 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 4 block 23: shares 8832..8859 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 4 block 24: shares 8860..8887 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 4 block 25: shares 8888..8915 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 4 block 26: shares 8916..8943 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 4 block 27: shares 8944..8971 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 4 block 28: shares 8972..8999 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 4 block 29: shares 9000..9027 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 4 block 30: shares 9028..9055 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 4 block 31: shares 9056..9083 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 4 block 32: shares 9084..9111 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 4 block 33: shares 9112..9139 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 4 block 34: shares 9140..9167 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 4 block 35: shares 9168..9195 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 4 block 36: shares 9196..9223 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 4 block 37: shares 9224..9251 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 4 block 38: shares 9252..9279 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 4 block 39: shares 9280..9307 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 4 block 40: shares 9308..9335 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 4 block 41: shares 9336..9363 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 4 block 42: shares 9364..9391 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 4 block 43: shares 9392..9419 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 4 block 44: shares 9420..9447 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 4 block 45: shares 9448..9475 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 4 block 46: shares 9476..9503 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 4 block 47: shares 9504..9531 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 4 block 48: shares 9532..9559 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 4 block 49: shares 9560..9587 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 4 block 50: shares 9588..9615 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 4 block 51: shares 9616..9643 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 4 block 52: shares 9644..9671 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 4 block 53: shares 9672..9699 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 4 block 54: shares 9700..9727 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 4 block 55: shares 9728..9755 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 4 block 56: shares 9756..9783 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 4 block 57: shares 9784..9811 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 4 block 58: shares 9812..9839 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 4 block 59: shares 9840..9867 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 4 block 60: shares 9868..9895 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 4 block 61: shares 9896..9923 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 4 block 62: shares 9924..9951 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 4 block 63: shares 9952..9979 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 4 block 64: shares 9980..10007 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 4 block 65: shares 10008..10011 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 4 block 66: shares 10012..10015 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 4 block 67: shares 10016..10019 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 4 block 68: shares 10020..10023 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 4 block 69: shares 10024..10027 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 4 block 70: shares 10028..10031 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 4 block 71: shares 10032..10035 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 4 block 72: shares 10036..10039 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 4 block 73: shares 10040..10043 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 4 block 74: shares 10044..10047 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 4 block 75: shares 10048..10051 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 4 block 76: shares 10052..10055 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 4 block 77: shares 10056..10059 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 4 block 78: shares 10060..10063 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 4 block 79: shares 10064..10067 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 4 block 80: shares 10068..10071 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 4 block 81: shares 10072..10075 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 4 block 82: shares 10076..10079 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 4 block 83: shares 10080..10083 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 4 block 84: shares 10084..10087 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 4 block 85: shares 10088..10091 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 4 block 86: shares 10092..10095 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 4 block 87: shares 10096..10099 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 4 block 88: shares 10100..10103 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 4 block 89: shares 10104..10107 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 4 block 90: shares 10108..10111 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 4 block 91: shares 10112..10115 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 4 block 92: shares 10116..10119 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 4 block 93: shares 10120..10123 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 4 block 94: shares 10124..10127 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 4 block 95: shares 10128..10131 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 4 block 96: shares 10132..10135 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 4 block 97: shares 10136..10139 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 4 block 98: shares 10140..10143 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 4 block 99: shares 10144..10147 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 4 block 100: shares 10148..10151 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 4 block 101: shares 10152..10155 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 4 block 102: shares 10156..10159 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 4 block 103: shares 10160..10163 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 4 block 104: shares 10164..10167 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 4 block 105: shares 10168..10171 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 4 block 106: shares 10172..10175 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 4 block 107: shares 10176..10179 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 4 block 108: shares 10180..10183 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 4 block 109: shares 10184..10187 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 4 block 110: shares 10188..10191 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 4 block 111: shares 10192..10195 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 4 block 112: shares 10196..10199 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 4 block 113: shares 10200..10203 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 4 block 114: shares 10204..10207 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 4 block 115: shares 10208..10211 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 4 block 116: shares 10212..10215 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 4 block 117: shares 10216..10219 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 4 block 118: shares 10220..10223 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 4 block 119: shares 10224..10227 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 4 block 120: shares 10228..10231 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 4 block 121: shares 10232..10235 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 4 block 122: shares 10236..10239 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 4 block 123: shares 10240..10243 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 4 block 124: shares 10244..10247 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 4 block 125: shares 10248..10251 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 4 block 126: shares 10252..10255 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 4 block 127: shares 10256..10259 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 5 block 0: shares 10260..10263 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 5 block 1: shares 10264..10292 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 5 block 2: shares 10293..10321 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 5 block 3: shares 10322..10350 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 5 block 4: shares 10351..10379 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 5 block 5: shares 10380..10407 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 5 block 6: shares 10408..10435 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 5 block 7: shares 10436..10463 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 5 block 8: shares 10464..10491 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 5 block 9: shares 10492..10519 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 5 block 10: shares 10520..10547 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 5 block 11: shares 10548..10575 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 5 block 12: shares 10576..10603 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 5 block 13: shares 10604..10631 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 5 block 14: shares 10632..10659 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 5 block 15: shares 10660..10687 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 5 block 16: shares 10688..10715 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 5 block 17: shares 10716..10743 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 5 block 18: shares 10744..10771 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 5 block 19: shares 10772..10799 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 5 block 20: shares 10800..10827 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 5 block 21: shares 10828..10855 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 5 block 22: shares 10856..10883 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 5 block 23: shares 10884..10911 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 5 block 24: shares 10912..10939 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 5 block 25: shares 10940..10967 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 5 block 26: shares 10968..10995 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 5 block 27: shares 10996..11023 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 5 block 28: shares 11024..11051 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 5 block 29: shares 11052..11079 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 5 block 30: shares 11080..11107 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 5 block 31: shares 11108..11135 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 5 block 32: shares 11136..11163 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 5 block 33: shares 11164..11191 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 5 block 34: shares 11192..11219 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 5 block 35: shares 11220..11247 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 5 block 36: shares 11248..11275 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 5 block 37: shares 11276..11303 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 5 block 38: shares 11304..11331 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 5 block 39: shares 11332..11359 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 5 block 40: shares 11360..11387 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 5 block 41: shares 11388..11415 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 5 block 42: shares 11416..11443 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 5 block 43: shares 11444..11471 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 5 block 44: shares 11472..11499 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 5 block 45: shares 11500..11527 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 5 block 46: shares 11528..11555 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 5 block 47: shares 11556..11583 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 5 block 48: shares 11584..11611 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 5 block 49: shares 11612..11639 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 5 block 50: shares 11640..11667 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 5 block 51: shares 11668..11695 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 5 block 52: shares 11696..11723 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 5 block 53: shares 11724..11751 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 5 block 54: shares 11752..11779 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 5 block 55: shares 11780..11807 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 5 block 56: shares 11808..11835 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 5 block 57: shares 11836..11863 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 5 block 58: shares 11864..11891 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 5 block 59: shares 11892..11919 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 5 block 60: shares 11920..11947 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 5 block 61: shares 11948..11975 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 5 block 62: shares 11976..12003 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 5 block 63: shares 12004..12031 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 5 block 64: shares 12032..12059 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 5 block 65: shares 12060..12063 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 5 block 66: shares 12064..12067 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 5 block 67: shares 12068..12071 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 5 block 68: shares 12072..12075 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 5 block 69: shares 12076..12079 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 5 block 70: shares 12080..12083 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 5 block 71: shares 12084..12087 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 5 block 72: shares 12088..12091 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 5 block 73: shares 12092..12095 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 5 block 74: shares 12096..12099 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 5 block 75: shares 12100..12103 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 5 block 76: shares 12104..12107 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 5 block 77: shares 12108..12111 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 5 block 78: shares 12112..12115 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 5 block 79: shares 12116..12119 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 5 block 80: shares 12120..12123 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 5 block 81: shares 12124..12127 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 5 block 82: shares 12128..12131 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 5 block 83: shares 12132..12135 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 5 block 84: shares 12136..12139 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 5 block 85: shares 12140..12143 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 5 block 86: shares 12144..12147 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 5 block 87: shares 12148..12151 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 5 block 88: shares 12152..12155 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 5 block 89: shares 12156..12159 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 5 block 90: shares 12160..12163 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 5 block 91: shares 12164..12167 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 5 block 92: shares 12168..12171 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 5 block 93: shares 12172..12175 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 5 block 94: shares 12176..12179 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 5 block 95: shares 12180..12183 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 5 block 96: shares 12184..12187 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 5 block 97: shares 12188..12191 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 5 block 98: shares 12192..12195 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 5 block 99: shares 12196..12199 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 5 block 100: shares 12200..12203 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 5 block 101: shares 12204..12207 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 5 block 102: shares 12208..12211 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 5 block 103: shares 12212..12215 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 5 block 104: shares 12216..12219 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 5 block 105: shares 12220..12223 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 5 block 106: shares 12224..12227 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 5 block 107: shares 12228..12231 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 5 block 108: shares 12232..12235 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 5 block 109: shares 12236..12239 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 5 block 110: shares 12240..12243 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 5 block 111: shares 12244..12247 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 5 block 112: shares 12248..12251 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 5 block 113: shares 12252..12255 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 5 block 114: shares 12256..12259 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 5 block 115: shares 12260..12263 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 5 block 116: shares 12264..12267 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 5 block 117: shares 12268..12271 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 5 block 118: shares 12272..12275 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 5 block 119: shares 12276..12279 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 5 block 120: shares 12280..12283 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 5 block 121: shares 12284..12287 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 5 block 122: shares 12288..12291 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 5 block 123: shares 12292..12295 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 5 block 124: shares 12296..12299 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 5 block 125: shares 12300..12303 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 5 block 126: shares 12304..12307 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 5 block 127: shares 12308..12311 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 6 block 0: shares 12312..12315 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 6 block 1: shares 12316..12344 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 6 block 2: shares 12345..12373 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 6 block 3: shares 12374..12402 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 6 block 4: shares 12403..12431 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 6 block 5: shares 12432..12459 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 6 block 6: shares 12460..12487 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 6 block 7: shares 12488..12515 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 6 block 8: shares 12516..12543 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 6 block 9: shares 12544..12571 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 6 block 10: shares 12572..12599 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 6 block 11: shares 12600..12627 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 6 block 12: shares 12628..12655 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 6 block 13: shares 12656..12683 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 6 block 14: shares 12684..12711 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 6 block 15: shares 12712..12739 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 6 block 16: shares 12740..12767 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 6 block 17: shares 12768..12795 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 6 block 18: shares 12796..12823 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 6 block 19: shares 12824..12851 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 6 block 20: shares 12852..12879 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 6 block 21: shares 12880..12907 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 6 block 22: shares 12908..12935 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 6 block 23: shares 12936..12963 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 6 block 24: shares 12964..12991 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 6 block 25: shares 12992..13019 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 6 block 26: shares 13020..13047 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 6 block 27: shares 13048..13075 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 6 block 28: shares 13076..13103 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 6 block 29: shares 13104..13131 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 6 block 30: shares 13132..13159 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 6 block 31: shares 13160..13187 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 6 block 32: shares 13188..13215 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 6 block 33: shares 13216..13243 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 6 block 34: shares 13244..13271 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 6 block 35: shares 13272..13299 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 6 block 36: shares 13300..13327 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 6 block 37: shares 13328..13355 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 6 block 38: shares 13356..13383 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 6 block 39: shares 13384..13411 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 6 block 40: shares 13412..13439 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 6 block 41: shares 13440..13467 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 6 block 42: shares 13468..13495 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 6 block 43: shares 13496..13523 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 6 block 44: shares 13524..13551 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 6 block 45: shares 13552..13579 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 6 block 46: shares 13580..13607 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 6 block 47: shares 13608..13635 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 6 block 48: shares 13636..13663 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 6 block 49: shares 13664..13691 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 6 block 50: shares 13692..13719 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 6 block 51: shares 13720..13747 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 6 block 52: shares 13748..13775 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 6 block 53: shares 13776..13803 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 6 block 54: shares 13804..13831 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 6 block 55: shares 13832..13859 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 6 block 56: shares 13860..13887 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 6 block 57: shares 13888..13915 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 6 block 58: shares 13916..13943 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 6 block 59: shares 13944..13971 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 6 block 60: shares 13972..13999 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 6 block 61: shares 14000..14027 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 6 block 62: shares 14028..14055 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 6 block 63: shares 14056..14083 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 6 block 64: shares 14084..14111 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 6 block 65: shares 14112..14115 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 6 block 66: shares 14116..14119 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 6 block 67: shares 14120..14123 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 6 block 68: shares 14124..14127 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 6 block 69: shares 14128..14131 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 6 block 70: shares 14132..14135 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 6 block 71: shares 14136..14139 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 6 block 72: shares 14140..14143 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 6 block 73: shares 14144..14147 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 6 block 74: shares 14148..14151 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 6 block 75: shares 14152..14155 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 6 block 76: shares 14156..14159 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 6 block 77: shares 14160..14163 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 6 block 78: shares 14164..14167 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 6 block 79: shares 14168..14171 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 6 block 80: shares 14172..14175 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 6 block 81: shares 14176..14179 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 6 block 82: shares 14180..14183 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 6 block 83: shares 14184..14187 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 6 block 84: shares 14188..14191 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 6 block 85: shares 14192..14195 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 6 block 86: shares 14196..14199 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 6 block 87: shares 14200..14203 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 6 block 88: shares 14204..14207 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 6 block 89: shares 14208..14211 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 6 block 90: shares 14212..14215 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 6 block 91: shares 14216..14219 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 6 block 92: shares 14220..14223 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 6 block 93: shares 14224..14227 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 6 block 94: shares 14228..14231 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 6 block 95: shares 14232..14235 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 6 block 96: shares 14236..14239 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 6 block 97: shares 14240..14243 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 6 block 98: shares 14244..14247 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 6 block 99: shares 14248..14251 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 6 block 100: shares 14252..14255 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 6 block 101: shares 14256..14259 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 6 block 102: shares 14260..14263 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 6 block 103: shares 14264..14267 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 6 block 104: shares 14268..14271 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 6 block 105: shares 14272..14275 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 6 block 106: shares 14276..14279 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 6 block 107: shares 14280..14283 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 6 block 108: shares 14284..14287 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 6 block 109: shares 14288..14291 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 6 block 110: shares 14292..14295 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 6 block 111: shares 14296..14299 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 6 block 112: shares 14300..14303 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 6 block 113: shares 14304..14307 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 6 block 114: shares 14308..14311 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 6 block 115: shares 14312..14315 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 6 block 116: shares 14316..14319 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 6 block 117: shares 14320..14323 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 6 block 118: shares 14324..14327 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 6 block 119: shares 14328..14331 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 6 block 120: shares 14332..14335 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 6 block 121: shares 14336..14339 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 6 block 122: shares 14340..14343 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 6 block 123: shares 14344..14347 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 6 block 124: shares 14348..14351 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 6 block 125: shares 14352..14355 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 6 block 126: shares 14356..14359 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 6 block 127: shares 14360..14363 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 7 block 0: shares 14364..14367 ({step, share, of})
-    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
-    // rank 7 block 1: shares 14368..14396 ({step, share, of})
-    {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {33, 0, 1},
-    // rank 7 block 2: shares 14397..14425 ({step, share, of})
-    {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {34, 0, 1},
-    // rank 7 block 3: shares 14426..14454 ({step, share, of})
-    {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {35, 0, 1},
-    // rank 7 block 4: shares 14455..14483 ({step, share, of})
-    {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {36, 0, 1},
-    // rank 7 block 5: shares 14484..14511 ({step, share, of})
-    {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 7 block 6: shares 14512..14539 ({step, share, of})
-    {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 7 block 7: shares 14540..14567 ({step, share, of})
-    {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 7 block 8: shares 14568..14595 ({step, share, of})
-    {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 7 block 9: shares 14596..14623 ({step, share, of})
-    {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 7 block 10: shares 14624..14651 ({step, share, of})
-    {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 7 block 11: shares 14652..14679 ({step, share, of})
-    {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 7 block 12: shares 14680..14707 ({step, share, of})
-    {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 7 block 13: shares 14708..14735 ({step, share, of})
-    {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 7 block 14: shares 14736..14763 ({step, share, of})
-    {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 7 block 15: shares 14764..14791 ({step, share, of})
-    {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 7 block 16: shares 14792..14819 ({step, share, of})
-    {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 7 block 17: shares 14820..14847 ({step, share, of})
-    {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 7 block 18: shares 14848..14875 ({step, share, of})
-    {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 7 block 19: shares 14876..14903 ({step, share, of})
-    {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 7 block 20: shares 14904..14931 ({step, share, of})
-    {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 7 block 21: shares 14932..14959 ({step, share, of})
-    {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 7 block 22: shares 14960..14987 ({step, share, of})
-    {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 7 block 23: shares 14988..15015 ({step, share, of})
-    {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 7 block 24: shares 15016..15043 ({step, share, of})
-    {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 7 block 25: shares 15044..15071 ({step, share, of})
-    {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 7 block 26: shares 15072..15099 ({step, share, of})
-    {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 7 block 27: shares 15100..15127 ({step, share, of})
-    {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 7 block 28: shares 15128..15155 ({step, share, of})
-    {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 7 block 29: shares 15156..15183 ({step, share, of})
-    {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 7 block 30: shares 15184..15211 ({step, share, of})
-    {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 7 block 31: shares 15212..15239 ({step, share, of})
-    {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 7 block 32: shares 15240..15267 ({step, share, of})
-    {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 7 block 33: shares 15268..15295 ({step, share, of})
-    {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 7 block 34: shares 15296..15323 ({step, share, of})
-    {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 7 block 35: shares 15324..15351 ({step, share, of})
-    {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 7 block 36: shares 15352..15379 ({step, share, of})
-    {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 7 block 37: shares 15380..15407 ({step, share, of})
-    {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 7 block 38: shares 15408..15435 ({step, share, of})
-    {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 7 block 39: shares 15436..15463 ({step, share, of})
-    {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 7 block 40: shares 15464..15491 ({step, share, of})
-    {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 7 block 41: shares 15492..15519 ({step, share, of})
-    {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 7 block 42: shares 15520..15547 ({step, share, of})
-    {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 7 block 43: shares 15548..15575 ({step, share, of})
-    {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 7 block 44: shares 15576..15603 ({step, share, of})
-    {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 7 block 45: shares 15604..15631 ({step, share, of})
-    {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 7 block 46: shares 15632..15659 ({step, share, of})
-    {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 7 block 47: shares 15660..15687 ({step, share, of})
-    {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 7 block 48: shares 15688..15715 ({step, share, of})
-    {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 7 block 49: shares 15716..15743 ({step, share, of})
-    {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 7 block 50: shares 15744..15771 ({step, share, of})
-    {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 7 block 51: shares 15772..15799 ({step, share, of})
-    {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 7 block 52: shares 15800..15827 ({step, share, of})
-    {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 7 block 53: shares 15828..15855 ({step, share, of})
-    {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 7 block 54: shares 15856..15883 ({step, share, of})
-    {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 7 block 55: shares 15884..15911 ({step, share, of})
-    {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 7 block 56: shares 15912..15939 ({step, share, of})
-    {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 7 block 57: shares 15940..15967 ({step, share, of})
-    {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 7 block 58: shares 15968..15995 ({step, share, of})
-    {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 7 block 59: shares 15996..16023 ({step, share, of})
-    {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 7 block 60: shares 16024..16051 ({step, share, of})
-    {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 7 block 61: shares 16052..16079 ({step, share, of})
-    {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 7 block 62: shares 16080..16107 ({step, share, of})
-    {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 7 block 63: shares 16108..16135 ({step, share, of})
-    {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 7 block 64: shares 16136..16163 ({step, share, of})
-    {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 7 block 65: shares 16164..16167 ({step, share, of})
-    {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 7 block 66: shares 16168..16171 ({step, share, of})
-    {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 7 block 67: shares 16172..16175 ({step, share, of})
-    {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 7 block 68: shares 16176..16179 ({step, share, of})
-    {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 7 block 69: shares 16180..16183 ({step, share, of})
-    {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 7 block 70: shares 16184..16187 ({step, share, of})
-    {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 7 block 71: shares 16188..16191 ({step, share, of})
-    {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 7 block 72: shares 16192..16195 ({step, share, of})
-    {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 7 block 73: shares 16196..16199 ({step, share, of})
-    {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 7 block 74: shares 16200..16203 ({step, share, of})
-    {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 7 block 75: shares 16204..16207 ({step, share, of})
-    {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 7 block 76: shares 16208..16211 ({step, share, of})
-    {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 7 block 77: shares 16212..16215 ({step, share, of})
-    {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 7 block 78: shares 16216..16219 ({step, share, of})
-    {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 7 block 79: shares 16220..16223 ({step, share, of})
-    {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 7 block 80: shares 16224..16227 ({step, share, of})
-    {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 7 block 81: shares 16228..16231 ({step, share, of})
-    {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 7 block 82: shares 16232..16235 ({step, share, of})
-    {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 7 block 83: shares 16236..16239 ({step, share, of})
-    {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 7 block 84: shares 16240..16243 ({step, share, of})
-    {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 7 block 85: shares 16244..16247 ({step, share, of})
-    {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 7 block 86: shares 16248..16251 ({step, share, of})
-    {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 7 block 87: shares 16252..16255 ({step, share, of})
-    {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 7 block 88: shares 16256..16259 ({step, share, of})
-    {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 7 block 89: shares 16260..16263 ({step, share, of})
-    {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 7 block 90: shares 16264..16267 ({step, share, of})
-    {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 7 block 91: shares 16268..16271 ({step, share, of})
-    {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 7 block 92: shares 16272..16275 ({step, share, of})
-    {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 7 block 93: shares 16276..16279 ({step, share, of})
-    {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 7 block 94: shares 16280..16283 ({step, share, of})
-    {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 7 block 95: shares 16284..16287 ({step, share, of})
-    {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 7 block 96: shares 16288..16291 ({step, share, of})
-    {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 7 block 97: shares 16292..16295 ({step, share, of})
-    {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 7 block 98: shares 16296..16299 ({step, share, of})
-    {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 7 block 99: shares 16300..16303 ({step, share, of})
-    {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 7 block 100: shares 16304..16307 ({step, share, of})
-    {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 7 block 101: shares 16308..16311 ({step, share, of})
-    {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 7 block 102: shares 16312..16315 ({step, share, of})
-    {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 7 block 103: shares 16316..16319 ({step, share, of})
-    {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 7 block 104: shares 16320..16323 ({step, share, of})
-    {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 7 block 105: shares 16324..16327 ({step, share, of})
-    {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 7 block 106: shares 16328..16331 ({step, share, of})
-    {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 7 block 107: shares 16332..16335 ({step, share, of})
-    {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 7 block 108: shares 16336..16339 ({step, share, of})
-    {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 7 block 109: shares 16340..16343 ({step, share, of})
-    {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 7 block 110: shares 16344..16347 ({step, share, of})
-    {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 7 block 111: shares 16348..16351 ({step, share, of})
-    {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 7 block 112: shares 16352..16355 ({step, share, of})
-    {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 7 block 113: shares 16356..16359 ({step, share, of})
-    {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 7 block 114: shares 16360..16363 ({step, share, of})
-    {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 7 block 115: shares 16364..16367 ({step, share, of})
-    {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 7 block 116: shares 16368..16371 ({step, share, of})
-    {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 7 block 117: shares 16372..16375 ({step, share, of})
-    {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 7 block 118: shares 16376..16379 ({step, share, of})
-    {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 7 block 119: shares 16380..16383 ({step, share, of})
-    {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 7 block 120: shares 16384..16387 ({step, share, of})
-    {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 7 block 121: shares 16388..16391 ({step, share, of})
-    {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 7 block 122: shares 16392..16395 ({step, share, of})
-    {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 7 block 123: shares 16396..16399 ({step, share, of})
-    {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 7 block 124: shares 16400..16403 ({step, share, of})
-    {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 7 block 125: shares 16404..16407 ({step, share, of})
-    {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 7 block 126: shares 16408..16411 ({step, share, of})
-    {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 7 block 127: shares 16412..16415 ({step, share, of})
-    {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..2051
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    // rank 1: shares 2052..4103
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    // rank 2: shares 4104..6155
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    // rank 3: shares 6156..8207
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    // rank 4: shares 8208..10259
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    // rank 5: shares 10260..12311
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    // rank 6: shares 12312..14363
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    // rank 7: shares 14364..16415
+    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
+    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
+    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
+    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
+    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
+    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
+    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
+    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
+    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
+    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
+    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
+    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
+    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
+    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
+    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
+    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
+    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
+    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
+    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
+    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
+    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
+    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
+    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
+    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
+    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
+    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
+    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
+    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
+    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
+    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
+    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
+    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
+    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
 };
+static __device__ const tsgen_share_table<16416> shares_w8 =
+    tsgen_expand_shares<16416>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][129] = {
     { 0, 4, 33, 62, 91, 120, 148, 176, 204, 232, 260, 288, 316, 344, 372, 400, 428, 456, 484, 512, 540, 568, 596, 624, 652, 680, 708, 736, 764, 792, 820, 848, 876, 904, 932, 960, 988, 1016, 1044, 1072, 1100, 1128, 1156, 1184, 1212, 1240, 1268, 1296, 1324, 1352, 1380, 1408, 1436, 1464, 1492, 1520, 1548, 1576, 1604, 1632, 1660, 1688, 1716, 1744, 1772, 1800, 1804, 1808, 1812, 1816, 1820, 1824, 1828, 1832, 1836, 1840, 1844, 1848, 1852, 1856, 1860, 1864, 1868, 1872, 1876, 1880, 1884, 1888, 1892, 1896, 1900, 1904, 1908, 1912, 1916, 1920, 1924, 1928, 1932, 1936, 1940, 1944, 1948, 1952, 1956, 1960, 1964, 1968, 1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000, 2004, 2008, 2012, 2016, 2020, 2024, 2028, 2032, 2036, 2040, 2044, 2048, 2052 },
@@ -8339,11 +2742,8 @@ static __device__ const uint16_t first_w8[8][129] = {
     { 14364, 14368, 14397, 14426, 14455, 14484, 14512, 14540, 14568, 14596, 14624, 14652, 14680, 14708, 14736, 14764, 14792, 14820, 14848, 14876, 14904, 14932, 14960, 14988, 15016, 15044, 15072, 15100, 15128, 15156, 15184, 15212, 15240, 15268, 15296, 15324, 15352, 15380, 15408, 15436, 15464, 15492, 15520, 15548, 15576, 15604, 15632, 15660, 15688, 15716, 15744, 15772, 15800, 15828, 15856, 15884, 15912, 15940, 15968, 15996, 16024, 16052, 16080, 16108, 16136, 16164, 16168, 16172, 16176, 16180, 16184, 16188, 16192, 16196, 16200, 16204, 16208, 16212, 16216, 16220, 16224, 16228, 16232, 16236, 16240, 16244, 16248, 16252, 16256, 16260, 16264, 16268, 16272, 16276, 16280, 16284, 16288, 16292, 16296, 16300, 16304, 16308, 16312, 16316, 16320, 16324, 16328, 16332, 16336, 16340, 16344, 16348, 16352, 16356, 16360, 16364, 16368, 16372, 16376, 16380, 16384, 16388, 16392, 16396, 16400, 16404, 16408, 16412, 16416 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -8463,7 +2863,7 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -8481,7 +2881,7 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -8500,7 +2900,7 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -8523,15 +2923,6 @@ template <> struct plan<8> {
 };
 
 
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
-
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
 __device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
@@ -8549,23 +2940,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) allgather_ring_w2(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_ring_w2<<<128, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 128, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) allgather_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   allgather_ring::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_ring_w3<<<128, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 128, block 512, 0 bytes of shared memory.
@@ -8575,12 +2954,6 @@ extern "C" __global__ void __launch_bounds__(512) allgather_ring_w4(char* const*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_ring_w4<<<128, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 128, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) allgather_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -8588,9 +2961,17 @@ extern "C" __global__ void __launch_bounds__(512) allgather_ring_w8(char* const*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t allgather_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  allgather_ring_w8<<<128, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through allgather_ring::launch.
+namespace allgather_ring {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
   return cudaGetLastError();
 }
+}  // namespace allgather_ring
 
+extern "C" cudaError_t allgather_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w2, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w3, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w4, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t allgather_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w8, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }

@@ -1099,23 +1099,11 @@ extern "C" __global__ void __launch_bounds__(256) barrier_all_nvshmem_w2(char* c
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t barrier_all_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) {
-  barrier_all_nvshmem_w2<<<32, 256, 0, stream>>>(peers, rank, calls, count, src, stage, dst, counter, flags);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 32, block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) barrier_all_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {
   const uint64_t epoch = tsgen_call_begin(calls);
   barrier_all_nvshmem::run<3>(peers, rank, epoch, count, src, stage, dst, counter, flags);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t barrier_all_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) {
-  barrier_all_nvshmem_w3<<<32, 256, 0, stream>>>(peers, rank, calls, count, src, stage, dst, counter, flags);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 32, block 256, 0 bytes of shared memory.
@@ -1125,9 +1113,16 @@ extern "C" __global__ void __launch_bounds__(256) barrier_all_nvshmem_w4(char* c
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t barrier_all_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) {
-  barrier_all_nvshmem_w4<<<32, 256, 0, stream>>>(peers, rank, calls, count, src, stage, dst, counter, flags);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through barrier_all_nvshmem::launch.
+namespace barrier_all_nvshmem {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, stage, dst, counter, flags);
   return cudaGetLastError();
 }
+}  // namespace barrier_all_nvshmem
 
+extern "C" cudaError_t barrier_all_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return barrier_all_nvshmem::launch<barrier_all_nvshmem_w2, 32, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, flags, stream); }
+extern "C" cudaError_t barrier_all_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return barrier_all_nvshmem::launch<barrier_all_nvshmem_w3, 32, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, flags, stream); }
+extern "C" cudaError_t barrier_all_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return barrier_all_nvshmem::launch<barrier_all_nvshmem_w4, 32, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, flags, stream); }

@@ -881,23 +881,11 @@ extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w2(char* const*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t barrier_blocks_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) {
-  barrier_blocks_w2<<<132, 256, 0, stream>>>(peers, rank, calls, count, src, stage, dst, counter);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 132, block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {
   const uint64_t epoch = tsgen_call_begin(calls);
   barrier_blocks::run<3>(peers, rank, epoch, count, src, stage, dst, counter);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t barrier_blocks_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) {
-  barrier_blocks_w3<<<132, 256, 0, stream>>>(peers, rank, calls, count, src, stage, dst, counter);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 132, block 256, 0 bytes of shared memory.
@@ -907,9 +895,16 @@ extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w4(char* const*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t barrier_blocks_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) {
-  barrier_blocks_w4<<<132, 256, 0, stream>>>(peers, rank, calls, count, src, stage, dst, counter);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through barrier_blocks::launch.
+namespace barrier_blocks {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, stage, dst, counter);
   return cudaGetLastError();
 }
+}  // namespace barrier_blocks
 
+extern "C" cudaError_t barrier_blocks_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return barrier_blocks::launch<barrier_blocks_w2, 132, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, stream); }
+extern "C" cudaError_t barrier_blocks_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return barrier_blocks::launch<barrier_blocks_w3, 132, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, stream); }
+extern "C" cudaError_t barrier_blocks_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return barrier_blocks::launch<barrier_blocks_w4, 132, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, stream); }

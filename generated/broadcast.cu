@@ -2,7 +2,7 @@
 // spec sha256 084a51875244dd72034b9a90f558b9ab707a3257c2f91a2b1b637d9dcf4a0a48
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op broadcast: every rank ends with the root's input (the root pushes to every peer)
+// op broadcast: every rank ends with the root's input (push: the root pushes to every peer)
 // kernels: broadcast_w2, broadcast_w3, broadcast_w4, broadcast_w8 (one per world size; grid 64 x 512 threads)
 // count unit: elements
 //
@@ -914,6 +914,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1251,6 +1273,18 @@ typedef float T;
 //   4: arrive
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 4 steps, 33 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1266,79 +1300,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 2 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 0: shares 1..1 ({step, share, of})
-    {0, 0, 16},
-    // rank 1 block 1: shares 2..2 ({step, share, of})
-    {0, 1, 16},
-    // rank 1 block 2: shares 3..3 ({step, share, of})
-    {0, 2, 16},
-    // rank 1 block 3: shares 4..4 ({step, share, of})
-    {0, 3, 16},
-    // rank 1 block 4: shares 5..5 ({step, share, of})
-    {0, 4, 16},
-    // rank 1 block 5: shares 6..6 ({step, share, of})
-    {0, 5, 16},
-    // rank 1 block 6: shares 7..7 ({step, share, of})
-    {0, 6, 16},
-    // rank 1 block 7: shares 8..8 ({step, share, of})
-    {0, 7, 16},
-    // rank 1 block 8: shares 9..9 ({step, share, of})
-    {0, 8, 16},
-    // rank 1 block 9: shares 10..10 ({step, share, of})
-    {0, 9, 16},
-    // rank 1 block 10: shares 11..11 ({step, share, of})
-    {0, 10, 16},
-    // rank 1 block 11: shares 12..12 ({step, share, of})
-    {0, 11, 16},
-    // rank 1 block 12: shares 13..13 ({step, share, of})
-    {0, 12, 16},
-    // rank 1 block 13: shares 14..14 ({step, share, of})
-    {0, 13, 16},
-    // rank 1 block 14: shares 15..15 ({step, share, of})
-    {0, 14, 16},
-    // rank 1 block 15: shares 16..16 ({step, share, of})
-    {0, 15, 16},
-    // rank 1 block 16: shares 17..17 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 17: shares 18..18 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 18: shares 19..19 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 19: shares 20..20 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 20: shares 21..21 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 21: shares 22..22 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 22: shares 23..23 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 23: shares 24..24 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 24: shares 25..25 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 25: shares 26..26 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 26: shares 27..27 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 27: shares 28..28 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 28: shares 29..29 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 29: shares 30..30 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 30: shares 31..31 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 31: shares 32..32 ({step, share, of})
-    {1, 15, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1 },
-    { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 7 steps, 50 block shares over 64 blocks.
@@ -1361,114 +1323,7 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 2, 5 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 0: shares 1..1 ({step, share, of})
-    {0, 0, 16},
-    // rank 1 block 1: shares 2..2 ({step, share, of})
-    {0, 1, 16},
-    // rank 1 block 2: shares 3..3 ({step, share, of})
-    {0, 2, 16},
-    // rank 1 block 3: shares 4..4 ({step, share, of})
-    {0, 3, 16},
-    // rank 1 block 4: shares 5..5 ({step, share, of})
-    {0, 4, 16},
-    // rank 1 block 5: shares 6..6 ({step, share, of})
-    {0, 5, 16},
-    // rank 1 block 6: shares 7..7 ({step, share, of})
-    {0, 6, 16},
-    // rank 1 block 7: shares 8..8 ({step, share, of})
-    {0, 7, 16},
-    // rank 1 block 8: shares 9..9 ({step, share, of})
-    {0, 8, 16},
-    // rank 1 block 9: shares 10..10 ({step, share, of})
-    {0, 9, 16},
-    // rank 1 block 10: shares 11..11 ({step, share, of})
-    {0, 10, 16},
-    // rank 1 block 11: shares 12..12 ({step, share, of})
-    {0, 11, 16},
-    // rank 1 block 12: shares 13..13 ({step, share, of})
-    {0, 12, 16},
-    // rank 1 block 13: shares 14..14 ({step, share, of})
-    {0, 13, 16},
-    // rank 1 block 14: shares 15..15 ({step, share, of})
-    {0, 14, 16},
-    // rank 1 block 15: shares 16..16 ({step, share, of})
-    {0, 15, 16},
-    // rank 1 block 16: shares 17..17 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 17: shares 18..18 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 18: shares 19..19 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 19: shares 20..20 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 20: shares 21..21 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 21: shares 22..22 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 22: shares 23..23 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 23: shares 24..24 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 24: shares 25..25 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 25: shares 26..26 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 26: shares 27..27 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 27: shares 28..28 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 28: shares 29..29 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 29: shares 30..30 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 30: shares 31..31 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 31: shares 32..32 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 32: shares 33..33 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 33: shares 34..34 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 34: shares 35..35 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 35: shares 36..36 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 36: shares 37..37 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 37: shares 38..38 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 38: shares 39..39 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 39: shares 40..40 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 40: shares 41..41 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 41: shares 42..42 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 42: shares 43..43 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 43: shares 44..44 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 44: shares 45..45 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 45: shares 46..46 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 46: shares 47..47 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 47: shares 48..48 ({step, share, of})
-    {2, 15, 16},
-    // rank 2 block 1: shares 49..49 ({step, share, of})
-    {1, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1 },
-    { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49 },
-    { 49, 49, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50 },
-};
+// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 4: 10 steps, 67 block shares over 64 blocks.
@@ -1497,149 +1352,7 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 2, 6, 8 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 0: shares 1..1 ({step, share, of})
-    {0, 0, 16},
-    // rank 1 block 1: shares 2..2 ({step, share, of})
-    {0, 1, 16},
-    // rank 1 block 2: shares 3..3 ({step, share, of})
-    {0, 2, 16},
-    // rank 1 block 3: shares 4..4 ({step, share, of})
-    {0, 3, 16},
-    // rank 1 block 4: shares 5..5 ({step, share, of})
-    {0, 4, 16},
-    // rank 1 block 5: shares 6..6 ({step, share, of})
-    {0, 5, 16},
-    // rank 1 block 6: shares 7..7 ({step, share, of})
-    {0, 6, 16},
-    // rank 1 block 7: shares 8..8 ({step, share, of})
-    {0, 7, 16},
-    // rank 1 block 8: shares 9..9 ({step, share, of})
-    {0, 8, 16},
-    // rank 1 block 9: shares 10..10 ({step, share, of})
-    {0, 9, 16},
-    // rank 1 block 10: shares 11..11 ({step, share, of})
-    {0, 10, 16},
-    // rank 1 block 11: shares 12..12 ({step, share, of})
-    {0, 11, 16},
-    // rank 1 block 12: shares 13..13 ({step, share, of})
-    {0, 12, 16},
-    // rank 1 block 13: shares 14..14 ({step, share, of})
-    {0, 13, 16},
-    // rank 1 block 14: shares 15..15 ({step, share, of})
-    {0, 14, 16},
-    // rank 1 block 15: shares 16..16 ({step, share, of})
-    {0, 15, 16},
-    // rank 1 block 16: shares 17..17 ({step, share, of})
-    {1, 0, 16},
-    // rank 1 block 17: shares 18..18 ({step, share, of})
-    {1, 1, 16},
-    // rank 1 block 18: shares 19..19 ({step, share, of})
-    {1, 2, 16},
-    // rank 1 block 19: shares 20..20 ({step, share, of})
-    {1, 3, 16},
-    // rank 1 block 20: shares 21..21 ({step, share, of})
-    {1, 4, 16},
-    // rank 1 block 21: shares 22..22 ({step, share, of})
-    {1, 5, 16},
-    // rank 1 block 22: shares 23..23 ({step, share, of})
-    {1, 6, 16},
-    // rank 1 block 23: shares 24..24 ({step, share, of})
-    {1, 7, 16},
-    // rank 1 block 24: shares 25..25 ({step, share, of})
-    {1, 8, 16},
-    // rank 1 block 25: shares 26..26 ({step, share, of})
-    {1, 9, 16},
-    // rank 1 block 26: shares 27..27 ({step, share, of})
-    {1, 10, 16},
-    // rank 1 block 27: shares 28..28 ({step, share, of})
-    {1, 11, 16},
-    // rank 1 block 28: shares 29..29 ({step, share, of})
-    {1, 12, 16},
-    // rank 1 block 29: shares 30..30 ({step, share, of})
-    {1, 13, 16},
-    // rank 1 block 30: shares 31..31 ({step, share, of})
-    {1, 14, 16},
-    // rank 1 block 31: shares 32..32 ({step, share, of})
-    {1, 15, 16},
-    // rank 1 block 32: shares 33..33 ({step, share, of})
-    {2, 0, 16},
-    // rank 1 block 33: shares 34..34 ({step, share, of})
-    {2, 1, 16},
-    // rank 1 block 34: shares 35..35 ({step, share, of})
-    {2, 2, 16},
-    // rank 1 block 35: shares 36..36 ({step, share, of})
-    {2, 3, 16},
-    // rank 1 block 36: shares 37..37 ({step, share, of})
-    {2, 4, 16},
-    // rank 1 block 37: shares 38..38 ({step, share, of})
-    {2, 5, 16},
-    // rank 1 block 38: shares 39..39 ({step, share, of})
-    {2, 6, 16},
-    // rank 1 block 39: shares 40..40 ({step, share, of})
-    {2, 7, 16},
-    // rank 1 block 40: shares 41..41 ({step, share, of})
-    {2, 8, 16},
-    // rank 1 block 41: shares 42..42 ({step, share, of})
-    {2, 9, 16},
-    // rank 1 block 42: shares 43..43 ({step, share, of})
-    {2, 10, 16},
-    // rank 1 block 43: shares 44..44 ({step, share, of})
-    {2, 11, 16},
-    // rank 1 block 44: shares 45..45 ({step, share, of})
-    {2, 12, 16},
-    // rank 1 block 45: shares 46..46 ({step, share, of})
-    {2, 13, 16},
-    // rank 1 block 46: shares 47..47 ({step, share, of})
-    {2, 14, 16},
-    // rank 1 block 47: shares 48..48 ({step, share, of})
-    {2, 15, 16},
-    // rank 1 block 48: shares 49..49 ({step, share, of})
-    {3, 0, 16},
-    // rank 1 block 49: shares 50..50 ({step, share, of})
-    {3, 1, 16},
-    // rank 1 block 50: shares 51..51 ({step, share, of})
-    {3, 2, 16},
-    // rank 1 block 51: shares 52..52 ({step, share, of})
-    {3, 3, 16},
-    // rank 1 block 52: shares 53..53 ({step, share, of})
-    {3, 4, 16},
-    // rank 1 block 53: shares 54..54 ({step, share, of})
-    {3, 5, 16},
-    // rank 1 block 54: shares 55..55 ({step, share, of})
-    {3, 6, 16},
-    // rank 1 block 55: shares 56..56 ({step, share, of})
-    {3, 7, 16},
-    // rank 1 block 56: shares 57..57 ({step, share, of})
-    {3, 8, 16},
-    // rank 1 block 57: shares 58..58 ({step, share, of})
-    {3, 9, 16},
-    // rank 1 block 58: shares 59..59 ({step, share, of})
-    {3, 10, 16},
-    // rank 1 block 59: shares 60..60 ({step, share, of})
-    {3, 11, 16},
-    // rank 1 block 60: shares 61..61 ({step, share, of})
-    {3, 12, 16},
-    // rank 1 block 61: shares 62..62 ({step, share, of})
-    {3, 13, 16},
-    // rank 1 block 62: shares 63..63 ({step, share, of})
-    {3, 14, 16},
-    // rank 1 block 63: shares 64..64 ({step, share, of})
-    {3, 15, 16},
-    // rank 2 block 1: shares 65..65 ({step, share, of})
-    {1, 0, 1},
-    // rank 3 block 1: shares 66..66 ({step, share, of})
-    {1, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1 },
-    { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
-    { 65, 65, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66 },
-    { 66, 66, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67, 67 },
-};
+// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 8: 22 steps, 135 block shares over 64 blocks.
@@ -1692,167 +1405,10 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 2, 10, 12, 14, 16, 18, 20 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 1: shares 0..0 ({step, share, of})
-    {1, 0, 1},
-    // rank 1 block 0: shares 1..2 ({step, share, of})
-    {0, 0, 16}, {4, 0, 16},
-    // rank 1 block 1: shares 3..4 ({step, share, of})
-    {0, 1, 16}, {4, 1, 16},
-    // rank 1 block 2: shares 5..6 ({step, share, of})
-    {0, 2, 16}, {4, 2, 16},
-    // rank 1 block 3: shares 7..8 ({step, share, of})
-    {0, 3, 16}, {4, 3, 16},
-    // rank 1 block 4: shares 9..10 ({step, share, of})
-    {0, 4, 16}, {4, 4, 16},
-    // rank 1 block 5: shares 11..12 ({step, share, of})
-    {0, 5, 16}, {4, 5, 16},
-    // rank 1 block 6: shares 13..14 ({step, share, of})
-    {0, 6, 16}, {4, 6, 16},
-    // rank 1 block 7: shares 15..16 ({step, share, of})
-    {0, 7, 16}, {4, 7, 16},
-    // rank 1 block 8: shares 17..18 ({step, share, of})
-    {0, 8, 16}, {4, 8, 16},
-    // rank 1 block 9: shares 19..20 ({step, share, of})
-    {0, 9, 16}, {4, 9, 16},
-    // rank 1 block 10: shares 21..22 ({step, share, of})
-    {0, 10, 16}, {4, 10, 16},
-    // rank 1 block 11: shares 23..24 ({step, share, of})
-    {0, 11, 16}, {4, 11, 16},
-    // rank 1 block 12: shares 25..26 ({step, share, of})
-    {0, 12, 16}, {4, 12, 16},
-    // rank 1 block 13: shares 27..28 ({step, share, of})
-    {0, 13, 16}, {4, 13, 16},
-    // rank 1 block 14: shares 29..30 ({step, share, of})
-    {0, 14, 16}, {4, 14, 16},
-    // rank 1 block 15: shares 31..32 ({step, share, of})
-    {0, 15, 16}, {4, 15, 16},
-    // rank 1 block 16: shares 33..34 ({step, share, of})
-    {1, 0, 16}, {5, 0, 16},
-    // rank 1 block 17: shares 35..36 ({step, share, of})
-    {1, 1, 16}, {5, 1, 16},
-    // rank 1 block 18: shares 37..38 ({step, share, of})
-    {1, 2, 16}, {5, 2, 16},
-    // rank 1 block 19: shares 39..40 ({step, share, of})
-    {1, 3, 16}, {5, 3, 16},
-    // rank 1 block 20: shares 41..42 ({step, share, of})
-    {1, 4, 16}, {5, 4, 16},
-    // rank 1 block 21: shares 43..44 ({step, share, of})
-    {1, 5, 16}, {5, 5, 16},
-    // rank 1 block 22: shares 45..46 ({step, share, of})
-    {1, 6, 16}, {5, 6, 16},
-    // rank 1 block 23: shares 47..48 ({step, share, of})
-    {1, 7, 16}, {5, 7, 16},
-    // rank 1 block 24: shares 49..50 ({step, share, of})
-    {1, 8, 16}, {5, 8, 16},
-    // rank 1 block 25: shares 51..52 ({step, share, of})
-    {1, 9, 16}, {5, 9, 16},
-    // rank 1 block 26: shares 53..54 ({step, share, of})
-    {1, 10, 16}, {5, 10, 16},
-    // rank 1 block 27: shares 55..56 ({step, share, of})
-    {1, 11, 16}, {5, 11, 16},
-    // rank 1 block 28: shares 57..58 ({step, share, of})
-    {1, 12, 16}, {5, 12, 16},
-    // rank 1 block 29: shares 59..60 ({step, share, of})
-    {1, 13, 16}, {5, 13, 16},
-    // rank 1 block 30: shares 61..62 ({step, share, of})
-    {1, 14, 16}, {5, 14, 16},
-    // rank 1 block 31: shares 63..64 ({step, share, of})
-    {1, 15, 16}, {5, 15, 16},
-    // rank 1 block 32: shares 65..66 ({step, share, of})
-    {2, 0, 16}, {6, 0, 16},
-    // rank 1 block 33: shares 67..68 ({step, share, of})
-    {2, 1, 16}, {6, 1, 16},
-    // rank 1 block 34: shares 69..70 ({step, share, of})
-    {2, 2, 16}, {6, 2, 16},
-    // rank 1 block 35: shares 71..72 ({step, share, of})
-    {2, 3, 16}, {6, 3, 16},
-    // rank 1 block 36: shares 73..74 ({step, share, of})
-    {2, 4, 16}, {6, 4, 16},
-    // rank 1 block 37: shares 75..76 ({step, share, of})
-    {2, 5, 16}, {6, 5, 16},
-    // rank 1 block 38: shares 77..78 ({step, share, of})
-    {2, 6, 16}, {6, 6, 16},
-    // rank 1 block 39: shares 79..80 ({step, share, of})
-    {2, 7, 16}, {6, 7, 16},
-    // rank 1 block 40: shares 81..82 ({step, share, of})
-    {2, 8, 16}, {6, 8, 16},
-    // rank 1 block 41: shares 83..84 ({step, share, of})
-    {2, 9, 16}, {6, 9, 16},
-    // rank 1 block 42: shares 85..86 ({step, share, of})
-    {2, 10, 16}, {6, 10, 16},
-    // rank 1 block 43: shares 87..88 ({step, share, of})
-    {2, 11, 16}, {6, 11, 16},
-    // rank 1 block 44: shares 89..90 ({step, share, of})
-    {2, 12, 16}, {6, 12, 16},
-    // rank 1 block 45: shares 91..92 ({step, share, of})
-    {2, 13, 16}, {6, 13, 16},
-    // rank 1 block 46: shares 93..94 ({step, share, of})
-    {2, 14, 16}, {6, 14, 16},
-    // rank 1 block 47: shares 95..96 ({step, share, of})
-    {2, 15, 16}, {6, 15, 16},
-    // rank 1 block 48: shares 97..98 ({step, share, of})
-    {3, 0, 16}, {7, 0, 16},
-    // rank 1 block 49: shares 99..100 ({step, share, of})
-    {3, 1, 16}, {7, 1, 16},
-    // rank 1 block 50: shares 101..102 ({step, share, of})
-    {3, 2, 16}, {7, 2, 16},
-    // rank 1 block 51: shares 103..104 ({step, share, of})
-    {3, 3, 16}, {7, 3, 16},
-    // rank 1 block 52: shares 105..106 ({step, share, of})
-    {3, 4, 16}, {7, 4, 16},
-    // rank 1 block 53: shares 107..108 ({step, share, of})
-    {3, 5, 16}, {7, 5, 16},
-    // rank 1 block 54: shares 109..110 ({step, share, of})
-    {3, 6, 16}, {7, 6, 16},
-    // rank 1 block 55: shares 111..112 ({step, share, of})
-    {3, 7, 16}, {7, 7, 16},
-    // rank 1 block 56: shares 113..114 ({step, share, of})
-    {3, 8, 16}, {7, 8, 16},
-    // rank 1 block 57: shares 115..116 ({step, share, of})
-    {3, 9, 16}, {7, 9, 16},
-    // rank 1 block 58: shares 117..118 ({step, share, of})
-    {3, 10, 16}, {7, 10, 16},
-    // rank 1 block 59: shares 119..120 ({step, share, of})
-    {3, 11, 16}, {7, 11, 16},
-    // rank 1 block 60: shares 121..122 ({step, share, of})
-    {3, 12, 16}, {7, 12, 16},
-    // rank 1 block 61: shares 123..124 ({step, share, of})
-    {3, 13, 16}, {7, 13, 16},
-    // rank 1 block 62: shares 125..126 ({step, share, of})
-    {3, 14, 16}, {7, 14, 16},
-    // rank 1 block 63: shares 127..128 ({step, share, of})
-    {3, 15, 16}, {7, 15, 16},
-    // rank 2 block 1: shares 129..129 ({step, share, of})
-    {1, 0, 1},
-    // rank 3 block 1: shares 130..130 ({step, share, of})
-    {1, 0, 1},
-    // rank 4 block 1: shares 131..131 ({step, share, of})
-    {1, 0, 1},
-    // rank 5 block 1: shares 132..132 ({step, share, of})
-    {1, 0, 1},
-    // rank 6 block 1: shares 133..133 ({step, share, of})
-    {1, 0, 1},
-    // rank 7 block 1: shares 134..134 ({step, share, of})
-    {1, 0, 1},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1 },
-    { 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129 },
-    { 129, 129, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130 },
-    { 130, 130, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131, 131 },
-    { 131, 131, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132, 132 },
-    { 132, 132, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133, 133 },
-    { 133, 133, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134, 134 },
-    { 134, 134, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135, 135 },
-};
+// No share or block tables: world size 8 runs as straight-line code (plan<8>::run below).
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -1897,8 +1453,6 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -1955,8 +1509,6 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -2025,8 +1577,6 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -2131,15 +1681,6 @@ template <> struct plan<8> {
 };
 
 
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
-
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
 __device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
@@ -2181,23 +1722,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w2(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t broadcast_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  broadcast_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   broadcast::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t broadcast_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  broadcast_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -2207,12 +1736,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w4(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t broadcast_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  broadcast_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -2220,9 +1743,17 @@ extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w8(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t broadcast_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  broadcast_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through broadcast::launch.
+namespace broadcast {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
   return cudaGetLastError();
 }
+}  // namespace broadcast
 
+extern "C" cudaError_t broadcast_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t broadcast_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t broadcast_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+extern "C" cudaError_t broadcast_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }

@@ -2,7 +2,7 @@
 // spec sha256 d22b74932ca96c7176a5897921ce9163e983aa08c298830e03d4e770db868d67
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32
+// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32 meanwhile (overlap pull, reduce slots)
 // kernels: gemm_reduce_scatter_w2, gemm_reduce_scatter_w4 (one per world size; grid 132 x 384 threads)
 // count unit: rows
 //
@@ -2379,62 +2379,6 @@ gemm_reduce_scatter_w2_sync(char* const* peers, int rank, uint64_t* calls, uint6
   tsgen_fused::sync_body<2>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t gemm_reduce_scatter_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, float* acc, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_fused;
-  using C = gemm_reduce_scatter::Config<2>;
-  constexpr int WORLD = 2;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
-  if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;  // per batch (row block)
-  // tensor maps: A (3-D: column, row, block), B (K/world x N), partial (3-D)
-  thread_local MapCache<3> cache;
-  const void* const key[6] = {a, b, partial, (const void*)(uintptr_t)count, nullptr, nullptr};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2], dtype, partial, rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
-  static bool reduce_ready[64];  // per device: the reduce kernel's shared-memory opt-in
-  int dev = 0;
-  TSGEN_FUSED_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  if (!reduce_ready[dev]) {
-    TSGEN_FUSED_TRY(cudaFuncSetAttribute(gemm_reduce_scatter_w2_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         gemm_reduce_scatter::REDUCE_SMEM));
-    reduce_ready[dev] = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(gemm_reduce_scatter_w2_gemm), rows,
-                                           gemm_reduce_scatter::RESERVE_SMS, &grid));
-  constexpr unsigned FULL = (gemm_reduce_scatter::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
-  constexpr int T = gemm_reduce_scatter::REDUCE_THREADS, SMEM = gemm_reduce_scatter::REDUCE_SMEM;
-  // the entry: calls[0] -> this call's epoch, FREE raised at every peer
-  gemm_reduce_scatter_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  Lanes* l;
-  TSGEN_FUSED_TRY(lanes(rank, &l));
-  TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
-  gemm_reduce_scatter_w2_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  gemm_reduce_scatter_w2_reduce<<<gemm_reduce_scatter::RESERVE_SMS, T, SMEM, l->signal>>>(peers, rank, calls, sig, partial, acc, c, count,
-                                                                PULL_PEER);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
-  gemm_reduce_scatter_w2_reduce<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, acc, c, count, FINISH);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
-}
-
 // ---- world size 4 ----
 // The GEMM: 384 threads, 230464 bytes of dynamic shared memory, clusters of 2.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384)
@@ -2461,11 +2405,13 @@ gemm_reduce_scatter_w4_sync(char* const* peers, int rank, uint64_t* calls, uint6
   tsgen_fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t gemm_reduce_scatter_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, float* acc, uint64_t* sig, cudaStream_t stream) {
+// Host launcher (see the top of this file): world size WORLD's GEMM, REDUCE and SYNC kernels;
+// the extern "C" NAME_wW_launch below are its instances.
+namespace gemm_reduce_scatter {
+template <int WORLD, auto GEMM, auto REDUCE, auto SYNC>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, float* acc, uint64_t* sig, cudaStream_t stream) {
   using namespace tsgen_fused;
-  using C = gemm_reduce_scatter::Config<4>;
-  constexpr int WORLD = 4;
+  using C = Config<WORLD>;
   if (count == 0) return cudaSuccess;
   TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
@@ -2477,7 +2423,7 @@ extern "C" cudaError_t gemm_reduce_scatter_w4_launch(char* const* peers, int ran
   if (!maps) {
     maps = cache.slot(key);
     using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
+    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2], dtype, partial, rows, C::N, 64, WORLD, true));
@@ -2488,32 +2434,35 @@ extern "C" cudaError_t gemm_reduce_scatter_w4_launch(char* const* peers, int ran
   TSGEN_FUSED_TRY(cudaGetDevice(&dev));
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   if (!reduce_ready[dev]) {
-    TSGEN_FUSED_TRY(cudaFuncSetAttribute(gemm_reduce_scatter_w4_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          gemm_reduce_scatter::REDUCE_SMEM));
     reduce_ready[dev] = true;
   }
   unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(gemm_reduce_scatter_w4_gemm), rows,
+  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
                                            gemm_reduce_scatter::RESERVE_SMS, &grid));
   constexpr unsigned FULL = (gemm_reduce_scatter::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
   constexpr int T = gemm_reduce_scatter::REDUCE_THREADS, SMEM = gemm_reduce_scatter::REDUCE_SMEM;
   // the entry: calls[0] -> this call's epoch, FREE raised at every peer
-  gemm_reduce_scatter_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   Lanes* l;
   TSGEN_FUSED_TRY(lanes(rank, &l));
   TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
-  gemm_reduce_scatter_w4_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
+  GEMM<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
   TSGEN_FUSED_TRY(cudaGetLastError());
-  gemm_reduce_scatter_w4_reduce<<<gemm_reduce_scatter::RESERVE_SMS, T, SMEM, l->signal>>>(peers, rank, calls, sig, partial, acc, c, count,
+  REDUCE<<<gemm_reduce_scatter::RESERVE_SMS, T, SMEM, l->signal>>>(peers, rank, calls, sig, partial, acc, c, count,
                                                                 PULL_PEER);
   TSGEN_FUSED_TRY(cudaGetLastError());
   TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
-  gemm_reduce_scatter_w4_reduce<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, acc, c, count, FINISH);
+  REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, acc, c, count, FINISH);
   TSGEN_FUSED_TRY(cudaGetLastError());
   return cudaSuccess;
 }
+}  // namespace gemm_reduce_scatter
 
+extern "C" cudaError_t gemm_reduce_scatter_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, float* acc, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter::launch<2, gemm_reduce_scatter_w2_gemm, gemm_reduce_scatter_w2_reduce, gemm_reduce_scatter_w2_sync>(peers, rank, calls, count, a, b, c, partial, acc, sig, stream); }
+extern "C" cudaError_t gemm_reduce_scatter_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, float* acc, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter::launch<4, gemm_reduce_scatter_w4_gemm, gemm_reduce_scatter_w4_reduce, gemm_reduce_scatter_w4_sync>(peers, rank, calls, count, a, b, c, partial, acc, sig, stream); }

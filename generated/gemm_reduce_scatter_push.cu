@@ -2,7 +2,7 @@
 // spec sha256 571ad63472822c6709e227be3ecd8987d7ad6464bca2867ced5c8b94af7c6405
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32
+// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM that stores each row block's 16-bit tiles into its owner's partial slots (TMA over NVLink) and signals it; the owner sums its slots in fp32 (overlap push, reduce slots)
 // kernels: gemm_reduce_scatter_push_w2, gemm_reduce_scatter_push_w4 (one per world size; grid 132 x 384 threads)
 // count unit: rows
 //
@@ -2378,59 +2378,6 @@ gemm_reduce_scatter_push_w2_sync(char* const* peers, int rank, uint64_t* calls, 
   tsgen_fused::sync_body<2>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t gemm_reduce_scatter_push_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_fused;
-  using C = gemm_reduce_scatter_push::Config<2>;
-  constexpr int WORLD = 2;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
-  if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;  // per batch (row block)
-  // tensor maps: A (3-D: column, row, block), B (K/world x N), every owner q's partial (3-D,
-  // as this process addresses it; the cache key names the peer table it came from)
-  thread_local MapCache<2 + WORLD> cache;
-  const void* const key[6] = {a, b, partial, (const void*)(uintptr_t)count, peers_host,
-                              peers_host[(rank + 1) % WORLD]};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
-    for (int q = 0; q < WORLD; ++q)
-      TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2 + q], dtype, host_peer_ptr(partial, peers_host, rank, q),
-                                                rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
-  static bool reduce_ready[64];  // per device: the reduce kernel's shared-memory opt-in
-  int dev = 0;
-  TSGEN_FUSED_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  if (!reduce_ready[dev]) {
-    TSGEN_FUSED_TRY(cudaFuncSetAttribute(gemm_reduce_scatter_push_w2_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         gemm_reduce_scatter_push::REDUCE_SMEM));
-    reduce_ready[dev] = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(gemm_reduce_scatter_push_w2_gemm), rows,
-                                           gemm_reduce_scatter_push::RESERVE_SMS, &grid));
-  constexpr unsigned FULL = (gemm_reduce_scatter_push::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
-  constexpr int T = gemm_reduce_scatter_push::REDUCE_THREADS, SMEM = gemm_reduce_scatter_push::REDUCE_SMEM;
-  // the entry: calls[0] -> this call's epoch, FREE raised at every peer
-  gemm_reduce_scatter_push_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  PushMaps<WORLD> push;
-  for (int q = 0; q < WORLD; ++q) push.to[q] = maps->maps[2 + q];
-  gemm_reduce_scatter_push_w2_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  gemm_reduce_scatter_push_w2_reduce<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, SUM_PUSHED);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
-}
-
 // ---- world size 4 ----
 // The GEMM: 384 threads, 230464 bytes of dynamic shared memory, clusters of 2.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384)
@@ -2457,11 +2404,13 @@ gemm_reduce_scatter_push_w4_sync(char* const* peers, int rank, uint64_t* calls, 
   tsgen_fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t gemm_reduce_scatter_push_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) {
+// Host launcher (see the top of this file): world size WORLD's GEMM, REDUCE and SYNC kernels;
+// the extern "C" NAME_wW_launch below are its instances.
+namespace gemm_reduce_scatter_push {
+template <int WORLD, auto GEMM, auto REDUCE, auto SYNC>
+static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) {
   using namespace tsgen_fused;
-  using C = gemm_reduce_scatter_push::Config<4>;
-  constexpr int WORLD = 4;
+  using C = Config<WORLD>;
   if (count == 0) return cudaSuccess;
   TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
@@ -2475,7 +2424,7 @@ extern "C" cudaError_t gemm_reduce_scatter_push_w4_launch(char* const* peers, ch
   if (!maps) {
     maps = cache.slot(key);
     using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
+    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
     for (int q = 0; q < WORLD; ++q)
@@ -2488,25 +2437,28 @@ extern "C" cudaError_t gemm_reduce_scatter_push_w4_launch(char* const* peers, ch
   TSGEN_FUSED_TRY(cudaGetDevice(&dev));
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   if (!reduce_ready[dev]) {
-    TSGEN_FUSED_TRY(cudaFuncSetAttribute(gemm_reduce_scatter_push_w4_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          gemm_reduce_scatter_push::REDUCE_SMEM));
     reduce_ready[dev] = true;
   }
   unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(gemm_reduce_scatter_push_w4_gemm), rows,
+  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
                                            gemm_reduce_scatter_push::RESERVE_SMS, &grid));
   constexpr unsigned FULL = (gemm_reduce_scatter_push::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
   constexpr int T = gemm_reduce_scatter_push::REDUCE_THREADS, SMEM = gemm_reduce_scatter_push::REDUCE_SMEM;
   // the entry: calls[0] -> this call's epoch, FREE raised at every peer
-  gemm_reduce_scatter_push_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   PushMaps<WORLD> push;
   for (int q = 0; q < WORLD; ++q) push.to[q] = maps->maps[2 + q];
-  gemm_reduce_scatter_push_w4_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
+  GEMM<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count);
   TSGEN_FUSED_TRY(cudaGetLastError());
-  gemm_reduce_scatter_push_w4_reduce<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, SUM_PUSHED);
+  REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, SUM_PUSHED);
   TSGEN_FUSED_TRY(cudaGetLastError());
   return cudaSuccess;
 }
+}  // namespace gemm_reduce_scatter_push
 
+extern "C" cudaError_t gemm_reduce_scatter_push_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push::launch<2, gemm_reduce_scatter_push_w2_gemm, gemm_reduce_scatter_push_w2_reduce, gemm_reduce_scatter_push_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, partial, sig, stream); }
+extern "C" cudaError_t gemm_reduce_scatter_push_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push::launch<4, gemm_reduce_scatter_push_w4_gemm, gemm_reduce_scatter_push_w4_reduce, gemm_reduce_scatter_push_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, partial, sig, stream); }

@@ -2,7 +2,7 @@
 // spec sha256 a82cfc0c6747470e6b3453559cb5505b70dd8c5484715f435c3fa4577bf548ae
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of 16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32
+// op gemm_reduce_scatter: C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM whose epilogue adds each row block's tiles into its owner's C (TMA reduce-add over NVLink, 16-bit adds) and signals it; no sum kernel (overlap push, reduce add)
 // kernels: gemm_reduce_scatter_push_add_w2, gemm_reduce_scatter_push_add_w4 (one per world size; grid 132 x 384 threads)
 // count unit: rows
 //
@@ -2372,48 +2372,6 @@ gemm_reduce_scatter_push_add_w2_sync(char* const* peers, int rank, uint64_t* cal
   tsgen_fused::sync_body<2>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t gemm_reduce_scatter_push_add_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_fused;
-  using C = gemm_reduce_scatter_push_add::Config<2>;
-  constexpr int WORLD = 2;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
-  if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;  // per batch (row block)
-  // tensor maps: A (3-D: column, row, block), B (K/world x N), every owner q's c (3-D,
-  // as this process addresses it; the cache key names the peer table it came from)
-  thread_local MapCache<2 + WORLD> cache;
-  const void* const key[6] = {a, b, c, (const void*)(uintptr_t)count, peers_host,
-                              peers_host[(rank + 1) % WORLD]};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
-    for (int q = 0; q < WORLD; ++q)  // q's c: count x N, one batch
-      TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2 + q], dtype, host_peer_ptr(c, peers_host, rank, q),
-                                                rows, C::N, 64, 1, true));
-    maps->valid = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(gemm_reduce_scatter_push_add_w2_gemm), rows,
-                                           gemm_reduce_scatter_push_add::RESERVE_SMS, &grid));
-  // the entry: calls[0] -> this call's epoch (FREE: once the GEMM has zeroed our c)
-  gemm_reduce_scatter_push_add_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, BEGIN, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  PushMaps<WORLD> push;
-  for (int q = 0; q < WORLD; ++q) push.to[q] = maps->maps[2 + q];
-  gemm_reduce_scatter_push_add_w2_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count, c);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  gemm_reduce_scatter_push_add_w2_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_READY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
-}
-
 // ---- world size 4 ----
 // The GEMM: 384 threads, 230464 bytes of dynamic shared memory, clusters of 2.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384)
@@ -2433,11 +2391,13 @@ gemm_reduce_scatter_push_add_w4_sync(char* const* peers, int rank, uint64_t* cal
   tsgen_fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher: see the top of this file.
-extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) {
+// Host launcher (see the top of this file): world size WORLD's GEMM, REDUCE and SYNC kernels;
+// the extern "C" NAME_wW_launch below are its instances.
+namespace gemm_reduce_scatter_push_add {
+template <int WORLD, auto GEMM, auto REDUCE, auto SYNC>
+static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) {
   using namespace tsgen_fused;
-  using C = gemm_reduce_scatter_push_add::Config<4>;
-  constexpr int WORLD = 4;
+  using C = Config<WORLD>;
   if (count == 0) return cudaSuccess;
   TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
@@ -2451,7 +2411,7 @@ extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_launch(char* const* peers
   if (!maps) {
     maps = cache.slot(key);
     using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<C::Element>();
+    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
     TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
     for (int q = 0; q < WORLD; ++q)  // q's c: count x N, one batch
@@ -2460,18 +2420,21 @@ extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_launch(char* const* peers
     maps->valid = true;
   }
   unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(gemm_reduce_scatter_push_add_w4_gemm), rows,
+  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
                                            gemm_reduce_scatter_push_add::RESERVE_SMS, &grid));
   // the entry: calls[0] -> this call's epoch (FREE: once the GEMM has zeroed our c)
-  gemm_reduce_scatter_push_add_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, BEGIN, 0);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, BEGIN, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   PushMaps<WORLD> push;
   for (int q = 0; q < WORLD; ++q) push.to[q] = maps->maps[2 + q];
-  gemm_reduce_scatter_push_add_w4_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
+  GEMM<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count, c);
   TSGEN_FUSED_TRY(cudaGetLastError());
-  gemm_reduce_scatter_push_add_w4_sync<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_READY, 0);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_READY, 0);
   TSGEN_FUSED_TRY(cudaGetLastError());
   return cudaSuccess;
 }
+}  // namespace gemm_reduce_scatter_push_add
 
+extern "C" cudaError_t gemm_reduce_scatter_push_add_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push_add::launch<2, gemm_reduce_scatter_push_add_w2_gemm, nullptr, gemm_reduce_scatter_push_add_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, sig, stream); }
+extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push_add::launch<4, gemm_reduce_scatter_push_add_w4_gemm, nullptr, gemm_reduce_scatter_push_add_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, sig, stream); }

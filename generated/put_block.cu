@@ -879,23 +879,11 @@ extern "C" __global__ void __launch_bounds__(512) put_block_w2(char* const* peer
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t put_block_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) {
-  put_block_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) put_block_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {
   const uint64_t epoch = tsgen_call_begin(calls);
   put_block::run<3>(peers, rank, epoch, count, src, dst);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t put_block_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) {
-  put_block_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -905,9 +893,16 @@ extern "C" __global__ void __launch_bounds__(512) put_block_w4(char* const* peer
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t put_block_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) {
-  put_block_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through put_block::launch.
+namespace put_block {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst);
   return cudaGetLastError();
 }
+}  // namespace put_block
 
+extern "C" cudaError_t put_block_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return put_block::launch<put_block_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, stream); }
+extern "C" cudaError_t put_block_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return put_block::launch<put_block_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, stream); }
+extern "C" cudaError_t put_block_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return put_block::launch<put_block_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, stream); }

@@ -915,6 +915,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1253,6 +1275,18 @@ typedef __nv_bfloat16 T;
 //   5: arrive
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+template <int WORLD>
+static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
+  plan<WORLD>::open(rank, bufs, peers);
+  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                            rank, epoch, count, bufs, peers, buffer_names);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 10 steps, 128 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1280,141 +1314,7 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}}, {}, {{5, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 5 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..1 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 2..3 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 4..5 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 6..7 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 8..9 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 10..11 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 12..13 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 14..15 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 16..17 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 18..19 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 20..21 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 22..23 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 24..25 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 26..27 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 28..29 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 30..31 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 32..33 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 34..35 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 36..37 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 38..39 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 40..41 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 42..43 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 44..45 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 46..47 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 48..49 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 50..51 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 52..53 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 54..55 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 56..57 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 58..59 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 60..61 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 62..63 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 1: shares 64..65 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 66..67 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 68..69 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 70..71 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 72..73 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 74..75 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 76..77 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 78..79 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 80..81 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 82..83 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 84..85 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 86..87 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 88..89 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 90..91 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 92..93 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 94..95 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 96..97 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 98..99 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 100..101 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 102..103 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 104..105 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 106..107 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 108..109 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 110..111 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 112..113 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 114..115 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 116..117 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 118..119 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 120..121 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 122..123 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 124..125 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 126..127 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64 },
-    { 64, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128 },
-};
+// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 3: 21 steps, 288 block shares over 64 blocks.
@@ -1465,302 +1365,7 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 2, 0, 1}, {{2, 1, 1, 2, 2, 1}, {2, 3, 0, 2, 0, 1}, {2, 3, 0, 2, 1, 1}}, {}, {{5, 0, 1, 16}, {5, 0, 3, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 7, 14 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 1: shares 0..1 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 2..3 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 4..5 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 6..7 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 8..9 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 10..11 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 12..13 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 14..15 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 16..17 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 18..19 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 20..21 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 22..23 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 24..25 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 26..27 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 28..29 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 30..31 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 32..33 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 34..35 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 36..37 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 38..39 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 40..41 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 42..43 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 44..45 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 46..47 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 48..49 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 50..51 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 52..53 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 54..55 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 56..57 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 58..59 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 60..61 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 62..63 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 64..65 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 66..67 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 68..69 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 70..71 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 72..73 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 74..75 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 76..77 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 78..79 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 80..81 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 82..83 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 84..85 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 86..87 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 88..89 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 90..91 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 92..93 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 94..95 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 1: shares 96..97 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 98..99 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 100..101 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 102..103 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 104..105 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 106..107 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 108..109 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 110..111 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 112..113 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 114..115 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 116..117 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 118..119 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 120..121 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 122..123 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 124..125 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 126..127 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 128..129 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 130..131 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 132..133 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 134..135 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 136..137 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 138..139 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 140..141 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 142..143 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 144..145 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 146..147 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 148..149 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 150..151 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 152..153 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 154..155 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 156..157 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 158..159 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 160..161 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 162..163 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 164..165 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 166..167 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 168..169 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 170..171 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 172..173 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 174..175 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 176..177 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 178..179 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 180..181 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 182..183 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 184..185 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 186..187 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 188..189 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 190..191 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 2 block 1: shares 192..193 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 2 block 2: shares 194..195 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 2 block 3: shares 196..197 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 2 block 4: shares 198..199 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 2 block 5: shares 200..201 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 2 block 6: shares 202..203 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 2 block 7: shares 204..205 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 2 block 8: shares 206..207 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 2 block 9: shares 208..209 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 2 block 10: shares 210..211 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 2 block 11: shares 212..213 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 2 block 12: shares 214..215 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 2 block 13: shares 216..217 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 2 block 14: shares 218..219 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 2 block 15: shares 220..221 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 2 block 16: shares 222..223 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 2 block 17: shares 224..225 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 2 block 18: shares 226..227 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 2 block 19: shares 228..229 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 2 block 20: shares 230..231 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 2 block 21: shares 232..233 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 2 block 22: shares 234..235 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 2 block 23: shares 236..237 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 2 block 24: shares 238..239 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 2 block 25: shares 240..241 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 2 block 26: shares 242..243 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 2 block 27: shares 244..245 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 2 block 28: shares 246..247 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 2 block 29: shares 248..249 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 2 block 30: shares 250..251 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 2 block 31: shares 252..253 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 2 block 32: shares 254..255 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 2 block 33: shares 256..257 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 2 block 34: shares 258..259 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 2 block 35: shares 260..261 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 2 block 36: shares 262..263 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 2 block 37: shares 264..265 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 2 block 38: shares 266..267 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 2 block 39: shares 268..269 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 2 block 40: shares 270..271 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 2 block 41: shares 272..273 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 2 block 42: shares 274..275 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 2 block 43: shares 276..277 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 2 block 44: shares 278..279 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 2 block 45: shares 280..281 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 2 block 46: shares 282..283 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 2 block 47: shares 284..285 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 2 block 48: shares 286..287 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96 },
-    { 96, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192 },
-    { 192, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288 },
-};
+// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 4: 36 steps, 512 block shares over 64 blocks.
@@ -1841,527 +1446,7 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 2, 0, 1}, {{3, 1, 1, 2, 3, 1}, {3, 3, 0, 2, 0, 1}, {3, 3, 0, 2, 1, 1}, {3, 3, 0, 2, 2, 1}}, {}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 9, 18, 27 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 2..3 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 4..5 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 6..7 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 8..9 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 10..11 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 12..13 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 14..15 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 16..17 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 18..19 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 20..21 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 22..23 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 24..25 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 26..27 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 28..29 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 30..31 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 32..33 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 34..35 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 36..37 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 38..39 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 40..41 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 42..43 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 44..45 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 46..47 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 48..49 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 50..51 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 52..53 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 54..55 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 56..57 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 58..59 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 60..61 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 62..63 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 64..65 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 66..67 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 68..69 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 70..71 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 72..73 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 74..75 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 76..77 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 78..79 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 80..81 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 82..83 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 84..85 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 86..87 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 88..89 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 90..91 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 92..93 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 94..95 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 96..97 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 0 block 49: shares 98..99 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16},
-    // rank 0 block 50: shares 100..101 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 102..103 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 104..105 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 106..107 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 108..109 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 110..111 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 112..113 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 114..115 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 116..117 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 118..119 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 120..121 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 122..123 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 124..125 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 126..127 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 128..129 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 130..131 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 132..133 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 134..135 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 136..137 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 138..139 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 140..141 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 142..143 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 144..145 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 146..147 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 148..149 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 150..151 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 152..153 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 154..155 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 156..157 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 158..159 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 160..161 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 162..163 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 164..165 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 166..167 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 168..169 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 170..171 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 172..173 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 174..175 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 176..177 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 178..179 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 180..181 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 182..183 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 184..185 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 186..187 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 188..189 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 190..191 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 192..193 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 194..195 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 196..197 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 198..199 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 200..201 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 202..203 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 204..205 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 206..207 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 208..209 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 210..211 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 212..213 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 214..215 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 216..217 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 218..219 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 220..221 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 222..223 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 224..225 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 49: shares 226..227 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16},
-    // rank 1 block 50: shares 228..229 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 230..231 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 232..233 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 234..235 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 236..237 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 238..239 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 240..241 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 242..243 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 244..245 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 246..247 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 248..249 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 250..251 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 252..253 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 254..255 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 256..257 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 258..259 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 2 block 2: shares 260..261 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 2 block 3: shares 262..263 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 2 block 4: shares 264..265 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 2 block 5: shares 266..267 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 2 block 6: shares 268..269 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 2 block 7: shares 270..271 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 2 block 8: shares 272..273 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 2 block 9: shares 274..275 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 2 block 10: shares 276..277 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 2 block 11: shares 278..279 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 2 block 12: shares 280..281 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 2 block 13: shares 282..283 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 2 block 14: shares 284..285 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 2 block 15: shares 286..287 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 2 block 16: shares 288..289 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 2 block 17: shares 290..291 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 2 block 18: shares 292..293 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 2 block 19: shares 294..295 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 2 block 20: shares 296..297 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 2 block 21: shares 298..299 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 2 block 22: shares 300..301 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 2 block 23: shares 302..303 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 2 block 24: shares 304..305 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 2 block 25: shares 306..307 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 2 block 26: shares 308..309 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 2 block 27: shares 310..311 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 2 block 28: shares 312..313 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 2 block 29: shares 314..315 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 2 block 30: shares 316..317 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 2 block 31: shares 318..319 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 2 block 32: shares 320..321 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 2 block 33: shares 322..323 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 2 block 34: shares 324..325 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 2 block 35: shares 326..327 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 2 block 36: shares 328..329 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 2 block 37: shares 330..331 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 2 block 38: shares 332..333 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 2 block 39: shares 334..335 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 2 block 40: shares 336..337 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 2 block 41: shares 338..339 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 2 block 42: shares 340..341 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 2 block 43: shares 342..343 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 2 block 44: shares 344..345 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 2 block 45: shares 346..347 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 2 block 46: shares 348..349 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 2 block 47: shares 350..351 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 2 block 48: shares 352..353 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 2 block 49: shares 354..355 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16},
-    // rank 2 block 50: shares 356..357 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 358..359 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 360..361 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 362..363 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 364..365 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 366..367 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 368..369 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 370..371 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 372..373 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 374..375 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 376..377 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 378..379 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 380..381 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 382..383 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-    // rank 3 block 0: shares 384..385 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16},
-    // rank 3 block 1: shares 386..387 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16},
-    // rank 3 block 2: shares 388..389 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16},
-    // rank 3 block 3: shares 390..391 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16},
-    // rank 3 block 4: shares 392..393 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16},
-    // rank 3 block 5: shares 394..395 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16},
-    // rank 3 block 6: shares 396..397 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16},
-    // rank 3 block 7: shares 398..399 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16},
-    // rank 3 block 8: shares 400..401 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16},
-    // rank 3 block 9: shares 402..403 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16},
-    // rank 3 block 10: shares 404..405 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16},
-    // rank 3 block 11: shares 406..407 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16},
-    // rank 3 block 12: shares 408..409 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16},
-    // rank 3 block 13: shares 410..411 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16},
-    // rank 3 block 14: shares 412..413 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16},
-    // rank 3 block 15: shares 414..415 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16},
-    // rank 3 block 16: shares 416..417 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16},
-    // rank 3 block 17: shares 418..419 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16},
-    // rank 3 block 18: shares 420..421 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16},
-    // rank 3 block 19: shares 422..423 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16},
-    // rank 3 block 20: shares 424..425 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16},
-    // rank 3 block 21: shares 426..427 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16},
-    // rank 3 block 22: shares 428..429 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16},
-    // rank 3 block 23: shares 430..431 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16},
-    // rank 3 block 24: shares 432..433 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16},
-    // rank 3 block 25: shares 434..435 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16},
-    // rank 3 block 26: shares 436..437 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16},
-    // rank 3 block 27: shares 438..439 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16},
-    // rank 3 block 28: shares 440..441 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16},
-    // rank 3 block 29: shares 442..443 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16},
-    // rank 3 block 30: shares 444..445 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16},
-    // rank 3 block 31: shares 446..447 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16},
-    // rank 3 block 32: shares 448..449 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16},
-    // rank 3 block 33: shares 450..451 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16},
-    // rank 3 block 34: shares 452..453 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16},
-    // rank 3 block 35: shares 454..455 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16},
-    // rank 3 block 36: shares 456..457 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16},
-    // rank 3 block 37: shares 458..459 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16},
-    // rank 3 block 38: shares 460..461 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16},
-    // rank 3 block 39: shares 462..463 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16},
-    // rank 3 block 40: shares 464..465 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16},
-    // rank 3 block 41: shares 466..467 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16},
-    // rank 3 block 42: shares 468..469 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16},
-    // rank 3 block 43: shares 470..471 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16},
-    // rank 3 block 44: shares 472..473 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16},
-    // rank 3 block 45: shares 474..475 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16},
-    // rank 3 block 46: shares 476..477 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16},
-    // rank 3 block 47: shares 478..479 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16},
-    // rank 3 block 48: shares 480..481 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16},
-    // rank 3 block 49: shares 482..483 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16},
-    // rank 3 block 50: shares 484..485 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16},
-    // rank 3 block 51: shares 486..487 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16},
-    // rank 3 block 52: shares 488..489 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16},
-    // rank 3 block 53: shares 490..491 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16},
-    // rank 3 block 54: shares 492..493 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16},
-    // rank 3 block 55: shares 494..495 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16},
-    // rank 3 block 56: shares 496..497 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16},
-    // rank 3 block 57: shares 498..499 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16},
-    // rank 3 block 58: shares 500..501 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16},
-    // rank 3 block 59: shares 502..503 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16},
-    // rank 3 block 60: shares 504..505 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16},
-    // rank 3 block 61: shares 506..507 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16},
-    // rank 3 block 62: shares 508..509 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16},
-    // rank 3 block 63: shares 510..511 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16},
-};
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128 },
-    { 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256 },
-    { 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324, 326, 328, 330, 332, 334, 336, 338, 340, 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378, 380, 382, 384 },
-    { 384, 386, 388, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512 },
-};
+// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
 // ---------------------------------------------------------------------------
 // Plan for world size 8: 136 steps, 2048 block shares over 64 blocks.
@@ -2642,1032 +1727,276 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 2, 0, 1}, {{7, 1, 1, 2, 7, 1}, {7, 3, 0, 2, 0, 1}, {7, 3, 0, 2, 1, 1}, {7, 3, 0, 2, 2, 1}, {7, 3, 0, 2, 3, 1}, {7, 3, 0, 2, 4, 1}, {7, 3, 0, 2, 5, 1}, {7, 3, 0, 2, 6, 1}}, {}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 17, 34, 51, 68, 85, 102, 119 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..3 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 0 block 1: shares 4..7 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 0 block 2: shares 8..11 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 0 block 3: shares 12..15 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 0 block 4: shares 16..19 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 0 block 5: shares 20..23 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 0 block 6: shares 24..27 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 0 block 7: shares 28..31 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 0 block 8: shares 32..35 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 0 block 9: shares 36..39 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 0 block 10: shares 40..43 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 0 block 11: shares 44..47 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 0 block 12: shares 48..51 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 0 block 13: shares 52..55 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 0 block 14: shares 56..59 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 0 block 15: shares 60..63 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 0 block 16: shares 64..67 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 0 block 17: shares 68..71 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 0 block 18: shares 72..75 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 0 block 19: shares 76..79 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 0 block 20: shares 80..83 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 0 block 21: shares 84..87 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 0 block 22: shares 88..91 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 0 block 23: shares 92..95 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 0 block 24: shares 96..99 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 0 block 25: shares 100..103 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 0 block 26: shares 104..107 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 0 block 27: shares 108..111 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 0 block 28: shares 112..115 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 0 block 29: shares 116..119 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 0 block 30: shares 120..123 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 0 block 31: shares 124..127 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 0 block 32: shares 128..131 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 0 block 33: shares 132..135 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 0 block 34: shares 136..139 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 0 block 35: shares 140..143 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 0 block 36: shares 144..147 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 0 block 37: shares 148..151 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 0 block 38: shares 152..155 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 0 block 39: shares 156..159 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 0 block 40: shares 160..163 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 0 block 41: shares 164..167 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 0 block 42: shares 168..171 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 0 block 43: shares 172..175 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 0 block 44: shares 176..179 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 0 block 45: shares 180..183 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 0 block 46: shares 184..187 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 0 block 47: shares 188..191 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 0 block 48: shares 192..195 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 0 block 49: shares 196..199 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 0 block 50: shares 200..203 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 0 block 51: shares 204..207 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 0 block 52: shares 208..211 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 0 block 53: shares 212..215 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 0 block 54: shares 216..219 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 0 block 55: shares 220..223 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 0 block 56: shares 224..227 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 0 block 57: shares 228..231 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 0 block 58: shares 232..235 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 0 block 59: shares 236..239 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 0 block 60: shares 240..243 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 0 block 61: shares 244..247 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 0 block 62: shares 248..251 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 0 block 63: shares 252..255 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 1 block 0: shares 256..259 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 1 block 1: shares 260..263 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 1 block 2: shares 264..267 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 1 block 3: shares 268..271 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 1 block 4: shares 272..275 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 1 block 5: shares 276..279 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 1 block 6: shares 280..283 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 1 block 7: shares 284..287 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 1 block 8: shares 288..291 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 1 block 9: shares 292..295 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 1 block 10: shares 296..299 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 1 block 11: shares 300..303 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 1 block 12: shares 304..307 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 1 block 13: shares 308..311 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 1 block 14: shares 312..315 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 1 block 15: shares 316..319 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 1 block 16: shares 320..323 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 1 block 17: shares 324..327 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 1 block 18: shares 328..331 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 1 block 19: shares 332..335 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 1 block 20: shares 336..339 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 1 block 21: shares 340..343 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 1 block 22: shares 344..347 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 1 block 23: shares 348..351 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 1 block 24: shares 352..355 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 1 block 25: shares 356..359 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 1 block 26: shares 360..363 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 1 block 27: shares 364..367 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 1 block 28: shares 368..371 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 1 block 29: shares 372..375 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 1 block 30: shares 376..379 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 1 block 31: shares 380..383 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 1 block 32: shares 384..387 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 1 block 33: shares 388..391 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 1 block 34: shares 392..395 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 1 block 35: shares 396..399 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 1 block 36: shares 400..403 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 1 block 37: shares 404..407 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 1 block 38: shares 408..411 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 1 block 39: shares 412..415 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 1 block 40: shares 416..419 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 1 block 41: shares 420..423 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 1 block 42: shares 424..427 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 1 block 43: shares 428..431 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 1 block 44: shares 432..435 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 1 block 45: shares 436..439 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 1 block 46: shares 440..443 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 1 block 47: shares 444..447 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 1 block 48: shares 448..451 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 1 block 49: shares 452..455 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 1 block 50: shares 456..459 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 1 block 51: shares 460..463 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 1 block 52: shares 464..467 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 1 block 53: shares 468..471 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 1 block 54: shares 472..475 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 1 block 55: shares 476..479 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 1 block 56: shares 480..483 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 1 block 57: shares 484..487 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 1 block 58: shares 488..491 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 1 block 59: shares 492..495 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 1 block 60: shares 496..499 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 1 block 61: shares 500..503 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 1 block 62: shares 504..507 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 1 block 63: shares 508..511 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 2 block 0: shares 512..515 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 2 block 1: shares 516..519 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 2 block 2: shares 520..523 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 2 block 3: shares 524..527 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 2 block 4: shares 528..531 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 2 block 5: shares 532..535 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 2 block 6: shares 536..539 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 2 block 7: shares 540..543 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 2 block 8: shares 544..547 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 2 block 9: shares 548..551 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 2 block 10: shares 552..555 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 2 block 11: shares 556..559 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 2 block 12: shares 560..563 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 2 block 13: shares 564..567 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 2 block 14: shares 568..571 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 2 block 15: shares 572..575 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 2 block 16: shares 576..579 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 2 block 17: shares 580..583 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 2 block 18: shares 584..587 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 2 block 19: shares 588..591 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 2 block 20: shares 592..595 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 2 block 21: shares 596..599 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 2 block 22: shares 600..603 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 2 block 23: shares 604..607 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 2 block 24: shares 608..611 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 2 block 25: shares 612..615 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 2 block 26: shares 616..619 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 2 block 27: shares 620..623 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 2 block 28: shares 624..627 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 2 block 29: shares 628..631 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 2 block 30: shares 632..635 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 2 block 31: shares 636..639 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 2 block 32: shares 640..643 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 2 block 33: shares 644..647 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 2 block 34: shares 648..651 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 2 block 35: shares 652..655 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 2 block 36: shares 656..659 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 2 block 37: shares 660..663 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 2 block 38: shares 664..667 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 2 block 39: shares 668..671 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 2 block 40: shares 672..675 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 2 block 41: shares 676..679 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 2 block 42: shares 680..683 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 2 block 43: shares 684..687 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 2 block 44: shares 688..691 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 2 block 45: shares 692..695 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 2 block 46: shares 696..699 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 2 block 47: shares 700..703 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 2 block 48: shares 704..707 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 2 block 49: shares 708..711 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 2 block 50: shares 712..715 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 2 block 51: shares 716..719 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 2 block 52: shares 720..723 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 2 block 53: shares 724..727 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 2 block 54: shares 728..731 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 2 block 55: shares 732..735 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 2 block 56: shares 736..739 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 2 block 57: shares 740..743 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 2 block 58: shares 744..747 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 2 block 59: shares 748..751 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 2 block 60: shares 752..755 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 2 block 61: shares 756..759 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 2 block 62: shares 760..763 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 2 block 63: shares 764..767 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 3 block 0: shares 768..771 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 3 block 1: shares 772..775 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 3 block 2: shares 776..779 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 3 block 3: shares 780..783 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 3 block 4: shares 784..787 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 3 block 5: shares 788..791 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 3 block 6: shares 792..795 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 3 block 7: shares 796..799 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 3 block 8: shares 800..803 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 3 block 9: shares 804..807 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 3 block 10: shares 808..811 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 3 block 11: shares 812..815 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 3 block 12: shares 816..819 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 3 block 13: shares 820..823 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 3 block 14: shares 824..827 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 3 block 15: shares 828..831 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 3 block 16: shares 832..835 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 3 block 17: shares 836..839 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 3 block 18: shares 840..843 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 3 block 19: shares 844..847 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 3 block 20: shares 848..851 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 3 block 21: shares 852..855 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 3 block 22: shares 856..859 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 3 block 23: shares 860..863 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 3 block 24: shares 864..867 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 3 block 25: shares 868..871 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 3 block 26: shares 872..875 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 3 block 27: shares 876..879 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 3 block 28: shares 880..883 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 3 block 29: shares 884..887 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 3 block 30: shares 888..891 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 3 block 31: shares 892..895 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 3 block 32: shares 896..899 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 3 block 33: shares 900..903 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 3 block 34: shares 904..907 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 3 block 35: shares 908..911 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 3 block 36: shares 912..915 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 3 block 37: shares 916..919 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 3 block 38: shares 920..923 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 3 block 39: shares 924..927 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 3 block 40: shares 928..931 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 3 block 41: shares 932..935 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 3 block 42: shares 936..939 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 3 block 43: shares 940..943 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 3 block 44: shares 944..947 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 3 block 45: shares 948..951 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 3 block 46: shares 952..955 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 3 block 47: shares 956..959 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 3 block 48: shares 960..963 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 3 block 49: shares 964..967 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 3 block 50: shares 968..971 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 3 block 51: shares 972..975 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 3 block 52: shares 976..979 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 3 block 53: shares 980..983 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 3 block 54: shares 984..987 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 3 block 55: shares 988..991 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 3 block 56: shares 992..995 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 3 block 57: shares 996..999 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 3 block 58: shares 1000..1003 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 3 block 59: shares 1004..1007 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 3 block 60: shares 1008..1011 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 3 block 61: shares 1012..1015 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 3 block 62: shares 1016..1019 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 3 block 63: shares 1020..1023 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 4 block 0: shares 1024..1027 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 4 block 1: shares 1028..1031 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 4 block 2: shares 1032..1035 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 4 block 3: shares 1036..1039 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 4 block 4: shares 1040..1043 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 4 block 5: shares 1044..1047 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 4 block 6: shares 1048..1051 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 4 block 7: shares 1052..1055 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 4 block 8: shares 1056..1059 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 4 block 9: shares 1060..1063 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 4 block 10: shares 1064..1067 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 4 block 11: shares 1068..1071 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 4 block 12: shares 1072..1075 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 4 block 13: shares 1076..1079 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 4 block 14: shares 1080..1083 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 4 block 15: shares 1084..1087 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 4 block 16: shares 1088..1091 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 4 block 17: shares 1092..1095 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 4 block 18: shares 1096..1099 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 4 block 19: shares 1100..1103 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 4 block 20: shares 1104..1107 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 4 block 21: shares 1108..1111 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 4 block 22: shares 1112..1115 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 4 block 23: shares 1116..1119 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 4 block 24: shares 1120..1123 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 4 block 25: shares 1124..1127 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 4 block 26: shares 1128..1131 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 4 block 27: shares 1132..1135 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 4 block 28: shares 1136..1139 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 4 block 29: shares 1140..1143 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 4 block 30: shares 1144..1147 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 4 block 31: shares 1148..1151 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 4 block 32: shares 1152..1155 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 4 block 33: shares 1156..1159 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 4 block 34: shares 1160..1163 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 4 block 35: shares 1164..1167 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 4 block 36: shares 1168..1171 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 4 block 37: shares 1172..1175 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 4 block 38: shares 1176..1179 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 4 block 39: shares 1180..1183 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 4 block 40: shares 1184..1187 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 4 block 41: shares 1188..1191 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 4 block 42: shares 1192..1195 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 4 block 43: shares 1196..1199 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 4 block 44: shares 1200..1203 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 4 block 45: shares 1204..1207 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 4 block 46: shares 1208..1211 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 4 block 47: shares 1212..1215 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 4 block 48: shares 1216..1219 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 4 block 49: shares 1220..1223 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 4 block 50: shares 1224..1227 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 4 block 51: shares 1228..1231 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 4 block 52: shares 1232..1235 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 4 block 53: shares 1236..1239 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 4 block 54: shares 1240..1243 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 4 block 55: shares 1244..1247 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 4 block 56: shares 1248..1251 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 4 block 57: shares 1252..1255 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 4 block 58: shares 1256..1259 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 4 block 59: shares 1260..1263 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 4 block 60: shares 1264..1267 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 4 block 61: shares 1268..1271 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 4 block 62: shares 1272..1275 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 4 block 63: shares 1276..1279 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 5 block 0: shares 1280..1283 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 5 block 1: shares 1284..1287 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 5 block 2: shares 1288..1291 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 5 block 3: shares 1292..1295 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 5 block 4: shares 1296..1299 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 5 block 5: shares 1300..1303 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 5 block 6: shares 1304..1307 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 5 block 7: shares 1308..1311 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 5 block 8: shares 1312..1315 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 5 block 9: shares 1316..1319 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 5 block 10: shares 1320..1323 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 5 block 11: shares 1324..1327 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 5 block 12: shares 1328..1331 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 5 block 13: shares 1332..1335 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 5 block 14: shares 1336..1339 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 5 block 15: shares 1340..1343 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 5 block 16: shares 1344..1347 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 5 block 17: shares 1348..1351 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 5 block 18: shares 1352..1355 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 5 block 19: shares 1356..1359 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 5 block 20: shares 1360..1363 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 5 block 21: shares 1364..1367 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 5 block 22: shares 1368..1371 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 5 block 23: shares 1372..1375 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 5 block 24: shares 1376..1379 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 5 block 25: shares 1380..1383 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 5 block 26: shares 1384..1387 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 5 block 27: shares 1388..1391 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 5 block 28: shares 1392..1395 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 5 block 29: shares 1396..1399 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 5 block 30: shares 1400..1403 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 5 block 31: shares 1404..1407 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 5 block 32: shares 1408..1411 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 5 block 33: shares 1412..1415 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 5 block 34: shares 1416..1419 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 5 block 35: shares 1420..1423 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 5 block 36: shares 1424..1427 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 5 block 37: shares 1428..1431 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 5 block 38: shares 1432..1435 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 5 block 39: shares 1436..1439 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 5 block 40: shares 1440..1443 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 5 block 41: shares 1444..1447 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 5 block 42: shares 1448..1451 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 5 block 43: shares 1452..1455 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 5 block 44: shares 1456..1459 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 5 block 45: shares 1460..1463 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 5 block 46: shares 1464..1467 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 5 block 47: shares 1468..1471 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 5 block 48: shares 1472..1475 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 5 block 49: shares 1476..1479 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 5 block 50: shares 1480..1483 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 5 block 51: shares 1484..1487 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 5 block 52: shares 1488..1491 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 5 block 53: shares 1492..1495 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 5 block 54: shares 1496..1499 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 5 block 55: shares 1500..1503 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 5 block 56: shares 1504..1507 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 5 block 57: shares 1508..1511 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 5 block 58: shares 1512..1515 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 5 block 59: shares 1516..1519 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 5 block 60: shares 1520..1523 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 5 block 61: shares 1524..1527 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 5 block 62: shares 1528..1531 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 5 block 63: shares 1532..1535 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 6 block 0: shares 1536..1539 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 6 block 1: shares 1540..1543 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 6 block 2: shares 1544..1547 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 6 block 3: shares 1548..1551 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 6 block 4: shares 1552..1555 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 6 block 5: shares 1556..1559 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 6 block 6: shares 1560..1563 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 6 block 7: shares 1564..1567 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 6 block 8: shares 1568..1571 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 6 block 9: shares 1572..1575 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 6 block 10: shares 1576..1579 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 6 block 11: shares 1580..1583 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 6 block 12: shares 1584..1587 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 6 block 13: shares 1588..1591 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 6 block 14: shares 1592..1595 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 6 block 15: shares 1596..1599 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 6 block 16: shares 1600..1603 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 6 block 17: shares 1604..1607 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 6 block 18: shares 1608..1611 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 6 block 19: shares 1612..1615 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 6 block 20: shares 1616..1619 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 6 block 21: shares 1620..1623 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 6 block 22: shares 1624..1627 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 6 block 23: shares 1628..1631 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 6 block 24: shares 1632..1635 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 6 block 25: shares 1636..1639 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 6 block 26: shares 1640..1643 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 6 block 27: shares 1644..1647 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 6 block 28: shares 1648..1651 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 6 block 29: shares 1652..1655 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 6 block 30: shares 1656..1659 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 6 block 31: shares 1660..1663 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 6 block 32: shares 1664..1667 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 6 block 33: shares 1668..1671 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 6 block 34: shares 1672..1675 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 6 block 35: shares 1676..1679 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 6 block 36: shares 1680..1683 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 6 block 37: shares 1684..1687 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 6 block 38: shares 1688..1691 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 6 block 39: shares 1692..1695 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 6 block 40: shares 1696..1699 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 6 block 41: shares 1700..1703 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 6 block 42: shares 1704..1707 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 6 block 43: shares 1708..1711 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 6 block 44: shares 1712..1715 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 6 block 45: shares 1716..1719 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 6 block 46: shares 1720..1723 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 6 block 47: shares 1724..1727 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 6 block 48: shares 1728..1731 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 6 block 49: shares 1732..1735 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 6 block 50: shares 1736..1739 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 6 block 51: shares 1740..1743 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 6 block 52: shares 1744..1747 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 6 block 53: shares 1748..1751 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 6 block 54: shares 1752..1755 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 6 block 55: shares 1756..1759 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 6 block 56: shares 1760..1763 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 6 block 57: shares 1764..1767 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 6 block 58: shares 1768..1771 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 6 block 59: shares 1772..1775 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 6 block 60: shares 1776..1779 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 6 block 61: shares 1780..1783 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 6 block 62: shares 1784..1787 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 6 block 63: shares 1788..1791 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 7 block 0: shares 1792..1795 ({step, share, of})
-    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 7 block 1: shares 1796..1799 ({step, share, of})
-    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 7 block 2: shares 1800..1803 ({step, share, of})
-    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 7 block 3: shares 1804..1807 ({step, share, of})
-    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 7 block 4: shares 1808..1811 ({step, share, of})
-    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 7 block 5: shares 1812..1815 ({step, share, of})
-    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 7 block 6: shares 1816..1819 ({step, share, of})
-    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 7 block 7: shares 1820..1823 ({step, share, of})
-    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 7 block 8: shares 1824..1827 ({step, share, of})
-    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 7 block 9: shares 1828..1831 ({step, share, of})
-    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 7 block 10: shares 1832..1835 ({step, share, of})
-    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 7 block 11: shares 1836..1839 ({step, share, of})
-    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 7 block 12: shares 1840..1843 ({step, share, of})
-    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 7 block 13: shares 1844..1847 ({step, share, of})
-    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 7 block 14: shares 1848..1851 ({step, share, of})
-    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 7 block 15: shares 1852..1855 ({step, share, of})
-    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 7 block 16: shares 1856..1859 ({step, share, of})
-    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 7 block 17: shares 1860..1863 ({step, share, of})
-    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 7 block 18: shares 1864..1867 ({step, share, of})
-    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 7 block 19: shares 1868..1871 ({step, share, of})
-    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 7 block 20: shares 1872..1875 ({step, share, of})
-    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 7 block 21: shares 1876..1879 ({step, share, of})
-    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 7 block 22: shares 1880..1883 ({step, share, of})
-    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 7 block 23: shares 1884..1887 ({step, share, of})
-    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 7 block 24: shares 1888..1891 ({step, share, of})
-    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 7 block 25: shares 1892..1895 ({step, share, of})
-    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 7 block 26: shares 1896..1899 ({step, share, of})
-    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 7 block 27: shares 1900..1903 ({step, share, of})
-    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 7 block 28: shares 1904..1907 ({step, share, of})
-    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 7 block 29: shares 1908..1911 ({step, share, of})
-    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 7 block 30: shares 1912..1915 ({step, share, of})
-    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 7 block 31: shares 1916..1919 ({step, share, of})
-    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 7 block 32: shares 1920..1923 ({step, share, of})
-    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 7 block 33: shares 1924..1927 ({step, share, of})
-    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 7 block 34: shares 1928..1931 ({step, share, of})
-    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 7 block 35: shares 1932..1935 ({step, share, of})
-    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 7 block 36: shares 1936..1939 ({step, share, of})
-    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 7 block 37: shares 1940..1943 ({step, share, of})
-    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 7 block 38: shares 1944..1947 ({step, share, of})
-    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 7 block 39: shares 1948..1951 ({step, share, of})
-    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 7 block 40: shares 1952..1955 ({step, share, of})
-    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 7 block 41: shares 1956..1959 ({step, share, of})
-    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 7 block 42: shares 1960..1963 ({step, share, of})
-    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 7 block 43: shares 1964..1967 ({step, share, of})
-    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 7 block 44: shares 1968..1971 ({step, share, of})
-    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 7 block 45: shares 1972..1975 ({step, share, of})
-    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 7 block 46: shares 1976..1979 ({step, share, of})
-    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 7 block 47: shares 1980..1983 ({step, share, of})
-    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 7 block 48: shares 1984..1987 ({step, share, of})
-    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 7 block 49: shares 1988..1991 ({step, share, of})
-    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 7 block 50: shares 1992..1995 ({step, share, of})
-    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 7 block 51: shares 1996..1999 ({step, share, of})
-    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 7 block 52: shares 2000..2003 ({step, share, of})
-    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 7 block 53: shares 2004..2007 ({step, share, of})
-    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 7 block 54: shares 2008..2011 ({step, share, of})
-    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 7 block 55: shares 2012..2015 ({step, share, of})
-    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 7 block 56: shares 2016..2019 ({step, share, of})
-    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 7 block 57: shares 2020..2023 ({step, share, of})
-    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 7 block 58: shares 2024..2027 ({step, share, of})
-    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 7 block 59: shares 2028..2031 ({step, share, of})
-    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 7 block 60: shares 2032..2035 ({step, share, of})
-    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 7 block 61: shares 2036..2039 ({step, share, of})
-    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 7 block 62: shares 2040..2043 ({step, share, of})
-    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 7 block 63: shares 2044..2047 ({step, share, of})
-    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..255
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    // rank 1: shares 256..511
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    // rank 2: shares 512..767
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    // rank 3: shares 768..1023
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    // rank 4: shares 1024..1279
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    // rank 5: shares 1280..1535
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    // rank 6: shares 1536..1791
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    // rank 7: shares 1792..2047
+    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
+    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
+    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
+    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
+    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
+    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
+    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
+    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
+    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
+    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
+    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
+    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
+    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
+    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
+    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
+    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
+    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
+    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
+    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
+    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
+    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
+    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
+    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
+    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
+    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
+    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
+    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
+    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
+    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
+    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
+    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
+    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
 };
+static __device__ const tsgen_share_table<2048> shares_w8 =
+    tsgen_expand_shares<2048>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
     { 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124, 128, 132, 136, 140, 144, 148, 152, 156, 160, 164, 168, 172, 176, 180, 184, 188, 192, 196, 200, 204, 208, 212, 216, 220, 224, 228, 232, 236, 240, 244, 248, 252, 256 },
@@ -3680,11 +2009,8 @@ static __device__ const uint16_t first_w8[8][65] = {
     { 1792, 1796, 1800, 1804, 1808, 1812, 1816, 1820, 1824, 1828, 1832, 1836, 1840, 1844, 1848, 1852, 1856, 1860, 1864, 1868, 1872, 1876, 1880, 1884, 1888, 1892, 1896, 1900, 1904, 1908, 1912, 1916, 1920, 1924, 1928, 1932, 1936, 1940, 1944, 1948, 1952, 1956, 1960, 1964, 1968, 1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000, 2004, 2008, 2012, 2016, 2020, 2024, 2028, 2032, 2036, 2040, 2044, 2048 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3744,8 +2070,6 @@ template <> struct plan<2> {
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -3843,8 +2167,6 @@ template <> struct plan<3> {
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
-  static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -4018,7 +2340,7 @@ template <> struct plan<4> {
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -4040,15 +2362,6 @@ template <> struct plan<8> {
   }
 };
 
-
-template <int WORLD>
-static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
-}
 
 // World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
 template <>
@@ -4083,23 +2396,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_w2(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t reduce_scatter_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  reduce_scatter_w2<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
   reduce_scatter::run<3>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t reduce_scatter_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  reduce_scatter_w3<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
@@ -4109,12 +2410,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_w4(char* con
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t reduce_scatter_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  reduce_scatter_w4<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive);
-  return cudaGetLastError();
-}
-
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) reduce_scatter_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
   const uint64_t epoch = tsgen_call_begin(calls);
@@ -4122,9 +2417,17 @@ extern "C" __global__ void __launch_bounds__(512) reduce_scatter_w8(char* const*
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t reduce_scatter_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  reduce_scatter_w8<<<64, 512, 0, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through reduce_scatter::launch.
+namespace reduce_scatter {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive);
   return cudaGetLastError();
 }
+}  // namespace reduce_scatter
 
+extern "C" cudaError_t reduce_scatter_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter::launch<reduce_scatter_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
+extern "C" cudaError_t reduce_scatter_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter::launch<reduce_scatter_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
+extern "C" cudaError_t reduce_scatter_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter::launch<reduce_scatter_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
+extern "C" cudaError_t reduce_scatter_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter::launch<reduce_scatter_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }

@@ -919,6 +919,28 @@ struct tsgen_share {
   uint16_t step, share, shares;
 };
 
+// A share table as the source writes it, run-length encoded: a run stands for the n entries
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// expanded table, computed at compile time (the device sees the plain entries).
+struct tsgen_share_run {
+  uint16_t step, share, shares, n;
+  int16_t dstep, dshare;
+};
+template <int N>
+struct tsgen_share_table {
+  tsgen_share v[N];
+};
+template <int N, int R>
+static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
+  tsgen_share_table<N> t{};
+  int k = 0;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < runs[i].n; ++j)
+      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+                             runs[i].shares};
+  return t;
+}
+
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
 static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
@@ -1412,6 +1434,24 @@ typedef __nv_bfloat16 T;
 //   5: arrive
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };
 
+// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
+template <int WORLD> struct plan;
+
+// One call = the plan's steps spread over streams (the schedule's blocks):
+// copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
+// signals of the step before it on its stream and waits for the step after it.
+template <int WORLD>
+static __device__ __forceinline__ void sync(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, int sig, int wait) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
+  tsgen_ce_sync(plan<WORLD>::steps(rank), sig, wait, rank, epoch, bufs, peers, buffer_names);
+}
+
+template <int WORLD>
+static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, int step) {
+  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
+  tsgen_ce_reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
+}
+
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 18 steps, 18 block shares over 3 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
@@ -1455,20 +1495,16 @@ static __device__ const tsgen_step steps_w2[] = {
     {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}}, {}, {{5, 0, 3, 1}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 9 };
-static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 0: shares 9..9 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 10..13 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 14..17 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w2[] = {
+    // rank 0: shares 0..8
+    {0, 0, 1, 9, 1, 0},
+    // rank 1: shares 9..17
+    {0, 0, 1, 9, 1, 0},
 };
+static __device__ const tsgen_share_table<18> shares_w2 =
+    tsgen_expand_shares<18>(share_runs_w2);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][4] = {
     { 0, 1, 5, 9 },
@@ -1560,32 +1596,18 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 3}, {{2, 1, 1, 4, 2, 3}, {2, 3, 0, 4, 0, 3}, {2, 3, 0, 4, 1, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 13, 26 };
-static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 1 block 0: shares 13..13 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 14..17 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 18..21 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 3: shares 22..25 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 2 block 0: shares 26..26 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 27..30 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 2 block 2: shares 31..34 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 2 block 3: shares 35..38 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w3[] = {
+    // rank 0: shares 0..12
+    {0, 0, 1, 13, 1, 0},
+    // rank 1: shares 13..25
+    {0, 0, 1, 13, 1, 0},
+    // rank 2: shares 26..38
+    {0, 0, 1, 13, 1, 0},
 };
+static __device__ const tsgen_share_table<39> shares_w3 =
+    tsgen_expand_shares<39>(share_runs_w3);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][5] = {
     { 0, 1, 5, 9, 13 },
@@ -1736,48 +1758,20 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 3}, {{3, 1, 1, 4, 3, 3}, {3, 3, 0, 4, 0, 3}, {3, 3, 0, 4, 1, 3}, {3, 3, 0, 4, 2, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 17, 34, 51 };
-static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 0 block 4: shares 13..16 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 1 block 0: shares 17..17 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 18..21 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 22..25 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 3: shares 26..29 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 1 block 4: shares 30..33 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 2 block 0: shares 34..34 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 35..38 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 2 block 2: shares 39..42 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 2 block 3: shares 43..46 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 2 block 4: shares 47..50 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 3 block 0: shares 51..51 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 52..55 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 3 block 2: shares 56..59 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 3 block 3: shares 60..63 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 3 block 4: shares 64..67 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w4[] = {
+    // rank 0: shares 0..16
+    {0, 0, 1, 17, 1, 0},
+    // rank 1: shares 17..33
+    {0, 0, 1, 17, 1, 0},
+    // rank 2: shares 34..50
+    {0, 0, 1, 17, 1, 0},
+    // rank 3: shares 51..67
+    {0, 0, 1, 17, 1, 0},
 };
+static __device__ const tsgen_share_table<68> shares_w4 =
+    tsgen_expand_shares<68>(share_runs_w4);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][6] = {
     { 0, 1, 5, 9, 13, 17 },
@@ -2321,152 +2315,28 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 3}, {{7, 1, 1, 4, 7, 3}, {7, 3, 0, 4, 0, 3}, {7, 3, 0, 4, 1, 3}, {7, 3, 0, 4, 2, 3}, {7, 3, 0, 4, 3, 3}, {7, 3, 0, 4, 4, 3}, {7, 3, 0, 4, 5, 3}, {7, 3, 0, 4, 6, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
-static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 0 block 4: shares 13..16 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 0 block 5: shares 17..20 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 0 block 6: shares 21..24 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 0 block 7: shares 25..28 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 0 block 8: shares 29..32 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 1 block 0: shares 33..33 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 34..37 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 1 block 2: shares 38..41 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 1 block 3: shares 42..45 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 1 block 4: shares 46..49 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 1 block 5: shares 50..53 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 1 block 6: shares 54..57 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 1 block 7: shares 58..61 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 1 block 8: shares 62..65 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 2 block 0: shares 66..66 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 67..70 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 2 block 2: shares 71..74 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 2 block 3: shares 75..78 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 2 block 4: shares 79..82 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 2 block 5: shares 83..86 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 2 block 6: shares 87..90 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 2 block 7: shares 91..94 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 2 block 8: shares 95..98 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 3 block 0: shares 99..99 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 100..103 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 3 block 2: shares 104..107 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 3 block 3: shares 108..111 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 3 block 4: shares 112..115 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 3 block 5: shares 116..119 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 3 block 6: shares 120..123 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 3 block 7: shares 124..127 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 3 block 8: shares 128..131 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 4 block 0: shares 132..132 ({step, share, of})
-    {0, 0, 1},
-    // rank 4 block 1: shares 133..136 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 4 block 2: shares 137..140 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 4 block 3: shares 141..144 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 4 block 4: shares 145..148 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 4 block 5: shares 149..152 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 4 block 6: shares 153..156 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 4 block 7: shares 157..160 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 4 block 8: shares 161..164 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 5 block 0: shares 165..165 ({step, share, of})
-    {0, 0, 1},
-    // rank 5 block 1: shares 166..169 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 5 block 2: shares 170..173 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 5 block 3: shares 174..177 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 5 block 4: shares 178..181 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 5 block 5: shares 182..185 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 5 block 6: shares 186..189 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 5 block 7: shares 190..193 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 5 block 8: shares 194..197 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 6 block 0: shares 198..198 ({step, share, of})
-    {0, 0, 1},
-    // rank 6 block 1: shares 199..202 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 6 block 2: shares 203..206 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 6 block 3: shares 207..210 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 6 block 4: shares 211..214 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 6 block 5: shares 215..218 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 6 block 6: shares 219..222 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 6 block 7: shares 223..226 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 6 block 8: shares 227..230 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
-    // rank 7 block 0: shares 231..231 ({step, share, of})
-    {0, 0, 1},
-    // rank 7 block 1: shares 232..235 ({step, share, of})
-    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
-    // rank 7 block 2: shares 236..239 ({step, share, of})
-    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
-    // rank 7 block 3: shares 240..243 ({step, share, of})
-    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
-    // rank 7 block 4: shares 244..247 ({step, share, of})
-    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
-    // rank 7 block 5: shares 248..251 ({step, share, of})
-    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
-    // rank 7 block 6: shares 252..255 ({step, share, of})
-    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
-    // rank 7 block 7: shares 256..259 ({step, share, of})
-    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
-    // rank 7 block 8: shares 260..263 ({step, share, of})
-    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+static constexpr tsgen_share_run share_runs_w8[] = {
+    // rank 0: shares 0..32
+    {0, 0, 1, 33, 1, 0},
+    // rank 1: shares 33..65
+    {0, 0, 1, 33, 1, 0},
+    // rank 2: shares 66..98
+    {0, 0, 1, 33, 1, 0},
+    // rank 3: shares 99..131
+    {0, 0, 1, 33, 1, 0},
+    // rank 4: shares 132..164
+    {0, 0, 1, 33, 1, 0},
+    // rank 5: shares 165..197
+    {0, 0, 1, 33, 1, 0},
+    // rank 6: shares 198..230
+    {0, 0, 1, 33, 1, 0},
+    // rank 7: shares 231..263
+    {0, 0, 1, 33, 1, 0},
 };
+static __device__ const tsgen_share_table<264> shares_w8 =
+    tsgen_expand_shares<264>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][10] = {
     { 0, 1, 5, 9, 13, 17, 21, 25, 29, 33 },
@@ -2479,43 +2349,27 @@ static __device__ const uint16_t first_w8[8][10] = {
     { 231, 232, 236, 240, 244, 248, 252, 256, 260, 264 },
 };
 
-template <int WORLD> struct plan;
 template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
+  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
-// One call = the plan's steps spread over streams (the schedule's blocks):
-// copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
-// signals of the step before it on its stream and waits for the step after it.
-template <int WORLD>
-static __device__ __forceinline__ void sync(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, int sig, int wait) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  tsgen_ce_sync(plan<WORLD>::steps(rank), sig, wait, rank, epoch, bufs, peers, buffer_names);
-}
-
-template <int WORLD>
-static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, int step) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  tsgen_ce_reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
-}
 
 }  // namespace reduce_scatter_ce
 

@@ -876,23 +876,11 @@ extern "C" __global__ void __launch_bounds__(256) remote_ld_volatile_u32_w2(char
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t remote_ld_volatile_u32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst, cudaStream_t stream) {
-  remote_ld_volatile_u32_w2<<<64, 256, 0, stream>>>(peers, rank, calls, count, src, dst);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 64, block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) remote_ld_volatile_u32_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst) {
   const uint64_t epoch = tsgen_call_begin(calls);
   remote_ld_volatile_u32::run<3>(peers, rank, epoch, count, src, dst);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t remote_ld_volatile_u32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst, cudaStream_t stream) {
-  remote_ld_volatile_u32_w3<<<64, 256, 0, stream>>>(peers, rank, calls, count, src, dst);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 256, 0 bytes of shared memory.
@@ -902,9 +890,16 @@ extern "C" __global__ void __launch_bounds__(256) remote_ld_volatile_u32_w4(char
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t remote_ld_volatile_u32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst, cudaStream_t stream) {
-  remote_ld_volatile_u32_w4<<<64, 256, 0, stream>>>(peers, rank, calls, count, src, dst);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through remote_ld_volatile_u32::launch.
+namespace remote_ld_volatile_u32 {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst);
   return cudaGetLastError();
 }
+}  // namespace remote_ld_volatile_u32
 
+extern "C" cudaError_t remote_ld_volatile_u32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst, cudaStream_t stream) { return remote_ld_volatile_u32::launch<remote_ld_volatile_u32_w2, 64, 256, 0>(peers, rank, calls, count, src, dst, stream); }
+extern "C" cudaError_t remote_ld_volatile_u32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst, cudaStream_t stream) { return remote_ld_volatile_u32::launch<remote_ld_volatile_u32_w3, 64, 256, 0>(peers, rank, calls, count, src, dst, stream); }
+extern "C" cudaError_t remote_ld_volatile_u32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* dst, cudaStream_t stream) { return remote_ld_volatile_u32::launch<remote_ld_volatile_u32_w4, 64, 256, 0>(peers, rank, calls, count, src, dst, stream); }

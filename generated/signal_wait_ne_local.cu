@@ -890,23 +890,11 @@ extern "C" __global__ void __launch_bounds__(256) signal_wait_ne_local_w2(char* 
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t signal_wait_ne_local_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) {
-  signal_wait_ne_local_w2<<<4, 256, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, signal);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 4, block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) signal_wait_ne_local_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
   const uint64_t epoch = tsgen_call_begin(calls);
   signal_wait_ne_local::run<3>(peers, rank, epoch, count, src, inbox, dst, signal);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t signal_wait_ne_local_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) {
-  signal_wait_ne_local_w3<<<4, 256, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, signal);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 4, block 256, 0 bytes of shared memory.
@@ -916,9 +904,16 @@ extern "C" __global__ void __launch_bounds__(256) signal_wait_ne_local_w4(char* 
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t signal_wait_ne_local_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) {
-  signal_wait_ne_local_w4<<<4, 256, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, signal);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through signal_wait_ne_local::launch.
+namespace signal_wait_ne_local {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, inbox, dst, signal);
   return cudaGetLastError();
 }
+}  // namespace signal_wait_ne_local
 
+extern "C" cudaError_t signal_wait_ne_local_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return signal_wait_ne_local::launch<signal_wait_ne_local_w2, 4, 256, 0>(peers, rank, calls, count, src, inbox, dst, signal, stream); }
+extern "C" cudaError_t signal_wait_ne_local_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return signal_wait_ne_local::launch<signal_wait_ne_local_w3, 4, 256, 0>(peers, rank, calls, count, src, inbox, dst, signal, stream); }
+extern "C" cudaError_t signal_wait_ne_local_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return signal_wait_ne_local::launch<signal_wait_ne_local_w4, 4, 256, 0>(peers, rank, calls, count, src, inbox, dst, signal, stream); }

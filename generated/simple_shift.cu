@@ -900,23 +900,11 @@ extern "C" __global__ void __launch_bounds__(512) simple_shift_w2(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t simple_shift_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
-  simple_shift_w2<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 32, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) simple_shift_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {
   const uint64_t epoch = tsgen_call_begin(calls);
   simple_shift::run<3>(peers, rank, epoch, count, src, inbox, dst, ready, slot_free);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t simple_shift_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
-  simple_shift_w3<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 32, block 512, 0 bytes of shared memory.
@@ -926,9 +914,16 @@ extern "C" __global__ void __launch_bounds__(512) simple_shift_w4(char* const* p
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t simple_shift_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
-  simple_shift_w4<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through simple_shift::launch.
+namespace simple_shift {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
   return cudaGetLastError();
 }
+}  // namespace simple_shift
 
+extern "C" cudaError_t simple_shift_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift::launch<simple_shift_w2, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }
+extern "C" cudaError_t simple_shift_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift::launch<simple_shift_w3, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }
+extern "C" cudaError_t simple_shift_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift::launch<simple_shift_w4, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }

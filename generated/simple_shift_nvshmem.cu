@@ -1115,23 +1115,11 @@ extern "C" __global__ void __launch_bounds__(512) simple_shift_nvshmem_w2(char* 
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t simple_shift_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
-  simple_shift_nvshmem_w2<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
-  return cudaGetLastError();
-}
-
 // World size 3: grid 32, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) simple_shift_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {
   const uint64_t epoch = tsgen_call_begin(calls);
   simple_shift_nvshmem::run<3>(peers, rank, epoch, count, src, inbox, dst, ready, slot_free);
   tsgen_call_end(calls, epoch);
-}
-
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t simple_shift_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
-  simple_shift_nvshmem_w3<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
-  return cudaGetLastError();
 }
 
 // World size 4: grid 32, block 512, 0 bytes of shared memory.
@@ -1141,9 +1129,16 @@ extern "C" __global__ void __launch_bounds__(512) simple_shift_nvshmem_w4(char* 
   tsgen_call_end(calls, epoch);
 }
 
-// Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t simple_shift_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
-  simple_shift_nvshmem_w4<<<32, 512, 0, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
+// Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
+// kernel NAME with its grid, block and shared memory, through simple_shift_nvshmem::launch.
+namespace simple_shift_nvshmem {
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
+static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
   return cudaGetLastError();
 }
+}  // namespace simple_shift_nvshmem
 
+extern "C" cudaError_t simple_shift_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift_nvshmem::launch<simple_shift_nvshmem_w2, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }
+extern "C" cudaError_t simple_shift_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift_nvshmem::launch<simple_shift_nvshmem_w3, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }
+extern "C" cudaError_t simple_shift_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift_nvshmem::launch<simple_shift_nvshmem_w4, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }

@@ -236,6 +236,25 @@ def test_straight_line_groups_are_the_tables(spec, w, hoist):
     assert calls == sum(len(g.shares) for rank in groups for g in rank)
 
 
+@pytest.mark.parametrize("hoist", [False, True], ids=["plain", "hoisted"])
+@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in load_spec(s).model.world_sizes],
+                         ids=lambda x: x.stem if hasattr(x, "stem") else f"w{x}")
+def test_share_runs_expand_to_the_table(spec, w, hoist):
+    """The run-length encoded share table the source writes (plan.lower.share_runs, expanded by
+    tsgen_expand_shares at compile time) is, entry for entry, the table c_tables lists."""
+    from tsgen.plan.lower import share_runs
+
+    plan = _plan(spec, w)
+    runs = share_runs(plan, hoist_opening=hoist)
+    expanded = [(step + k * dstep, share + k * dshare, shares)
+                for rank in runs for step, share, shares, n, dstep, dshare in rank for k in range(n)]
+    table = [e for rank in _table_shares(plan, hoist) for block in rank for e in block]
+    assert expanded == table
+    assert [sum(run[3] for run in r) for r in runs] == [sum(map(len, rank)) for rank in _table_shares(plan, hoist)]
+    assert all(0 <= x < 2**16 for r in runs for run in r for x in run[:4])
+    assert all(-2**15 <= x < 2**15 for r in runs for run in r for x in run[4:])
+
+
 def test_straight_line_groups_merge_blocks():
     """one_shot at world size 4: per rank, blocks 1..32 run shares 0..31 of the reduce (one
     group, one call) and block 33 the final wait; block 0 only opens (hoisted)."""
@@ -269,20 +288,24 @@ def test_which_shipped_plans_are_straight_line(name, worlds):
 
 def test_plan_code_tables_renders_no_straight_line_code():
     """launch.plan_code: tables (the A/B baseline) keeps every world size on the table
-    interpreter; the tables themselves are the same either way."""
+    interpreter, with its share and block tables; straight-line world sizes keep only the
+    step table (the code names its entries), and it is the same either way."""
     loaded = load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml")
     forced = spec_variant(loaded, {"launch": {"plan_code": "tables"}})
     auto, tables = render(loaded).source, render(forced).source
     for w in (2, 3, 4, 8):
         assert f"plan<{w}>::run<T, UNROLL>(rank, epoch" in auto
         assert f"tsgen_run_share<T, UNROLL>(steps_w{w}[" in auto
-        assert f"static __device__ const tsgen_share shares_w{w}[]" in tables
+        assert f"static __device__ const tsgen_share_table<" in tables and f" shares_w{w} =" in tables
+        assert f" shares_w{w} =" not in auto and f"first_w{w}[" not in auto
+        assert _step_table(auto, w) == _step_table(tables, w)
     assert "tsgen_run_share<T, UNROLL>(steps_w" not in tables and "::run<T, UNROLL>" not in tables
-    assert _tables_text(auto) == _tables_text(tables)
 
 
-def _tables_text(source):
-    return source[source.index("static __device__ const tsgen_step steps_w"):source.index("template <int WORLD> struct plan;")]
+def _step_table(source, w):
+    """World size w's step table and step bases, as the source writes them."""
+    start = source.index(f"static __device__ const tsgen_step steps_w{w}[]")
+    return source[start:source.index("\n", source.index(f"step_base_w{w}[", start))]
 
 
 def test_more_than_512_threads_keep_the_tables():

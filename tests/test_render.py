@@ -60,7 +60,7 @@ def test_banner(path):
     banner = lines[: lines.index("#include <cuda_runtime.h>")]
     assert all(line.startswith("//") for line in banner)
     spec = load_spec(path).model
-    assert f"// op {spec.op}: {get_family(spec.op).summary}" in banner
+    assert f"// op {spec.op}: {get_family(spec.op).summary_of(spec)}" in banner
     assert not DATE_OR_TIME.search(source), DATE_OR_TIME.search(source).group(0)
     assert not DATE_OR_TIME.search((ROOT / "generated" / f"{path.stem}.json").read_text())
 
@@ -329,3 +329,18 @@ def test_schema_rejects_bad_specs(validator, doc):
 def test_schema_accepts_a_minimal_spec(validator):
     assert not list(validator.iter_errors({"name": "t", "op": "signal_wait", "world_sizes": [2, 4],
                                            "params": {"compare": "lt", "where": "local"}}))
+
+
+def test_banner_summary_is_the_variants():
+    """The banner's op line describes the spec's variant, not the family: the push + add
+    GEMM-RS adds into its owners' C (it does not pull), and allgather ring says ring."""
+    def op_line(name):
+        return next(line for line in (ROOT / "generated" / f"{name}.cu").read_text().splitlines()
+                    if line.startswith("// op "))
+
+    push_add = op_line("gemm_reduce_scatter_push_add")
+    assert "reduce-add" in push_add and "pull" not in push_add and "overlap push, reduce add" in push_add
+    assert "overlap pull, reduce slots" in op_line("gemm_reduce_scatter") and "pulls" in op_line("gemm_reduce_scatter")
+    assert "(ring: " in op_line("allgather_ring") and "(pull: " in op_line("allgather_pull")
+    assert "(ring: " in op_line("reduce_scatter_ring") and "inboxes" not in op_line("reduce_scatter_ring")
+    assert "(ring: " in op_line("broadcast_ring") and "pushes" not in op_line("broadcast_ring")

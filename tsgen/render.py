@@ -51,10 +51,11 @@ def environment() -> jinja2.Environment:
         return f"{rule}\n// Inlined from templates/include/{name}\n{rule}\n{text.rstrip()}\n"
 
     env.globals["inline_header"] = inline_header
-    from .plan.lower import c_slice, c_tables
+    from .plan.lower import c_slice, c_tables, share_runs
 
     env.globals["c_tables"] = c_tables
     env.globals["c_slice"] = c_slice
+    env.globals["share_runs"] = share_runs
     return env
 
 
@@ -117,7 +118,7 @@ def render(loaded: LoadedSpec, base: Path | None = None, skew: int | None = None
         *(f"variant: {change}" for change in loaded.changes),
         "DO NOT EDIT: change the spec and run `tsgen build` again.",
         "",
-        f"op {spec.op}: {family.summary}",
+        f"op {spec.op}: {family.summary_of(spec)}",
         f"kernels: {', '.join(k.name for k in plan.kernels)} "
         f"(one per world size; grid {spec.launch.blocks} x {spec.launch.threads} threads)",
         f"count unit: {family.count_unit}",

@@ -151,6 +151,10 @@ class OpFamily:
         """Cross-field problems as (field path, message); [] when the spec is fine."""
         return []
 
+    def summary_of(self, spec: Any) -> str:
+        """The banner's one-line summary of this spec's variant (default: the family's)."""
+        return self.summary
+
     def template_for(self, spec: Any) -> str:
         """Template file under templates/ops/ for this spec."""
         return self.template

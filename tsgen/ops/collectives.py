@@ -372,6 +372,12 @@ class AllgatherFamily(CollectiveFamily):
     summary = "every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)"
     multimem_switch = ("direction", "multimem")
 
+    def summary_of(self, spec):
+        how = {"push": "each rank writes its input into every peer", "pull": "each rank reads every peer's input",
+               "ring": "chunks pass around the ring r -> r+1 in pieces",
+               "multimem": "one NVLink-multicast store per element"}[spec.params.direction]
+        return f"every rank ends with all ranks' inputs, rank j's at offset j*count ({spec.params.direction}: {how})"
+
     def data_buffers(self, spec):
         if spec.params.in_place:
             return {"dst": ("inout", "W")}
@@ -486,6 +492,12 @@ class ReduceScatterFamily(CollectiveFamily):
     Params = ReduceScatterParams
     summary = ("rank r ends with the sum over ranks of chunk r (push chunks into peers' inboxes, "
                "pipelined in pieces, reduce locally in fp32)")
+
+    def summary_of(self, spec):
+        if spec.params.algorithm == "ring":
+            return ("rank r ends with the sum over ranks of chunk r (ring: partial sums travel r -> r+1, each "
+                    "rank adds its part and forwards)")
+        return self.summary
 
     def data_buffers(self, spec):
         if spec.params.in_place:
@@ -657,6 +669,14 @@ class AllReduceFamily(CollectiveFamily):
     bench = AllReduceBench()  # + PyTorch SymmetricMemory's one- and two-shot all-reduce
     summary = "every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)"
     multimem_switch = ("algorithm", "multimem")
+
+    def summary_of(self, spec):
+        how = {"one_shot": "every rank reads and reduces every peer's input",
+               "two_shot": "reduce-scatter by push into inboxes, then allgather by push",
+               "two_shot_pull": "each rank reads and reduces its part from every peer, then pushes it",
+               "ring": "ring reduce-scatter then ring allgather, r -> r+1 in pieces",
+               "multimem": "two-shot with multimem.ld_reduce + multimem.st"}[spec.params.algorithm]
+        return f"every rank ends with the sum of all ranks' inputs ({spec.params.algorithm}: {how})"
 
     def data_buffers(self, spec):
         if spec.params.algorithm == "ring":  # the inbox holds one partial sum per part
@@ -844,6 +864,13 @@ class BroadcastFamily(CollectiveFamily):
     kind = "broadcast"
     Params = BroadcastParams
     summary = "every rank ends with the root's input (the root pushes to every peer)"
+
+    def summary_of(self, spec):
+        how = {"push": "the root pushes to every peer",
+               "scatter_allgather": "the root writes part j into rank j, then every rank writes its part into "
+                                    "the other non-root ranks",
+               "ring": "a chain root -> root+1 -> ... in signalled pieces"}[spec.params.algorithm]
+        return f"every rank ends with the root's input ({spec.params.algorithm}: {how})"
 
     def extra_check(self, spec):
         bad = [w for w in spec.world_sizes if spec.params.root >= w]

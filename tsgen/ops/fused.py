@@ -149,7 +149,8 @@ class AllgatherGemmFamily(OpFamily):
     # -- reference ----------------------------------------------------------
     def template_vars(self, spec):
         args = self.abi(spec).kernels[0].launcher_args
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args)}
+        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
+                "launcher_arg_names": ", ".join(a.name for a in args)}
 
     def make_inputs(self, spec, world, count, rng, pattern):
         p = spec.params
@@ -292,6 +293,19 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
     summary = ("C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of "
                "16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32")
 
+    def summary_of(self, spec):
+        p = spec.params
+        how = {"none": "of 16-bit partials, then a signal exchange; each owner pulls its row block from every rank "
+                       "and sums in fp32",
+               "pull": "of 16-bit partials that signals each finished row block to its owner, which pulls and sums "
+                       "in fp32 meanwhile",
+               "push": ("that stores each row block's 16-bit tiles into its owner's partial slots (TMA over "
+                        "NVLink) and signals it; the owner sums its slots in fp32" if p.reduce == "slots" else
+                        "whose epilogue adds each row block's tiles into its owner's C (TMA reduce-add over "
+                        "NVLink, 16-bit adds) and signals it; no sum kernel")}[p.overlap]
+        return (f"C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM {how} "
+                f"(overlap {p.overlap}, reduce {p.reduce})")
+
     def check(self, spec):
         p = spec.params
         problems = GemmFamily().check(spec)
@@ -349,7 +363,8 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
 
     def template_vars(self, spec):
         k = self.abi(spec).kernels[0]
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in (k.launcher_args or k.args))}
+        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in (k.launcher_args or k.args)),
+                "launcher_arg_names": ", ".join(a.name for a in (k.launcher_args or k.args))}
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):

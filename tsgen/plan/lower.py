@@ -221,3 +221,27 @@ def stream_program(plan: CommPlan, rank: int) -> list[list[StreamOp]]:
             ops.append(StreamOp("sync", signal_step=pending))
         program.append(ops)
     return program
+
+
+def share_runs(plan, hoist_opening: bool = False) -> list[list[tuple[int, int, int, int, int, int]]]:
+    """The share table (every rank's blocks' shares, in table order) run-length encoded, per
+    rank: runs (step, share, shares, n, dstep, dshare) that stand for the n entries
+    {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (tsgen_share_run in
+    tsgen_plan.cuh; the device table is expanded from them at compile time, entry for
+    entry the table c_tables lists). A block's shares (the ring: steps 1, 2, 3, .. of one
+    share) and consecutive blocks (share 0, 1, 2, .. of one step) each make one run."""
+    out = []
+    for blocks in block_shares(plan, hoist_opening):
+        runs: list[list[int]] = []
+        for sh in (sh for lst in blocks for sh in lst):
+            if runs:
+                step, share, shares, n, dstep, dshare = runs[-1]
+                if shares == sh.shares and n == 1 and abs(sh.step - step) < 2**15 and abs(sh.share - share) < 2**15:
+                    runs[-1][3:] = [2, sh.step - step, sh.share - share]
+                    continue
+                if shares == sh.shares and n > 1 and (sh.step, sh.share) == (step + n * dstep, share + n * dshare):
+                    runs[-1][3] += 1
+                    continue
+            runs.append([sh.step, sh.share, sh.shares, 1, 0, 0])
+        out.append([tuple(r) for r in runs])
+    return out
