@@ -58,6 +58,27 @@ def _chdir_root(monkeypatch):
 # compile happen uses `own_cache`.
 
 
+def missing_tool(find) -> str | None:
+    """Why a tool is missing (the ToolchainError `find()` raises), or None when it is there."""
+    from tsgen.errors import ToolchainError
+
+    try:
+        find()
+        return None
+    except ToolchainError as e:
+        return str(e)
+
+
+def rendered_source(loaded, out):
+    """Render a loaded spec into folder `out` (its .cu and .json); the .cu's path."""
+    from tsgen.render import render
+
+    r = render(loaded, base=out)
+    for name, text in r.files().items():
+        (out / name).write_text(text)
+    return out / f"{r.name}.cu"
+
+
 def compile_test(missing: str | None):
     """Decorator for a test that runs nvcc: marks it `compile`, and skips it with `missing`
     as the reason when that says a tool is missing (None: nothing is)."""

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
-from tsgen.errors import SpecError, ToolchainError
+from conftest import ROOT, missing_tool, rendered_source
+from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_positions, smem_bytes, to_bshd,
                                  zigzag)
 from tsgen.ops.collectives import to_f64
 from tsgen.render import render
-from tsgen.spec import LoadedSpec, load_spec, spec_variant
+from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
 
 SPEC = ROOT / "specs" / "attention_hd128.yaml"
@@ -32,16 +32,9 @@ HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
 ATT = "name: a\nop: attention\nworld_sizes: [1]\n"
 
 
-def _missing(find) -> str | None:
-    try:
-        find()
-        return None
-    except ToolchainError as e:
-        return str(e)
 
-
-NO_NVCC = _missing(find_nvcc)
-NO_SASS = NO_NVCC or _missing(find_cuobjdump)
+NO_NVCC = missing_tool(find_nvcc)
+NO_SASS = NO_NVCC or missing_tool(find_cuobjdump)
 needs_nvcc = pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc not found: {NO_NVCC}")
 needs_sass = pytest.mark.skipif(NO_SASS is not None, reason=f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
 
@@ -59,12 +52,6 @@ def variant(name, **changes):
     variant (tsgen.spec.spec_variant), validated as a spec file is."""
     return spec_variant(load_spec(SPEC), {**changes, "name": name})
 
-
-def rendered_source(loaded: LoadedSpec, out: Path) -> Path:
-    r = render(loaded, base=out)
-    for name, text in r.files().items():
-        (out / name).write_text(text)
-    return out / f"{r.name}.cu"
 
 
 # ---------------------------------------------------------------------------

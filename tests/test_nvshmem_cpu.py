@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, compile_test, run_cli
+from conftest import ROOT, compile_test, missing_tool, run_cli
 from tsgen import toolchain
 from tsgen.errors import SpecError, ToolchainError
 from tsgen.spec import load_spec
@@ -38,16 +38,9 @@ LINKED_PATH = {name: b"nvshmemi_transfer_put_signal_dispatch" for name in NVSHME
     "barrier_all_nvshmem": b"nvshmemi_barrier_threadgroup"}
 
 
-def _missing(find) -> str | None:
-    try:
-        find()
-        return None
-    except ToolchainError as e:
-        return str(e)
 
-
-NO_NVCC = _missing(find_nvcc)
-NO_WHEEL = _missing(lambda: find_device_lib("nvshmem"))
+NO_NVCC = missing_tool(find_nvcc)
+NO_WHEEL = missing_tool(lambda: find_device_lib("nvshmem"))
 needs_link = compile_test(
     (NO_NVCC or NO_WHEEL) and f"compiling the nvshmem transport needs nvcc and the NVSHMEM wheel: {NO_NVCC or NO_WHEEL}")
 
@@ -192,7 +185,7 @@ def test_nvshmem_source_device_links(name):
     # NVLink-reachable).
     for symbol in (b"nvshmemi_device_state_d", LINKED_PATH[name], *(k.encode() for k in kernels)):
         assert symbol in data, symbol
-    if _missing(find_cuobjdump) is None:
+    if missing_tool(find_cuobjdump) is None:
         elf = subprocess.run([str(find_cuobjdump()), "-elf", str(res.output)], capture_output=True, text=True,
                              check=True).stdout
         entries = set(re.findall(r"FUNC\s+GLOBAL\s+DEFAULT\s+ENTRY\s+\S+\s+(\S+)", elf))
