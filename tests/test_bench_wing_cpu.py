@@ -287,7 +287,7 @@ def test_json_rows_and_plot(monkeypatch, tmp_path):
     ("broadcast", 1 << 20, 2, (1 << 20) // 2),
 ])
 def test_collective_size_conventions(op, nbytes, world, count):
-    from tsgen.ops.collectives_bench import busbw_factor
+    from tsgen.ops.collectives.bench import busbw_factor
 
     fam = get_family(op)
     loaded = load_spec(spec_of(op)[0])

@@ -1,7 +1,7 @@
 """Reference timings for tsgen's collectives: NCCL and PyTorch SymmetricMemory.
 
 tsgen's collectives are compared with what a user would otherwise call, timed on the same
-machine in the same run (the ops state their conventions in tsgen/ops/collectives_bench.py):
+machine in the same run (the ops state their conventions in tsgen/ops/collectives/bench.py):
 
   nccl                torch.distributed (NCCL backend): all_gather_into_tensor,
                       reduce_scatter_tensor, all_to_all_single, all_reduce, broadcast.
@@ -20,7 +20,7 @@ Method (one process per GPU, like nccl-tests):
   * `run_baselines` starts `world` workers under tsgen launch (tsgen/bench/workers.py), which
     meet through torch.distributed's env:// rendezvous. A worker that fails ends all of them
     and raises BaselineRunError with its traceback; so does the global timeout.
-  * Sizes are in bytes, nccl-tests style (collectives_bench.nccl_counts).
+  * Sizes are in bytes, nccl-tests style (ops.collectives.bench.nccl_counts).
   * Buffers are allocated once per size. Below 64 MiB the calls rotate over several buffer
     slots, enough that the slots together exceed 2x the L2 (at most 4096 slots).
   * The first call per (backend, size) is checked against values computed from rank-seeded
@@ -44,9 +44,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from ..ops.collectives_bench import ITEMSIZE as DTYPES
-from ..ops.collectives_bench import NCCL_CALLS, nccl_counts
-from ..ops.collectives_bench import busbw_factor as _busbw_factor
+from ..ops.collectives.bench import ITEMSIZE as DTYPES
+from ..ops.collectives.bench import NCCL_CALLS, nccl_counts
+from ..ops.collectives.bench import busbw_factor as _busbw_factor
 from .sizes import DEFAULT_L2_BYTES, BenchConfigError, calls_per_sample, parse_sizes, rotation_slots, slot_stride
 from .timing import HostClock, Timing, TorchClock, _first_line, time_calls
 from .workers import BaselineRunError, launch_workers

@@ -101,6 +101,15 @@ def environment(world=None) -> dict:
     return env
 
 
+def _family_module(family) -> str:
+    """The module under tsgen.ops that defines `family` (its package, for a family in a
+    package such as tsgen.ops.collectives)."""
+    module = family.__class__.__module__
+    if module.startswith("tsgen.ops."):
+        return module.split(".")[2]
+    return module.rsplit(".", 1)[-1]
+
+
 def result_dir(results: Path, suite: str, ops: list[str]) -> Path:
     """RESULTS/<op or the ops' family module>/<suite>."""
     from ..ops import get_family
@@ -109,7 +118,7 @@ def result_dir(results: Path, suite: str, ops: list[str]) -> Path:
     if len(kinds) == 1:
         top = kinds[0]
     else:
-        groups = sorted({get_family(k).__class__.__module__.rsplit(".", 1)[1] for k in kinds})
+        groups = sorted({_family_module(get_family(k)) for k in kinds})
         top = groups[0] if len(groups) == 1 else "mixed"
     return Path(results) / top / suite
 

@@ -23,7 +23,7 @@ from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel
 from .base import Buffer, OpFamily
 from .collectives import CollectiveDtype, _values
-from .collectives_bench import CollectiveBench
+from .collectives.bench import CollectiveBench
 
 
 class AllToAllVBench(CollectiveBench):

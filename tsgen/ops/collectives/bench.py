@@ -12,8 +12,8 @@ one_shot_all_reduce / two_shot_all_reduce_; one process per GPU (tsgen/bench/ncc
 
 from __future__ import annotations
 
-from ..errors import RuntimeSetupError
-from .conventions import BenchCase, BenchConventions
+from ...errors import RuntimeSetupError
+from ..conventions import BenchCase, BenchConventions
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
 # op -> the torch.distributed call the NCCL baseline makes
