@@ -79,6 +79,24 @@ def rendered_source(loaded, out):
     return out / f"{r.name}.cu"
 
 
+SPEC_HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
+
+
+def spec_problems(tmp_path, text: str) -> list[str]:
+    """The loader's problems for a spec file holding `text` (under the schema line), with the
+    file's path taken off: `LINE:COL: field: message`. [] when it loads."""
+    from tsgen.errors import SpecError
+    from tsgen.spec import load_spec
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(SPEC_HEAD + text)
+    try:
+        load_spec(path)
+    except SpecError as e:
+        return [p.removeprefix(f"{path}:") for p in e.problems]
+    return []
+
+
 def compile_test(missing: str | None):
     """Decorator for a test that runs nvcc: marks it `compile`, and skips it with `missing`
     as the reason when that says a tool is missing (None: nothing is)."""

@@ -171,6 +171,17 @@ def torch_dtype(torch, name: str):
     return torch.bfloat16 if name == "bfloat16" else torch.float16
 
 
+def bench_tensors(torch, op, seq: int):
+    """Random Q, K, V and empty O, LSE for `op` at sequence length `seq` over TOKENS tokens
+    ([batch, seq, heads, head_dim]; LSE [batch, heads, seq] fp32): (batch, q, k, v, o, lse)."""
+    dt = torch_dtype(torch, op.dtype)
+    batch = max(1, TOKENS // seq)
+    q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
+    k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+    v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
+    return batch, q, k, v, torch.empty_like(q), torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+
+
 # ---------------------------------------------------------------------------
 # Child: correctness of one variant
 # ---------------------------------------------------------------------------
@@ -400,13 +411,7 @@ def one_shape(built: dict, seq: int = 8192, calls: int = 3) -> dict:
     import torch
 
     op = Op(built)
-    dt = torch_dtype(torch, op.dtype)
-    batch = max(1, TOKENS // seq)
-    q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
-    k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-    v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-    o = torch.empty_like(q)
-    lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+    batch, q, k, v, o, lse = bench_tensors(torch, op, seq)
     s = torch.cuda.Stream()
     torch.cuda.synchronize()
     for _ in range(calls):
@@ -472,16 +477,10 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
     seqs = [8192, 16384] if quick else SEQS
     for name, b in built.items():
         op = Op(b)
-        dt = torch_dtype(torch, op.dtype)
         for seq in seqs:
             try:
-                batch = max(1, TOKENS // seq)
+                batch, q, k, v, o, lse = bench_tensors(torch, op, seq)
                 f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
-                q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
-                k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-                v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-                o = torch.empty_like(q)
-                lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
                 base = {"variant": name, "head_dim": op.head_dim, "kv_heads": op.kv_heads, "causal": op.causal,
                         "seq": seq, "batch": batch}
                 torch.cuda.synchronize()
@@ -535,13 +534,7 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
                          for seq in TUNE_SEQS[json.loads(Path(b["manifest"]).read_text())["constants"]["HEAD_DIM"]]]:
         try:
             op = Op(b)
-            dt = torch_dtype(torch, op.dtype)
-            batch = max(1, TOKENS // seq)
-            q = torch.randn(batch, seq, op.heads, op.head_dim, device="cuda", dtype=dt)
-            k = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-            v = torch.randn(batch, seq, op.kv_heads, op.head_dim, device="cuda", dtype=dt)
-            o = torch.empty_like(q)
-            lse = torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+            batch, q, k, v, o, lse = bench_tensors(torch, op, seq)
             torch.cuda.synchronize()  # the inputs, made on the default stream, before `stream` reads them
             with torch.cuda.stream(stream):
                 ref = sdpa_call(torch, q, k, v, op.causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).float()
@@ -603,7 +596,6 @@ def run_children(out: Path, kind: str, names: list[str], deadline: float, extra:
         print(f"{kind} {','.join(left)} ({time.perf_counter() - t0:.0f} s):")
         print("\n".join("  " + l for l in text.strip().splitlines()[-60:] if not l.startswith("RESULT ")))
         results.update(got)
-        done = [n for n in left if n in got]
         rest = [n for n in left if n not in got]
         if rest:
             results[rest[0]] = {"pass": False, "crashed": text.strip().splitlines()[-20:]}
