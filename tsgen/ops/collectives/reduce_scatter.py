@@ -62,12 +62,16 @@ class ReduceScatterFamily(CollectiveFamily):
                               waits=tuple(("arrive", q * P + i) for q in range(w) if q != r),
                               blocks=bpp, lane="reduce", note=f"reduce piece {i}"))
             steps.append(s)
-        expected = {}
-        for r in range(w):
-            for i in range(P):
-                sl = Slice("dst", r, i, P) if p.in_place else Slice("dst", 0, i, P)
-                expected[(r, sl)] = Counter({(q, src_buf, r, i): 1 for q in range(w)})
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w))
+
+    @staticmethod
+    def _expected(spec, w):
+        """What every plan of it computes: piece i of rank r's output is the sum of piece i of
+        every rank's chunk r (in place: rank r's own chunk r of dst)."""
+        p, P = spec.params, spec.params.pieces
+        src_buf = "dst" if p.in_place else "src"
+        return {(r, Slice("dst", r, i, P) if p.in_place else Slice("dst", 0, i, P)):
+                Counter({(q, src_buf, r, i): 1 for q in range(w)}) for r in range(w) for i in range(P)}
 
     def _ring(self, spec, w):
         """Chunk c starts at rank c+1 and ends at rank c: at hop h rank r adds its part of
@@ -100,12 +104,7 @@ class ReduceScatterFamily(CollectiveFamily):
                               waits=(("arrive", r * P + i),), blocks=bpp, lane="final",
                               note=f"our chunk, piece {i}: last partial sum + our part"))
             steps.append(s)
-        expected = {}
-        for r in range(w):
-            for i in range(P):
-                sl = Slice("dst", r, i, P) if p.in_place else Slice("dst", 0, i, P)
-                expected[(r, sl)] = Counter({(q, src_buf, r, i): 1 for q in range(w)})
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w))
 
     def _parts(self, spec, world, count, inputs, r):
         src = inputs["dst" if spec.params.in_place else "src"]
