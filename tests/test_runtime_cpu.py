@@ -291,3 +291,70 @@ def test_random_inputs_are_seeded():
     assert all(np.array_equal(_bits(x), _bits(y)) for x, y in zip(a, b))
     assert not np.array_equal(_bits(a[0]), _bits(c[0]))
     assert not np.array_equal(_bits(a[0]), _bits(a[1]))
+
+
+class _Log:
+    """A fake CuPy whose streams, events and device switches append to one log."""
+
+    def __init__(self):
+        self.log, self.device = [], 0
+        outer = self
+
+        class Stream:
+            def __init__(self, name):
+                self.name, self.ptr = name, id(self)
+
+            def record(self):
+                outer.log.append(("record", self.name))
+                return self.name
+
+            def wait_event(self, event):
+                outer.log.append(("wait", self.name, event))
+
+        class Device:
+            def __init__(self, dev):
+                self.dev = dev
+
+            def __enter__(self):
+                outer.device = self.dev
+
+            def __exit__(self, *exc):
+                return False
+
+        self.Stream = Stream
+        self.current = {0: Stream("current0"), 1: Stream("current1")}
+        self.cuda = type("cuda", (), {"Device": Device,
+                                      "get_current_stream": staticmethod(lambda: self.current[self.device])})
+
+
+def test_launch_is_ordered_with_the_callers_streams_without_ranks_waiting_for_each_other():
+    """Module.launch without `streams`: every rank stream waits for its device's current stream
+    BEFORE any launch (ranks sharing GPU 0 must not wait for each other's kernels), and each
+    current stream waits for its ranks AFTER all launches. With `streams`, no ordering is added.
+    (On a GPU: tests/test_gemm_gpu.py writes inputs and poison with CuPy on the current stream
+    and launches at once; before this ordering its outputs raced the poison.)"""
+    from tsgen.runtime.world import Module
+
+    fake = _Log()
+    devices = {0: 0, 1: 0, 2: 1}  # ranks 0 and 1 share GPU 0
+    streams = {r: fake.Stream(f"rank{r}") for r in devices}
+    world = type("W", (), {"cp": fake, "devices": devices, "ranks": sorted(devices), "streams": streams})()
+    module = object.__new__(Module)
+    module.world, module.launcher = world, None
+    module.kernel = {"grid": [1, 1, 1], "block": [32, 1, 1], "shared_bytes": 0, "args": []}
+    module.functions = {r: (lambda r: lambda *a, **k: fake.log.append(("launch", f"rank{r}")))(r) for r in devices}
+    bufs = type("B", (), {"arg_values": staticmethod(lambda args, rank: [])})()
+
+    module.launch(bufs)
+    kinds = [e[0] for e in fake.log]
+    first_launch, last_launch = kinds.index("launch"), len(kinds) - 1 - kinds[::-1].index("launch")
+    before, after = fake.log[:first_launch], fake.log[last_launch + 1:]
+    assert ("wait", "rank0", "current0") in before and ("wait", "rank1", "current0") in before
+    assert ("wait", "rank2", "current1") in before
+    assert not any(e[0] == "wait" and e[1].startswith("rank") for e in fake.log[first_launch:])
+    assert {e[2] for e in after if e[0] == "wait" and e[1] == "current0"} == {"rank0", "rank1"}
+    assert {e[2] for e in after if e[0] == "wait" and e[1] == "current1"} == {"rank2"}
+
+    fake.log.clear()
+    module.launch(bufs, streams=streams)
+    assert [e[0] for e in fake.log] == ["launch"] * 3

@@ -49,4 +49,7 @@ for name in ("gemm.json", "shared_smoke.json"):
     for e in d["errors"][:5]:
         print("ERROR", e[:200])
 EOF
+# The device tool brings back folders a few levels deep only: the results index travels as one archive
+# (tar xzf results.tgz -C results/ here, then `tsgen results`).
+[ -d "$OUT/results" ] && tar czf "$OUT/results.tgz" -C "$OUT/results" . && rm -rf "$OUT/results"
 summary "gpu_bench (commit $TSGEN_COMMIT)" gpu_bench_summary.txt

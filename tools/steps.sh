@@ -1,5 +1,6 @@
 # Sourced by the device-run scripts after tools/device_env.sh: timed steps with logs.
-#   step NAME TIMEOUT CMD...   run CMD with its output in $LOG/NAME.log (spaces -> _); PASS when it
+#   step NAME TIMEOUT CMD...   run CMD with its output in $LOG/NAME.log (every character but letters,
+#                              digits, '.', '-' -> _: the device tool brings back plain names only); PASS when it
 #                              exits 0; no step starts once the script has used BUDGET seconds
 #   summary TITLE FILE         print the PASS/FAIL table (also to $OUT/FILE); returns non-zero on a failure
 # The caller sets LOG (a folder) and may set BUDGET (seconds, default 285).
@@ -10,7 +11,8 @@ mkdir -p "$LOG"
 
 step() {
   local name=$1 limit=$2; shift 2
-  local log="$LOG/${name// /_}.log" left=$((BUDGET - SECONDS)) t0=$SECONDS rc
+  local safe; safe=$(printf '%s' "$name" | tr -c 'A-Za-z0-9.-' _)
+  local log="$LOG/$safe.log" left=$((BUDGET - SECONDS)) t0=$SECONDS rc
   if [ "$left" -lt 10 ]; then RESULTS+=("$(printf '%-48s SKIP (out of time)' "$name")"); FAILS=$((FAILS + 1)); return 1; fi
   [ "$limit" -gt "$left" ] && limit=$left
   timeout -k 5 "$limit" "$@" > "$log" 2>&1

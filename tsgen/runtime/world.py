@@ -256,23 +256,54 @@ class Module:
     ) -> None:
         """Launch the kernel on `ranks` (default: this process's) without waiting. The call
         number lives on the device (buffer `calls`), so launches may be captured
-        in CUDA graphs and replayed."""
+        in CUDA graphs and replayed.
+
+        Without `streams`, each rank's kernel runs on its own stream (`world.streams`) but in
+        order with the caller's work: it starts after what is already queued on the current
+        stream of its device (inputs written with CuPy, say), and work queued there afterwards
+        waits for every launched rank. With `streams`, the caller orders the work itself (the
+        bench does, on the streams it times)."""
         world, cp = self.world, self.world.cp
         ranks = list(ranks if ranks is not None else world.ranks)
+        ordered = streams is None
+        streams = world.streams if streams is None else streams
+        if ordered:
+            self._follow_current_streams(ranks, streams)
         if self.launcher is not None:
             self._host_launch_all(buffers, ranks, streams)
-            return
-        grid = tuple(self.kernel["grid"])
-        block = tuple(self.kernel["block"])
-        smem = self.kernel["shared_bytes"]
-        streams = world.streams if streams is None else streams
-        for rank in ranks:
-            values = checked_args(self.kernel["args"], buffers.arg_values(self.kernel["args"], rank))
-            args = [np.int32(v) if a["role"] == "rank" else np.uint64(v) for a, v in zip(self.kernel["args"], values)]
-            with cp.cuda.Device(world.devices[rank]):
-                self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=streams[rank])
+        else:
+            grid = tuple(self.kernel["grid"])
+            block = tuple(self.kernel["block"])
+            smem = self.kernel["shared_bytes"]
+            for rank in ranks:
+                values = checked_args(self.kernel["args"], buffers.arg_values(self.kernel["args"], rank))
+                args = [np.int32(v) if a["role"] == "rank" else np.uint64(v)
+                        for a, v in zip(self.kernel["args"], values)]
+                with cp.cuda.Device(world.devices[rank]):
+                    self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=streams[rank])
+        if ordered:
+            self._join_current_streams(ranks, streams)
 
-    def _host_launch_all(self, buffers: "Buffers", ranks: list[int], streams: Sequence[Any] | None) -> None:
+    def _follow_current_streams(self, ranks: list[int], streams) -> None:
+        """Each rank's stream waits for what is queued on its device's current stream. All of
+        these waits come before any launch: ranks sharing a GPU must not wait for each other."""
+        cp = self.world.cp
+        for rank in ranks:
+            with cp.cuda.Device(self.world.devices[rank]):
+                current = cp.cuda.get_current_stream()
+                if current.ptr != streams[rank].ptr:
+                    streams[rank].wait_event(current.record())
+
+    def _join_current_streams(self, ranks: list[int], streams) -> None:
+        """Each device's current stream waits for every rank launched on that device."""
+        cp = self.world.cp
+        for rank in ranks:
+            with cp.cuda.Device(self.world.devices[rank]):
+                current = cp.cuda.get_current_stream()
+                if current.ptr != streams[rank].ptr:
+                    current.wait_event(streams[rank].record())
+
+    def _host_launch_all(self, buffers: "Buffers", ranks: list[int], streams) -> None:
         """Call the host launcher of every rank, each from its own thread when there are
         several: a launcher may block its thread inside a CUDA call until peers have
         launched too (measured: a cudaMemcpyAsync that reads a peer, or one queued on the
@@ -281,7 +312,7 @@ class Module:
 
         def one(rank: int) -> None:
             with cp.cuda.Device(self.world.devices[rank]):
-                self._host_launch(buffers, rank, (streams or self.world.streams)[rank])
+                self._host_launch(buffers, rank, streams[rank])
 
         if len(ranks) == 1:
             one(ranks[0])
