@@ -3,7 +3,8 @@
 # (TSGEN_SHARE_GPUS=1), the spec variants that fit are derived per test, test processes
 # compile in parallel and take turns on the GPU. Logs and result rows under $OUT.
 #   bash tools/gpu_shared.sh [PYTEST_ARGS...]     e.g. -k negative_control
-# JOBS (default: the cores less 2): pytest-xdist workers; PER_TEST (default 180): seconds before a test fails.
+# JOBS (default: the cores less 2): pytest-xdist workers; PER_TEST (default 180): seconds before a test fails;
+# MPS=1: the ipc backend's tests too, under an MPS daemon (see below).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export TSGEN_SHARE_GPUS=1
@@ -16,6 +17,22 @@ python3 -m pytest -q -m gpu tests/ -n "${JOBS:-$(( $(nproc) > 4 ? $(nproc) - 2 :
   --durations=10 -rs "$@" 2>&1 | tee "$OUT/pytest_shared.txt"
 code=${PIPESTATUS[0]}
 echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$OUT/device.txt"
+# MPS=1: then the ipc backend's tests (one process per rank, every process on this GPU), under an
+# MPS control daemon started here and stopped after them (without MPS those processes are
+# time-sliced and never resident together: the suite above skips them).
+if [ -n "${MPS:-}" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/tsgen-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tsgen-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    timeout -k 5 "${MPS_LIMIT:-240}" python3 -m pytest -q -m gpu tests/test_gpu_ipc.py -p no:cacheprovider \
+      --timeout "${PER_TEST:-180}" -rs 2>&1 | tee "$OUT/pytest_ipc_mps.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
+    echo quit | nvidia-cuda-mps-control
+  else
+    echo "MPS: the control daemon did not start" | tee "$OUT/pytest_ipc_mps.txt"; code=1
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
 # The vendoring example (examples/vendor, no Python): W ranks on this machine's GPUs.
 if [ -z "${SKIP_VENDOR:-}" ]; then
   cmake -S examples/vendor -B /tmp/vendor -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" >/dev/null \
