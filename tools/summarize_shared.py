@@ -1,0 +1,97 @@
+"""Turn one run of tools/gpu_shared.sh ($OUT, unpacked) into
+results/tests/shared-gpu/<date>-<commit>.{json,md}: the pytest tally and wall time, the
+spec x world rows by world, the dtype matrix, the negative controls (caught or not, with and
+without skew), the timeout probes, the ipc tests under MPS and the vendoring example.
+
+Usage: python tools/summarize_shared.py RUN_DIR RESULTS_DIR COMMIT "COMMAND"
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def jsonl(run: Path, kind: str) -> list[dict]:
+    f = run / f"{kind}.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+
+
+def tally(text: str) -> dict:
+    """pytest's last summary line: {'passed': n, 'failed': n, 'skipped': n, ...} and its seconds."""
+    lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln) and " in " in ln]
+    if not lines:
+        return {}
+    last = lines[-1]
+    out = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", last)}
+    m = re.search(r" in ([\d.]+)s", last)
+    if m:
+        out["seconds"] = float(m.group(1))
+    return out
+
+
+def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
+    device = (run / "device.txt").read_text().splitlines() if (run / "device.txt").exists() else []
+    date = next((ln[:10] for ln in device if re.match(r"\d{4}-\d\d-\d\dT", ln)), "unknown")
+    suite = tally((run / "pytest_shared.txt").read_text()) if (run / "pytest_shared.txt").exists() else {}
+    ipc = tally((run / "pytest_ipc_mps.txt").read_text()) if (run / "pytest_ipc_mps.txt").exists() else {}
+    failed = re.findall(r"^FAILED (\S+)", (run / "pytest_shared.txt").read_text(), re.M) \
+        if (run / "pytest_shared.txt").exists() else []
+    corr, dtypes = jsonl(run, "correctness"), jsonl(run, "dtype_matrix")
+    negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
+    vendor = (run / "vendor.txt").read_text().splitlines() if (run / "vendor.txt").exists() else []
+    summary = {
+        "suite": suite, "failed_tests": failed, "ipc_under_mps": ipc,
+        "correctness": {"tests": len(corr), "passed": sum(r["pass"] for r in corr),
+                        "worlds": dict(sorted(Counter(str(r["world"]) for r in corr).items()))},
+        "dtype_matrix": {"tests": len(dtypes), "passed": sum(r["pass"] for r in dtypes)},
+        "negative_controls": sorted(({"spec": r["spec"], "skew": r.get("skew"), "caught": not r["pass"]} for r in negs),
+                                    key=lambda n: (n["spec"], n["skew"] or 0)),
+        "timeout_probes": {"tests": len(probes), "passed": sum(bool(r.get("pass")) for r in probes)},
+        "vendor": [ln for ln in vendor if "PASS" in ln or "FAIL" in ln],
+    }
+    meta = {"date": date, "commit": commit, "command": command, "device": device[:3],
+            "mode": "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"}
+    md = [f"# GPU suite on one GPU (shared-GPU worlds), {date}, commit {commit}", "",
+          f"Device: {'; '.join(device[:3])}. {meta['mode']}. Timings of ranks sharing a GPU measure "
+          "nothing about the ops; none are reported.", "", f"Command: `{command}`", "",
+          "| part | result |", "|---|---|",
+          f"| whole GPU suite (pytest) | {suite.get('passed', 0)} passed, {suite.get('failed', 0)} failed, "
+          f"{suite.get('skipped', 0)} skipped in {suite.get('seconds', '?')} s |"]
+    c = summary["correctness"]
+    md.append(f"| primitives, collectives, fused ops (spec x world) | {c['passed']} / {c['tests']} "
+              f"(worlds: {', '.join(f'{w}: {n}' for w, n in c['worlds'].items())}) |")
+    d = summary["dtype_matrix"]
+    md.append(f"| dtype matrix (collective x dtype x world) | {d['passed']} / {d['tests']} |")
+    p = summary["timeout_probes"]
+    md.append(f"| timeout probes (the kernel prints who waited for what, then traps) | {p['passed']} / {p['tests']} |")
+    if ipc:
+        md.append(f"| ipc backend, one process per rank, under MPS | {ipc.get('passed', 0)} passed, "
+                  f"{ipc.get('failed', 0)} failed, {ipc.get('skipped', 0)} skipped |")
+    md.append(f"| vendoring example (examples/vendor) | {sum('PASS' in v for v in summary['vendor'])} / "
+              f"{len(summary['vendor'])} |")
+    md += ["", "Negative controls (a broken kernel must FAIL):", "", "| control | skew | caught |", "|---|---|---|"]
+    md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
+           for n in summary["negative_controls"]]
+    if failed:
+        md += ["", "Failed tests:", ""] + [f"- `{t}`" for t in failed]
+    return {"meta": meta, "summary": summary, "correctness": corr, "dtype_matrix": dtypes,
+            "negative_control": negs, "timeout_probe": probes}, "\n".join(md) + "\n"
+
+
+def main() -> None:
+    run, results, commit, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    data, md = summarize(run, commit, command)
+    folder = results / "tests" / "shared-gpu"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"{data['meta']['date']}-{commit}"
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
