@@ -7,6 +7,7 @@ In this process, on the World's own streams and timed by the same core as tsgen'
 One process per GPU (tsgen launch), after tsgen's timings:
   nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
   cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
+  torch_a2a                 the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
 
 An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
 a multi-process one rows of `Measured` (the same, from the workers' JSON).
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from ..ops.conventions import BenchCase
 from .sizes import BenchConfigError, calls_per_sample
 from .timing import CupyClock, Timing, time_calls
+from .ulysses import run_torch_a2a
 
 
 @dataclass
@@ -132,6 +134,9 @@ def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: i
 
 
 MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused}
+
+
+MULTIPROCESS["torch_a2a"] = run_torch_a2a  # the Ulysses all-to-alls: all_to_all_single + permutes
 
 
 def check_names(names) -> None:
