@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..ops.conventions import BenchCase
 from .sizes import BenchConfigError, calls_per_sample
 from .timing import CupyClock, Timing, time_calls
-from .ulysses import run_torch_a2a
+from .ulysses import torch_a2a_rows
 
 
 @dataclass
@@ -136,7 +136,13 @@ def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: i
 MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused}
 
 
-MULTIPROCESS["torch_a2a"] = run_torch_a2a  # the Ulysses all-to-alls: all_to_all_single + permutes
+def torch_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    """The Ulysses all-to-alls' baseline: all_to_all_single + permutes (tsgen/bench/ulysses.py)."""
+    return [Measured(r["impl"], r["size"], _timing(r), extra={k: r[k] for k in ("wrong", "torch_version") if k in r},
+                     skipped=r.get("skipped")) for r in torch_a2a_rows(family, spec, world, sizes, iters, reps, warmup)]
+
+
+MULTIPROCESS["torch_a2a"] = torch_a2a
 
 
 def check_names(names) -> None:

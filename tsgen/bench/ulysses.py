@@ -22,25 +22,23 @@ from .timing import TorchClock, time_calls
 from .workers import launch_workers
 
 
-def run_torch_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int):
-    """Baseline rows (`Measured`) for each sequence length in `sizes`."""
+IMPL = "torch all_to_all_single + permute"
+
+
+def torch_a2a_rows(family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[dict]:
+    """Rank 0's rows for each sequence length in `sizes` (one process per GPU); rows that say why
+    they were skipped where PyTorch is not installed."""
     import importlib.util
 
-    from .baselines import Measured, _timing
-
     if importlib.util.find_spec("torch") is None:
-        return [Measured("torch all_to_all_single + permute", s, None,
-                         skipped="PyTorch is not installed here (torch.distributed runs the baseline)") for s in sizes]
+        return [{"impl": IMPL, "size": s, "skipped": "PyTorch is not installed here (torch.distributed runs the "
+                 "baseline)"} for s in sizes]
     p = spec.params
     cfg = {"kind": "ulysses", "pre": family.kind == "ulysses_pre_a2a", "sizes": sizes, "batch": p.batch,
            "heads": p.heads, "head_dim": p.head_dim, "layout": p.layout, "dtype": spec.dtype,
            "packed_qkv": bool(getattr(p, "packed_qkv", False)), "kv_heads": getattr(p, "kv_heads", None) or p.heads,
            "iters": iters, "reps": reps, "warmup": warmup}
-    out = []
-    for r in launch_workers(cfg, world):
-        extra = {k: r[k] for k in ("wrong", "torch_version") if k in r}
-        out.append(Measured(r["impl"], r["size"], _timing(r), extra=extra, skipped=r.get("skipped")))
-    return out
+    return launch_workers(cfg, world)
 
 
 def _value(torch, rank: int, shape, dtype, dev):
@@ -103,7 +101,7 @@ def worker(cfg: dict, rank: int) -> list[dict]:
     rows = []
     for size in cfg["sizes"]:
         c = size // world
-        impl = "torch all_to_all_single + permute"
+        impl = IMPL
         try:
             if cfg["pre"] and cfg["packed_qkv"]:
                 qkv = _value(torch, rank, (b, c, h + 2 * kv, d), dt, dev)

@@ -139,24 +139,24 @@ class UlyssesLaunch(Launch):
     unroll: int = Field(4, ge=1, le=16, description="16-byte loads in flight per thread")
 
 
-class UlyssesPreSpec(SpecBase):
+class _UlyssesSpec(SpecBase):
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    launch: UlyssesLaunch = UlyssesLaunch()
+    test: UlyssesTest = UlyssesTest()
+
+
+class UlyssesPreSpec(_UlyssesSpec):
     """Spec of op `ulysses_pre_a2a`: sequence shard of every head -> every token of a head group."""
 
     op: Literal["ulysses_pre_a2a"]
-    dtype: Literal["bfloat16", "float16"] = "bfloat16"
     params: UlyssesPreParams = UlyssesPreParams()
-    launch: UlyssesLaunch = UlyssesLaunch()
-    test: UlyssesTest = UlyssesTest()
 
 
-class UlyssesPostSpec(SpecBase):
+class UlyssesPostSpec(_UlyssesSpec):
     """Spec of op `ulysses_post_a2a`: every token of a head group -> sequence shard of every head."""
 
     op: Literal["ulysses_post_a2a"]
-    dtype: Literal["bfloat16", "float16"] = "bfloat16"
     params: UlyssesParams = UlyssesParams()
-    launch: UlyssesLaunch = UlyssesLaunch()
-    test: UlyssesTest = UlyssesTest()
 
 
 # ---------------------------------------------------------------------------
