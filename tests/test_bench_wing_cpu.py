@@ -22,7 +22,10 @@ from tsgen.spec import load_spec, spec_variant
 # GEMMs shrunk so the NumPy references stay fast (N and K are compile-time)
 SMALL = {"gemm": {"params": {"n": 256, "k": 256}}, "allgather_gemm": {"params": {"n": 256, "k": 256}},
          "gemm_reduce_scatter": {"params": {"n": 256, "k": 256}}, "cannon": {"params": {"n": 512, "k": 512}},
-         "summa": {"params": {"n": 512, "k": 512}}}
+         "summa": {"params": {"n": 512, "k": 512}},
+         # size = sequence length S (64K rows of the collectives' sizes): a small head count
+         "ulysses_pre_a2a": {"params": {"batch": 1, "heads": 2, "head_dim": 8}, "world_sizes": [2]},
+         "ulysses_post_a2a": {"params": {"batch": 1, "heads": 2, "head_dim": 8}, "world_sizes": [2]}}
 SIZES = {"collective": "64K", "copy": "64K", "latency": "1000", "gemm": "128,200", "grid": "256"}
 FAST = dict(iters=3, reps=2, warmup=1)
 
@@ -59,7 +62,8 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
                 out.append(B.Measured(role, s, Timing([us] * 2, 4, "eager"), case=c, compare=compare, role=role))
         return out
 
-    for name, fn in (("nccl", collectives), ("symm_mem", collectives), ("cublas+nccl", fused), ("torch_fused", fused)):
+    for name, fn in (("nccl", collectives), ("symm_mem", collectives), ("cublas+nccl", fused), ("torch_fused", fused),
+                     ("torch_a2a", collectives)):
         monkeypatch.setitem(B.MULTIPROCESS, name, fn)
 
 

@@ -7,6 +7,7 @@ In this process, on the World's own streams and timed by the same core as tsgen'
 One process per GPU (tsgen launch), after tsgen's timings:
   nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
   cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
+  torch_a2a                 the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
 
 An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
 a multi-process one rows of `Measured` (the same, from the workers' JSON).
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from ..ops.conventions import BenchCase
 from .sizes import BenchConfigError, calls_per_sample
 from .timing import CupyClock, Timing, time_calls
+from .ulysses import torch_a2a_rows
 
 
 @dataclass
@@ -132,6 +134,15 @@ def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: i
 
 
 MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused}
+
+
+def torch_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    """The Ulysses all-to-alls' baseline: all_to_all_single + permutes (tsgen/bench/ulysses.py)."""
+    return [Measured(r["impl"], r["size"], _timing(r), extra={k: r[k] for k in ("wrong", "torch_version") if k in r},
+                     skipped=r.get("skipped")) for r in torch_a2a_rows(family, spec, world, sizes, iters, reps, warmup)]
+
+
+MULTIPROCESS["torch_a2a"] = torch_a2a
 
 
 def check_names(names) -> None:

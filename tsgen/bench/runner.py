@@ -248,7 +248,7 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev) -> tuple[dict | None
     if problems:
         return None, problems
     row = _row("tsgen", timing, step.case, step.spec, step.family, w, step.pattern, label=step.name,
-               sets=len(sets), ceiling_frac=fraction_of_ceiling(timing.median_us, step.case, ceil, _dtype(step.spec),
+               sets=len(sets), **dict(step.case.fields), ceiling_frac=fraction_of_ceiling(timing.median_us, step.case, ceil, _dtype(step.spec),
                                                                 w.colocated, dev.l2_bytes), **checked)
     return row, []
 

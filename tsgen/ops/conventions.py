@@ -33,6 +33,7 @@ class BenchCase:
     bw_bytes: float = 0.0  # the bytes of the algorithm bandwidth (0: no bandwidth column)
     busbw_factor: float = 1.0  # bus bandwidth = algbw x this (nccl-tests)
     note: str = ""
+    fields: tuple = ()  # (name, value) pairs `tsgen bench` adds to tsgen's row (e.g. bytes moved vs the minimum)
 
 
 class BenchConventions:
