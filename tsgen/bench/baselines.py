@@ -7,6 +7,7 @@ In this process, on the World's own streams and timed by the same core as tsgen'
 One process per GPU (tsgen launch), after tsgen's timings:
   nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
   cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
+  torch_sdpa_cp             cp_attention's: all_gather_into_tensor of K and V + SDPA (torch_ops.py)
 
 An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
 a multi-process one rows of `Measured` (the same, from the workers' JSON).
@@ -131,7 +132,17 @@ def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: i
     return out
 
 
-MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused}
+def cp_sdpa(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    """cp_attention's baseline: all_gather_into_tensor of K and V, then SDPA (torch_ops.run_cp)."""
+    from .torch_ops import run_cp
+
+    rows = run_cp(spec.params, spec.dtype, world, sizes, iters=iters, reps=reps, warmup=warmup)
+    return [Measured(r.get("impl", "torch all_gather_into_tensor + SDPA"), r["s"], _timing(r),
+                     case=family.bench.case(family, spec, world, r["s"]), skipped=r.get("skipped")) for r in rows]
+
+
+MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused,
+                "torch_sdpa_cp": cp_sdpa}
 
 
 def check_names(names) -> None:

@@ -44,12 +44,14 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
 from .attention import (AttentionFamily, AttentionTile, attention_reference, flops, from_bshd, scale_of, smem_bytes,
                         to_bshd)
 from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, ModuleAbi, OpFamily
 from .collectives import from_f64, to_f64
+from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
 MAX_WORLD = 8  # tsgen_cp::MAX_WORLD
 SIGNALS = 4 * MAX_WORLD  # tsgen_cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
@@ -141,12 +143,63 @@ def first_remote_chunk(layout: str, causal: bool, world: int, count: int, rank: 
     return next((c for c in range(top, -1, -1) if owner[c] != rank), -1)
 
 
+class CpAttentionBench(BenchConventions):
+    """Size = S, the whole sequence (count = S / world per rank). FLOPs per GPU from the family
+    (`flops`), NVLink bytes its K and V rows to every peer. Baseline, one process per GPU
+    (tsgen/bench/torch_ops.py cp_worker): PyTorch all_gather_into_tensor of K and V, then SDPA of
+    the local queries over the whole sequence (a position mask where causal). Timed eagerly
+    (side streams), checked on sampled query rows of sequence 0 of every rank."""
+
+    kind = "fused"
+    size_unit = "rows"
+    default_sizes = "8192,16384,32768"
+    metric = "TFLOPs"
+    baselines = ("torch_sdpa_cp",)
+    graphs = False
+    check = "rows"
+
+    def case(self, family, spec, world, size):
+        count = size // world
+        if size % world or (spec.params.layout == "zigzag" and count % 2):
+            raise RuntimeSetupError(f"{spec.name}: S = {size} positions do not split over {world} ranks"
+                                    f"{' into two zig-zag chunks each' if spec.params.layout == 'zigzag' else ''}")
+        return BenchCase(size, count, flops=family.flops(spec, world, count),
+                         link_bytes=family.bytes_moved(spec, world, count))
+
+    def group_shape(self, spec):
+        p = spec.params
+        return f"/b{p.batch}/h{p.heads}/kv{p.kv_heads}/d{p.head_dim}/{p.layout}{'/causal' if p.causal else ''}"
+
+    def check_rows(self, family, spec, world, count, fetch):
+        """O at sampled rows of sequence 0 of each rank against float32 attention of those
+        queries over every rank's K and V at their positions."""
+        p = spec.params
+
+        def tensor(name, r, heads):
+            x = to_f64(fetch(name, r, 0, p.batch * count * heads * p.head_dim), spec.dtype).astype(np.float32)
+            return to_bshd(x, p.batch, count, heads, p.head_dim, p.tensors)[:1]
+
+        pos = [positions(p.layout, world, count, r) for r in range(world)]
+        k = np.zeros((1, world * count, p.kv_heads, p.head_dim), np.float32)
+        v = np.zeros_like(k)
+        for r in range(world):
+            k[:, pos[r]], v[:, pos[r]] = tensor("k", r, p.kv_heads), tensor("v", r, p.kv_heads)
+        worst = 0.0
+        for r in range(world):
+            rows = sample_rows(count)
+            ref, _ = attention_reference(tensor("q", r, p.heads)[:, rows], k, v, scale_of(spec), p.causal,
+                                         q_pos=pos[r][rows])
+            worst = max(worst, rel_err(tensor("o", r, p.heads)[:, rows], ref))
+        return worst
+
+
 class CpAttentionFamily(OpFamily):
     kind = "cp_attention"
     Spec = CpAttentionSpec
     template = "cp_attention.cu.j2"
     count_unit = "rows"  # S / P positions per rank
     host_launch = True
+    bench = CpAttentionBench()
     summary = ("context-parallel attention: K and V all-gathered chunk by chunk into symmetric buffers (copy engine "
                "or SM push, a signal per chunk) while the flash-attention kernel waits per chunk; contiguous or "
                "zig-zag positions, causal, GQA; O and LSE of the local queries")
