@@ -62,7 +62,12 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
                 out.append(B.Measured(role, s, Timing([us] * 2, 4, "eager"), case=c, compare=compare, role=role))
         return out
 
+    def cp_sdpa(names, family, spec, world, sizes, iters, reps, warmup):
+        return [B.Measured("torch all_gather + SDPA", s, Timing([40.0 * factor] * 2, 4, "eager"),
+                           case=family.bench.case(family, spec, world, s)) for s in sizes]
+
     for name, fn in (("nccl", collectives), ("symm_mem", collectives), ("cublas+nccl", fused), ("torch_fused", fused),
+                     ("torch_sdpa_cp", cp_sdpa),
                      ("torch_a2a", collectives)):
         monkeypatch.setitem(B.MULTIPROCESS, name, fn)
 

@@ -51,7 +51,8 @@ def _is_nvshmem(spec_path):
 
 
 COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_to_all_v", "all_reduce", "broadcast"}
-COMPUTE_OPS = {"gemm", "attention"}  # one GPU: tests/test_gemm_gpu.py, tools/gpu_attention.py
+COMPUTE_OPS = {"gemm", "attention", "cp_attention"}  # tests/test_gemm_gpu.py, tools/gpu_attention.py,
+# tests/test_cp_attention_gpu.py (variants with few heads: its reference is attention over the whole sequence)
 PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in COMPUTE_OPS and not _is_nvshmem(s)]
 
 

@@ -8,6 +8,7 @@ One process per GPU (tsgen launch), after tsgen's timings:
   nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
   cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
   torch_a2a                 the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
+  torch_sdpa_cp             cp_attention's: all_gather_into_tensor of K and V + SDPA (torch_ops.py)
 
 An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
 a multi-process one rows of `Measured` (the same, from the workers' JSON).
@@ -133,7 +134,13 @@ def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: i
     return out
 
 
-MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused}
+def cp_sdpa(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    """cp_attention's baseline: all_gather_into_tensor of K and V, then SDPA (torch_ops.run_cp)."""
+    from .torch_ops import run_cp
+
+    rows = run_cp(spec.params, spec.dtype, world, sizes, iters=iters, reps=reps, warmup=warmup)
+    return [Measured(r.get("impl", "torch all_gather_into_tensor + SDPA"), r["s"], _timing(r),
+                     case=family.bench.case(family, spec, world, r["s"]), skipped=r.get("skipped")) for r in rows]
 
 
 def torch_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
@@ -142,7 +149,8 @@ def torch_a2a(names, family, spec, world: int, sizes: list[int], iters: int, rep
                      skipped=r.get("skipped")) for r in torch_a2a_rows(family, spec, world, sizes, iters, reps, warmup)]
 
 
-MULTIPROCESS["torch_a2a"] = torch_a2a
+MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused,
+                "torch_sdpa_cp": cp_sdpa, "torch_a2a": torch_a2a}
 
 
 def check_names(names) -> None:

@@ -281,10 +281,9 @@ def _baseline_row(m: Measured, case: BenchCase, spec, family, w, ceil, dev, patt
 
 
 def baseline_group(spec, family, world: int) -> str:
-    """Rows with the same group time the same work at the same size: op, dtype, world and, for
-    GEMMs, the compile-time N and K."""
-    shape = f"/n{spec.params.n}/k{spec.params.k}" if family.bench.check == "rows" else ""
-    return f"{spec.op}/{_dtype(spec)}/w{world}{shape}"
+    """Rows with the same group time the same work at the same size: op, dtype, world and what the
+    conventions add (GEMMs: the compile-time N and K)."""
+    return f"{spec.op}/{_dtype(spec)}/w{world}{family.bench.group_shape(spec)}"
 
 
 def add_ratios(rows: list[dict]) -> None:

@@ -164,3 +164,74 @@ def fused_worker(cfg: dict, rank: int) -> list[dict]:
     dist.barrier()
     dist.destroy_process_group()
     return rows
+
+
+def run_cp(params, dtype: str, world: int, sizes: list[int], *, iters: int, reps: int, warmup: int,
+           timeout: float = 300) -> list[dict]:
+    """cp_attention's baseline for each whole sequence S in `sizes`, one process per GPU; rank 0's rows."""
+    cfg = {"kind": "cp_attention", "sizes": sizes, "heads": params.heads, "kv_heads": params.kv_heads,
+           "head_dim": params.head_dim, "batch": params.batch, "causal": params.causal, "layout": params.layout,
+           "dtype": dtype, "iters": iters, "reps": reps, "warmup": warmup}
+    return launch_workers(cfg, world, timeout=timeout)
+
+
+def cp_worker(cfg: dict, rank: int) -> list[dict]:
+    """Per S: this rank's S / world queries, K and V ([batch, S / world, heads, d]); K and V
+    gathered with all_gather_into_tensor (rank order), then SDPA of the local queries over the
+    whole sequence (causal: a boolean mask of the gathered keys' positions, zig-zag included)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ..ops.cp_attention import positions
+
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, device_id=dev)
+    clock = TorchClock(torch, dist, dev)
+    tdt = getattr(torch, cfg["dtype"])
+    sync = torch.zeros(1, device=dev)
+    b, h, hkv, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+
+    def line_up():
+        dist.barrier()
+        torch.cuda.synchronize()
+        dist.all_reduce(sync)
+
+    rows = []
+    for size in cfg["sizes"]:
+        n = size // world
+        q = torch.randn(b, h, n, d, device=dev, dtype=tdt)
+        k = torch.randn(world, b, hkv, n, d, device=dev, dtype=tdt)[rank]
+        v = torch.randn_like(k)
+        k_all = torch.empty(world, b, hkv, n, d, device=dev, dtype=tdt)
+        v_all = torch.empty_like(k_all)
+        mask = None
+        if cfg["causal"]:
+            kpos = torch.cat([torch.as_tensor(positions(cfg["layout"], world, n, s)) for s in range(world)]).to(dev)
+            qpos = torch.as_tensor(positions(cfg["layout"], world, n, rank)).to(dev)
+            mask = kpos[None, :] <= qpos[:, None]
+
+        def call(q=q, k=k, v=v, k_all=k_all, v_all=v_all, mask=mask, n=n):
+            dist.all_gather_into_tensor(k_all, k, group=dist.group.WORLD)
+            dist.all_gather_into_tensor(v_all, v, group=dist.group.WORLD)
+            kf = k_all.permute(1, 2, 0, 3, 4).reshape(b, hkv, world * n, d)
+            vf = v_all.permute(1, 2, 0, 3, 4).reshape(b, hkv, world * n, d)
+            return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, enable_gqa=h != hkv)
+
+        stream = torch.cuda.current_stream()
+        try:
+            t = time_calls(clock, [rank], {rank: stream}, lambda i, _: call(), calls=cfg["iters"], reps=cfg["reps"],
+                           warmup=cfg["warmup"], graphs=False, before_sample=line_up, label=f"SDPA S={size}")
+            rows.append({"s": size, **t.fields(), "samples_us": t.samples_us, "problems": t.problems,
+                         "impl": f"torch {torch.__version__} all_gather_into_tensor + SDPA"})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"s": size, "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows

@@ -63,6 +63,11 @@ class BenchConventions:
         """Ranks whose outputs a call of `pattern` writes (all of them but for copies' pair)."""
         return list(range(world))
 
+    def group_shape(self, spec: Any) -> str:
+        """What besides op, dtype and world makes rows time the same work (rows-checked GEMMs: the
+        compile-time N and K)."""
+        return f"/n{spec.params.n}/k{spec.params.k}" if self.check == "rows" else ""
+
     def check_rows(self, family: Any, spec: Any, world: int, count: int, fetch: Fetch) -> float:
         """check "rows": the largest ||got - ref|| / ||ref|| over sampled output rows (inf for NaN)."""
         raise NotImplementedError

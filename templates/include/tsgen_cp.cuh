@@ -1,0 +1,151 @@
+// tsgen_cp.cuh -- the communication side of context-parallel attention (cp_attention): where
+// each rank's K and V rows go in every rank's gathered buffers, the SM push kernel body, the
+// one-block signal kernel body. The attention kernel is tsgen_attention.cuh's, with its
+// per-KV-chunk waits; the side streams and the entry / FREE exchange are tsgen_fused.cuh's.
+//
+// Hand-written; inlined into cp_attention sources after tsgen_attention.cuh and tsgen_fused.cuh.
+//
+// Signals (u64 counters that only grow, in the `sig` buffer of every rank):
+//   sig[FREE + s]  = e: rank s has entered call e, so its previous call's attention no longer
+//                  reads its k_full / v_full: this rank may write its rows there (tsgen_fused's
+//                  ENTRY and WAIT_FREE, the same offsets).
+//   sig[READY + c] = e: KV chunk c of call e is in this rank's k_full and v_full (raised by the
+//                  rank that holds it, after its copy: the attention producer waits for it).
+//   sig[ARRIVED + d] (push kernel, this rank's own): CTAs done with their part of receiver d in
+//                  this call; the last resets it and raises READY at d.
+//
+// Tensors: a rank's K (and V) is `lines` runs of count rows of `row_bytes` each: bshd
+// [batch, count, KV_HEADS, HEAD_DIM] = batch lines of KV_HEADS x HEAD_DIM x 2 bytes a row,
+// bhsd [batch, KV_HEADS, count, HEAD_DIM] = batch x KV_HEADS lines of HEAD_DIM x 2 bytes; the
+// gathered k_full the same with world x count rows a line. Copying a piece of rows is a 2-D
+// copy: `lines` runs of rows x row_bytes, source pitch count x row_bytes, destination pitch
+// world x count x row_bytes.
+#ifndef TSGEN_CP_CUH
+#define TSGEN_CP_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace tsgen_cp {
+
+constexpr int MAX_WORLD = 8;
+constexpr int FREE = 0;                          // = tsgen_fused::FREE
+constexpr int READY = MAX_WORLD;                 // sig[READY + c], c < 2 MAX_WORLD (zig-zag: 2 chunks a rank)
+constexpr int ARRIVED = READY + 2 * MAX_WORLD;   // sig[ARRIVED + d]
+constexpr int SIGNALS = ARRIVED + MAX_WORLD;     // tsgen/ops/cp_attention.py SIGNALS
+static_assert(FREE == tsgen_fused::FREE && MAX_WORLD == tsgen_fused::MAX_WORLD, "tsgen_fused's FREE exchange");
+
+// Where rows live (the same on every rank; tsgen/ops/cp_attention.py `segments`).
+struct Geometry {
+  uint64_t lines;      // runs of rows: batch (bshd) or batch x KV_HEADS (bhsd)
+  uint64_t row_bytes;  // one row of a run
+  uint32_t count;      // rows per rank (S / P)
+  int world;
+  bool causal;         // gathered rows in position order (else whole shards, rotated)
+  bool zigzag;         // causal zig-zag: a rank's rows are chunks r and 2P - 1 - r of count / 2
+};
+
+// One piece of source s's rows in receiver d's gathered buffers.
+struct Segment {
+  uint32_t src_row, rows, dst_row, chunk;
+};
+
+static __host__ __device__ __forceinline__ int segments(const Geometry& g) { return g.causal && g.zigzag ? 2 : 1; }
+
+// KV rows per signal.
+static __host__ __device__ __forceinline__ uint32_t kv_chunk(const Geometry& g) {
+  return g.causal && g.zigzag ? g.count / 2 : g.count;
+}
+
+static __host__ __device__ __forceinline__ Segment segment(const Geometry& g, int s, int d, int i) {
+  Segment x;
+  if (!g.causal) {  // rotated: slot j holds rank d + 1 + j, so d's own shard is the last slot (walked first)
+    const uint32_t slot = (uint32_t)((s - d - 1 + 2 * g.world) % g.world);
+    x.src_row = 0, x.rows = g.count, x.dst_row = slot * g.count, x.chunk = slot;
+  } else if (!g.zigzag) {
+    x.src_row = 0, x.rows = g.count, x.dst_row = (uint32_t)s * g.count, x.chunk = (uint32_t)s;
+  } else {
+    const uint32_t half = g.count / 2, c = i == 0 ? (uint32_t)s : (uint32_t)(2 * g.world - 1 - s);
+    x.src_row = i == 0 ? 0 : half, x.rows = half, x.dst_row = c * half, x.chunk = c;
+  }
+  return x;
+}
+
+// The first KV chunk of another rank that rank's attention producer reads (its first tile has
+// the last positions and walks its blocks downwards): `skip_wait`'s chunk; -1 if none.
+static __host__ __forceinline__ int first_remote_chunk(const Geometry& g, int rank) {
+  if (!g.causal) return g.world - 2;
+  int owner[2 * MAX_WORLD];
+  for (int s = 0; s < g.world; ++s)
+    for (int i = 0; i < segments(g); ++i) owner[segment(g, s, rank, i).chunk] = s;
+  const int top = g.zigzag ? 2 * g.world - 1 - rank : rank;
+  for (int c = top; c >= 0; --c)
+    if (owner[c] != rank) return c;
+  return -1;
+}
+
+// ---------------------------------------------------------------------------
+// Device: the SM push. Every CTA copies a share of this rank's K and V rows to each receiver
+// in turn (ourselves first, then rank + 1, rank + 2, ...: rank + 1 reads our rows right after
+// its own), after the receiver's FREE; the last CTA done with a receiver raises its READY
+// signals. 16-byte vectors, grid-stride over (line, vector).
+// ---------------------------------------------------------------------------
+static __device__ __forceinline__ void copy_piece(char* dst, const char* src, const Geometry& g, const Segment& x) {
+  const uint64_t width = (uint64_t)x.rows * g.row_bytes / 16;  // vectors per line
+  const uint64_t total = width * g.lines;
+  const uint64_t src_pitch = (uint64_t)g.count * g.row_bytes, dst_pitch = (uint64_t)g.world * src_pitch;
+  const char* from = src + (uint64_t)x.src_row * g.row_bytes;
+  char* to = dst + (uint64_t)x.dst_row * g.row_bytes;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t line = i / width, col = i % width;
+    const uint4 v = *reinterpret_cast<const uint4*>(from + line * src_pitch + col * 16);
+    *reinterpret_cast<uint4*>(to + line * dst_pitch + col * 16) = v;
+  }
+}
+
+template <int WORLD>
+static __device__ __forceinline__ void push_body(char* const* peers, int rank, const uint64_t* calls, uint64_t* sig,
+                                                 const char* k, const char* v, char* k_full, char* v_full,
+                                                 Geometry g) {
+  const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
+  for (int i = 0; i < WORLD; ++i) {
+    const int d = (rank + i) % WORLD;
+    if (d != rank) {  // d's previous call no longer reads its gathered buffers
+      if (threadIdx.x == 0) wait_ge_acquire_sys(sig + FREE + d, epoch, tsgen_make_site("sig.free", rank, rank, FREE + d));
+      __syncthreads();
+    }
+    char* kd = tsgen_peer_ptr(k_full, peers, rank, d);
+    char* vd = tsgen_peer_ptr(v_full, peers, rank, d);
+    for (int s = 0; s < segments(g); ++s) {
+      const Segment x = segment(g, rank, d, s);
+      copy_piece(kd, k, g, x);
+      copy_piece(vd, v, g, x);
+    }
+    __threadfence_system();  // this thread's stores, before the CTA is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + ARRIVED + d, 1ull);
+      if (before + 1 == (uint64_t)gridDim.x) {  // every CTA's share landed (acquired through the counter)
+        st_relaxed_gpu_global_u64(sig + ARRIVED + d, 0ull);  // for the next call (stream order)
+        fence_acq_rel_sys();
+        uint64_t* at = tsgen_peer_ptr(sig, peers, rank, d);
+        for (int s = 0; s < segments(g); ++s) st_release_sys_global_u64(at + READY + segment(g, rank, d, s).chunk, epoch);
+      }
+    }
+  }
+}
+
+// The copy engine's copies to `target` completed before this one-block kernel started (stream
+// order): raise their READY signals at target.
+static __device__ __forceinline__ void signal_body(char* const* peers, int rank, const uint64_t* calls, uint64_t* sig,
+                                                   int target, Geometry g) {
+  const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
+  __threadfence_system();
+  if (threadIdx.x != 0) return;
+  uint64_t* at = tsgen_peer_ptr(sig, peers, rank, target);
+  for (int s = 0; s < segments(g); ++s) st_release_sys_global_u64(at + READY + segment(g, rank, target, s).chunk, epoch);
+}
+
+}  // namespace tsgen_cp
+
+#endif  // TSGEN_CP_CUH

@@ -1,0 +1,238 @@
+"""The `cp_attention` op on the CPU: spec errors, the shared-GPU fit, the NumPy reference
+(attention over the whole sequence at each rank's rows) against a brute-force loop over
+positions, the chunk geometry (Python's `segments` against the header's, compiled as host
+code), rendering, and the sm_90a build of every kernel without spills. No GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_problems
+from tsgen.errors import RuntimeSetupError
+from tsgen.ops import get_family
+from tsgen.ops.collectives import to_f64
+from tsgen.ops.cp_attention import first_remote_chunk, kv_chunk, positions, segments
+from tsgen.render import render
+from tsgen.spec import load_spec, spec_variant
+from tsgen.toolchain import compile_source, find_nvcc, gencode_flags
+
+SHIPPED = ["cp_attention", "cp_attention_zigzag_causal", "cp_attention_zigzag_causal_sm"]
+CP = "name: a\nop: cp_attention\nworld_sizes: [2, 4]\n"
+needs_nvcc = compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
+
+
+def variant(name, base="cp_attention", **changes):
+    return spec_variant(load_spec(ROOT / "specs" / f"{base}.yaml"), {**changes, "name": name})
+
+
+# ---------------------------------------------------------------------------
+# Spec
+# ---------------------------------------------------------------------------
+
+BAD = [
+    ("kv_heads_divide", CP + "params:\n  heads: 32\n  kv_heads: 5\n",
+     ["7:3: params.kv_heads: 5 KV heads do not divide 32 query heads"]),
+    ("layout", CP + "params:\n  layout: ring\n", ["6:3: params.layout: Input should be 'contiguous' or 'zigzag'"]),
+    ("gather", CP + "params:\n  gather: nvshmem\n", ["6:3: params.gather: Input should be 'copy_engine' or 'sm'"]),
+    ("one_rank", "name: a\nop: cp_attention\nworld_sizes: [1]\n",
+     ["4:15: world_sizes[0]: Input should be greater than or equal to 2"]),
+    ("zigzag_odd_count", CP + "params:\n  layout: zigzag\ntest:\n  count: 999\n",
+     ["8:3: test.count: 999 rows per rank: zigzag splits them into two chunks, so the count must be even"]),
+    ("skip_wait_ce", CP + "params:\n  skip_wait: true\n",
+     ["6:3: params.skip_wait: the negative control runs on a shared GPU: needs gather: sm"]),
+    ("registers", CP + "params:\n  tile: {n: 192}\n",
+     ["6:10: params.tile.n: head_dim 128 with blocks of 192 keys needs 208 accumulator registers per consumer thread "
+      "(S 96, O 64, P 48); at most 200 fit: use a smaller tile.n"]),
+    ("threads", CP + "launch:\n  threads: 256\n", ["6:3: launch.threads: Input should be 384"]),
+]
+
+
+@pytest.mark.parametrize("text,expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_spec(tmp_path, text, expected):
+    assert spec_problems(tmp_path, text) == expected
+
+
+def test_shipped_specs_and_render():
+    for name in SHIPPED:
+        loaded = load_spec(ROOT / "specs" / f"{name}.yaml")
+        spec = loaded.model
+        assert spec.world_sizes == [2, 4, 8] and not spec.params.skip_wait, name
+        assert spec.test.count % spec.params.tile.m and spec.test.iters >= 20, "odd lengths, 20 calls"
+        r = render(loaded, base=ROOT)
+        assert r.source == render(loaded, base=ROOT).source, "rendering is deterministic"
+        assert r.files() == {n: (ROOT / "generated" / n).read_text() for n in r.files()}, "generated/ is stale"
+        assert "NEGATIVE CONTROL" not in r.source and "tsgen_skew" not in r.source
+    manifest = json.loads((ROOT / "generated" / "cp_attention.json").read_text())
+    k = manifest["kernels"][0]
+    assert [a["name"] for a in k["launcher_args"]][:6] == ["peers", "peers_host", "rank", "calls", "count", "q"]
+    assert [b["name"] for b in manifest["buffers"]] == ["calls", "q", "k", "v", "o", "lse", "k_full", "v_full", "sig"]
+
+
+def test_negative_control_and_skew_render():
+    v = variant("neg", base="cp_attention_zigzag_causal_sm", params={"skip_wait": True})
+    source = render(v, base=ROOT, skew=7).source
+    assert "NEGATIVE CONTROL" in source and "tsgen_skew(rank, ld_relaxed_gpu_global_u64(calls));" in source
+
+
+def test_shared_fit():
+    family = get_family("cp_attention")
+    sm = variant("s", base="cp_attention_zigzag_causal_sm").model
+    assert family.shared_fit(sm, 1, 132) == {}
+    assert family.shared_fit(sm, 2, 132) == {"launch": {"blocks": 58}}  # 66 per rank, 8 for the push
+    assert family.shared_fit(sm, 8, 132) == {"launch": {"blocks": 12}, "params": {"gather_blocks": 4}}
+    ce = variant("c").model
+    assert family.copy_engine(ce) and not family.copy_engine(sm)
+    assert family.shared_fit(ce, 4, 132) == {"launch": {"blocks": 31}}
+    with pytest.raises(RuntimeSetupError, match="ranks on one GPU"):
+        family.shared_fit(sm, 8, 8)
+
+
+# ---------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------
+
+
+def brute_force(q, k, v, world, count, layout, causal, scale, group):
+    """Per rank, per row, per head: the softmax over every key of every rank, by explicit
+    positions (contiguous: r count + i; zig-zag: chunk r for the first half, 2P-1-r after)."""
+    def pos(r, i):
+        if layout == "contiguous":
+            return r * count + i
+        h = count // 2
+        return r * h + i if i < h else (2 * world - 1 - r) * h + i - h
+
+    keys = [(pos(s, j), s, j) for s in range(world) for j in range(count)]
+    out_o, out_lse = [], []
+    for r in range(world):
+        b_, n, heads, d = q[r].shape
+        o, lse = np.zeros(q[r].shape), np.zeros((b_, heads, n))
+        for b in range(b_):
+            for i in range(n):
+                for h in range(heads):
+                    vis = [(s, j) for p, s, j in keys if not causal or p <= pos(r, i)]
+                    sc = np.array([scale * q[r][b, i, h] @ k[s][b, j, h // group] for s, j in vis])
+                    m = sc.max()
+                    e = np.exp(sc - m)
+                    o[b, i, h] = sum(w * v[s][b, j, h // group] for w, (s, j) in zip(e, vis)) / e.sum()
+                    lse[b, h, i] = m + math.log(e.sum())
+        out_o.append(o)
+        out_lse.append(lse)
+    return out_o, out_lse
+
+
+@pytest.mark.parametrize("layout,causal,tensors", [("contiguous", False, "bshd"), ("contiguous", True, "bhsd"),
+                                                   ("zigzag", True, "bshd"), ("zigzag", False, "bhsd")])
+def test_reference_against_brute_force(layout, causal, tensors):
+    world, count = 3, 6
+    v = variant("r", world_sizes=[world], params={"head_dim": 64, "heads": 4, "kv_heads": 2, "batch": 2,
+                                                  "layout": layout, "causal": causal, "tensors": tensors},
+                test={"count": count})
+    spec, family = v.model, get_family("cp_attention")
+    inputs = family.make_inputs(spec, world, count, np.random.default_rng(1), pattern=True)
+    ref = family.reference(spec, world, count, inputs)
+    tol = family.tolerance(spec, world, count, inputs)
+
+    def shaped(name, heads, r):
+        x = to_f64(inputs[name][r], spec.dtype)
+        return x.reshape(2, count, heads, 64) if tensors == "bshd" else x.reshape(2, heads, count, 64).transpose(0, 2, 1, 3)
+
+    q = [shaped("q", 4, r) for r in range(world)]
+    k = [shaped("k", 2, r) for r in range(world)]
+    vv = [shaped("v", 2, r) for r in range(world)]
+    o, lse = brute_force(q, k, vv, world, count, layout, causal, 1 / 8, 2)
+    for r in range(world):
+        got = to_f64(ref["o"][r], spec.dtype)
+        want = (o[r] if tensors == "bshd" else o[r].transpose(0, 2, 1, 3)).reshape(-1)
+        assert np.all(np.abs(got - want) <= 2.0**-8 * np.abs(want) + 1e-12), "rounded once to bf16"
+        assert np.allclose(ref["lse"][r], lse[r].reshape(-1), rtol=1e-6)
+        assert tol["o"][r].shape == got.shape and tol["lse"][r].shape == lse[r].reshape(-1).shape
+    assert family.outputs(spec, world, count, inputs) is family.outputs(spec, world, count, inputs), "cached per call"
+
+
+def test_positions_and_segments():
+    for world in (2, 3, 4, 8):
+        for count in (2, 6, 250):
+            for layout in ("contiguous", "zigzag"):
+                pos = [positions(layout, world, count, r) for r in range(world)]
+                assert sorted(np.concatenate(pos).tolist()) == list(range(world * count)), "a partition"
+                for causal in (False, True):
+                    chunk = kv_chunk(layout, causal, count)
+                    for d in range(world):
+                        rows, chunks = [], []
+                        for s in range(world):
+                            for src, n, dst, c in segments(layout, causal, world, count, s, d):
+                                rows += list(range(dst, dst + n))
+                                chunks.append(c)
+                                assert dst == c * chunk and n == chunk
+                                if causal:  # position order: gathered row = position
+                                    assert pos[s][src:src + n].tolist() == list(range(dst, dst + n))
+                        assert sorted(rows) == list(range(world * count)) and len(set(chunks)) == len(chunks)
+                        if not causal:  # d's own shard is the last slot: walked first
+                            assert segments(layout, False, world, count, d, d)[0][3] == world - 1
+                        first = first_remote_chunk(layout, causal, world, count, d)
+                        assert first == -1 if (causal and layout == "contiguous" and d == 0) else first >= 0
+
+
+# ---------------------------------------------------------------------------
+# Build: the header's geometry as host code, every kernel without spills
+# ---------------------------------------------------------------------------
+
+GEOMETRY = r"""
+#include "SOURCE"
+#include <cstdlib>
+int main(int argc, char** argv) {
+  const int world = atoi(argv[1]);
+  const tsgen_cp::Geometry g = MODULE::geometry(world, atoi(argv[2]));
+  printf("C %u\n", tsgen_cp::kv_chunk(g));
+  for (int d = 0; d < world; ++d) {
+    printf("F %d %d\n", d, tsgen_cp::first_remote_chunk(g, d));
+    for (int s = 0; s < world; ++s)
+      for (int i = 0; i < tsgen_cp::segments(g); ++i) {
+        const tsgen_cp::Segment x = tsgen_cp::segment(g, s, d, i);
+        printf("S %d %d %u %u %u %u\n", s, d, x.src_row, x.rows, x.dst_row, x.chunk);
+      }
+  }
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True), ("zigzag", True),
+                                           ("zigzag", False)])
+def test_header_geometry_matches_python(tmp_path, layout, causal):
+    loaded = variant("g", params={"layout": layout, "causal": causal, "tensors": "bhsd"})
+    source = rendered_source(loaded, tmp_path)
+    main = tmp_path / "geometry.cu"
+    main.write_text(GEOMETRY.replace("SOURCE", str(source)).replace("MODULE", "g"))
+    exe = tmp_path / "geometry"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-w", "-o", str(exe), str(main)],
+                   check=True, capture_output=True)
+    for world, count in ((2, 250), (3, 6), (8, 1000)):
+        out = subprocess.run([str(exe), str(world), str(count)], capture_output=True, text=True, check=True).stdout
+        want = [f"C {kv_chunk(layout, causal, count)}"]
+        for d in range(world):
+            want.append(f"F {d} {first_remote_chunk(layout, causal, world, count, d)}")
+            for s in range(world):
+                want += [f"S {s} {d} {a} {b} {c} {e}" for a, b, c, e in segments(layout, causal, world, count, s, d)]
+        assert out.split("\n")[:-1] == want
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", SHIPPED)
+def test_compiles_without_spills(name):
+    res = compile_source(ROOT / "generated" / f"{name}.cu", mode="shared")
+    kernels = {k: v for k, v in res.report.items() if k.startswith(name + "_")}
+    expected = {f"{name}_attention"} | {f"{name}_w{w}_sync" for w in (2, 4, 8)}
+    if name.endswith("_sm"):
+        expected |= {f"{name}_w{w}_push" for w in (2, 4, 8)}
+    assert set(kernels) == expected
+    assert kernels[f"{name}_attention"]["registers"] == 168  # setmaxnreg's 40 / 232 split, as the attention op
+    for k, entry in kernels.items():
+        assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (k, entry)
+    assert kernels[f"{name}_attention"]["stack_frame"] == 0

@@ -1,0 +1,368 @@
+"""cp_attention: context-parallel flash attention with an overlapped K / V all-gather.
+
+Rank r holds Q, K and V of `count` = S / P positions of each of params.batch sequences
+(P ranks, S the whole sequence) and computes O and LSE of its own queries against every
+key of the sequence:
+
+  layout contiguous  rank r holds positions [r S/P, (r + 1) S/P)
+  layout zigzag      rank r holds chunks r and 2P - 1 - r of 2P chunks of S / 2P positions
+                     (its first count / 2 rows, then the other count / 2): causal work is
+                     the same on every rank; count must be even
+
+Tensors in the user's layout (params.tensors): bshd = q, o [batch, count, heads, head_dim],
+k, v [batch, count, kv_heads, head_dim]; bhsd = [batch, heads, count, head_dim]; lse fp32
+[batch, heads, count]. The result equals attention over the whole sequence (the rows of all
+ranks in position order), restricted to this rank's rows (see `reference`).
+
+One call (the host launcher, templates/ops/cp_attention.cu.j2 over
+templates/include/tsgen_cp.cuh and tsgen_attention.cuh):
+  * an entry kernel advances the call counter (the epoch) and tells every peer that this
+    rank's previous call no longer reads its gathered buffers (FREE);
+  * the gather writes this rank's K and V rows into every rank's symmetric k_full / v_full
+    (its own included), each chunk raising sig[READY + c] = epoch at its receiver:
+    gather copy_engine: cudaMemcpy2DAsync on a side stream, a one-block signal kernel after
+    each receiver's copies (no SM taken from attention but those); gather sm: a push kernel
+    of params.gather_blocks CTAs on a side stream (the variant that runs where ranks share a
+    GPU: copies between ranks of one GPU stalled there, docs/lab/shared_gpu.md);
+  * meanwhile the attention kernel (the `attention` op's, with its per-KV-chunk waits)
+    reads k_full / v_full: its producer waits for sig[READY + c] >= epoch before the first
+    block of chunk c. Causal: k_full is in position order (chunk c = positions
+    [c kv_chunk, (c + 1) kv_chunk)) and the queries carry their positions (the zig-zag
+    pair too), so the kernel starts on the diagonal, this rank's own chunk. Not causal:
+    positions do not matter, and the shards are stored rotated (slot j holds rank
+    r + 1 + j's rows) so the last slot, walked first, is this rank's own;
+  * the attention grid is persistent and leaves SMs to the gather (a plain grid of waiting
+    CTAs could take every SM from the kernels that raise what they wait for).
+Nothing is reset between calls: signals count epochs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from ..errors import RuntimeSetupError
+from ..runtime.placement import fit_blocks
+from ..spec_types import SpecBase, StrictModel, WorldSizes
+from .attention import (AttentionFamily, AttentionTile, attention_reference, flops, from_bshd, scale_of, smem_bytes,
+                        to_bshd)
+from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, ModuleAbi, OpFamily
+from .collectives import from_f64, to_f64
+from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
+
+MAX_WORLD = 8  # tsgen_cp::MAX_WORLD
+SIGNALS = 4 * MAX_WORLD  # tsgen_cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
+CE_RESERVE_SMS = 2  # gather copy_engine: SMs the attention leaves to the one-block signal kernels
+
+
+class CpAttentionParams(StrictModel):
+    head_dim: Literal[64, 128] = Field(128, description="Q, K, V and O columns per head")
+    heads: int = Field(32, ge=1, le=1024, description="query heads")
+    kv_heads: int = Field(8, ge=1, le=1024, description="K and V heads; divides heads (grouped-query attention)")
+    batch: int = Field(1, ge=1, le=1 << 20, description="sequences per call (compile-time)")
+    causal: bool = Field(False, description="a query sees only keys at positions <= its own")
+    softmax_scale: float | None = Field(None, gt=0, description="scale of Q K^T; default 1 / sqrt(head_dim)")
+    layout: Literal["contiguous", "zigzag"] = Field(
+        "contiguous", description="which positions a rank holds: contiguous = [r S/P, (r+1) S/P); zigzag = chunks "
+        "r and 2P-1-r of S/2P positions (causal work balanced; count must be even)")
+    tensors: Literal["bshd", "bhsd"] = Field(
+        "bshd", description="bshd: [batch, seq, heads, head_dim]; bhsd: [batch, heads, seq, head_dim]")
+    gather: Literal["copy_engine", "sm"] = Field(
+        "copy_engine", description="copy_engine: the K / V all-gather is cudaMemcpy2DAsync on a side stream (no SMs "
+        "but the signal kernels'); sm: a push kernel of gather_blocks CTAs (runs on a GPU shared by ranks)")
+    gather_blocks: int = Field(8, ge=1, le=64, description="gather sm: CTAs of the push kernel (the attention "
+                               "grid leaves as many SMs free for it)")
+    tile: AttentionTile = AttentionTile()
+    stages: int = Field(2, ge=1, le=8, description="K and V blocks in flight (each its own ring)")
+    pingpong: bool = Field(True, description="the two consumer warpgroups take turns issuing their GEMMs")
+    skip_wait: bool = Field(
+        False, description="test-only negative control: the attention kernel does not wait for the first remote "
+        "KV chunk it reads (a correct run must then fail under rank skew); never in a shipped spec")
+
+
+class CpAttentionLaunch(StrictModel):
+    blocks: int = Field(0, ge=0, le=1 << 20,
+                        description="attention CTAs (persistent, each walking tiles blockIdx.x, + N, ...); 0: every "
+                        "SM but those the gather needs (gather_blocks, or 2 for the copy engine's signal kernels)")
+    threads: Literal[384] = Field(384, description="one producer + two consumer warpgroups")
+
+
+class CpAttentionSpec(SpecBase):
+    """Spec of op `cp_attention`: context-parallel attention, K and V all-gathered per chunk."""
+
+    op: Literal["cp_attention"]
+    world_sizes: WorldSizes
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Q, K, V and O element type")
+    params: CpAttentionParams = CpAttentionParams()
+    launch: CpAttentionLaunch = CpAttentionLaunch()
+
+
+# ---------------------------------------------------------------------------
+# Positions and chunks (the same arithmetic as tsgen_cp::Geometry)
+# ---------------------------------------------------------------------------
+
+
+def positions(layout: str, world: int, count: int, rank: int) -> np.ndarray:
+    """Global positions of rank's `count` local rows."""
+    r = np.arange(count, dtype=np.int64)
+    if layout == "contiguous":
+        return rank * count + r
+    half = count // 2
+    return np.where(r < half, rank * half + r, (2 * world - 1 - rank) * half + (r - half))
+
+
+def segments(layout: str, causal: bool, world: int, count: int, source: int, dest: int) -> list[tuple]:
+    """(source row, rows, gathered row, chunk) of each piece of `source`'s K / V in `dest`'s
+    k_full / v_full. Causal: position order (zig-zag: two chunks of count / 2); not causal:
+    whole shards rotated so that dest's own shard is the last slot."""
+    if not causal:
+        slot = (source - dest - 1) % world
+        return [(0, count, slot * count, slot)]
+    if layout == "contiguous":
+        return [(0, count, source * count, source)]
+    half = count // 2
+    second = 2 * world - 1 - source
+    return [(0, half, source * half, source), (half, half, second * half, second)]
+
+
+def kv_chunk(layout: str, causal: bool, count: int) -> int:
+    return count // 2 if causal and layout == "zigzag" else count
+
+
+def first_remote_chunk(layout: str, causal: bool, world: int, count: int, rank: int) -> int:
+    """The first KV chunk held by another rank that rank's attention producer reads (its first
+    tile: the one with the last positions, walked from its last visible block down): the wait
+    `skip_wait` removes. -1 when there is none (rank 0, causal contiguous)."""
+    if not causal:
+        return world - 2
+    owner = {seg[3]: s for s in range(world) for seg in segments(layout, True, world, count, s, rank)}
+    top = rank if layout == "contiguous" else 2 * world - 1 - rank
+    return next((c for c in range(top, -1, -1) if owner[c] != rank), -1)
+
+
+class CpAttentionBench(BenchConventions):
+    """Size = S, the whole sequence (count = S / world per rank). FLOPs per GPU from the family
+    (`flops`), NVLink bytes its K and V rows to every peer. Baseline, one process per GPU
+    (tsgen/bench/torch_ops.py cp_worker): PyTorch all_gather_into_tensor of K and V, then SDPA of
+    the local queries over the whole sequence (a position mask where causal). Timed eagerly
+    (side streams), checked on sampled query rows of sequence 0 of every rank."""
+
+    kind = "fused"
+    size_unit = "rows"
+    default_sizes = "8192,16384,32768"
+    metric = "TFLOPs"
+    baselines = ("torch_sdpa_cp",)
+    graphs = False
+    check = "rows"
+
+    def case(self, family, spec, world, size):
+        count = size // world
+        if size % world or (spec.params.layout == "zigzag" and count % 2):
+            raise RuntimeSetupError(f"{spec.name}: S = {size} positions do not split over {world} ranks"
+                                    f"{' into two zig-zag chunks each' if spec.params.layout == 'zigzag' else ''}")
+        return BenchCase(size, count, flops=family.flops(spec, world, count),
+                         link_bytes=family.bytes_moved(spec, world, count))
+
+    def group_shape(self, spec):
+        p = spec.params
+        return f"/b{p.batch}/h{p.heads}/kv{p.kv_heads}/d{p.head_dim}/{p.layout}{'/causal' if p.causal else ''}"
+
+    def check_rows(self, family, spec, world, count, fetch):
+        """O at sampled rows of sequence 0 of each rank against float32 attention of those
+        queries over every rank's K and V at their positions."""
+        p = spec.params
+
+        def tensor(name, r, heads):
+            x = to_f64(fetch(name, r, 0, p.batch * count * heads * p.head_dim), spec.dtype).astype(np.float32)
+            return to_bshd(x, p.batch, count, heads, p.head_dim, p.tensors)[:1]
+
+        pos = [positions(p.layout, world, count, r) for r in range(world)]
+        k = np.zeros((1, world * count, p.kv_heads, p.head_dim), np.float32)
+        v = np.zeros_like(k)
+        for r in range(world):
+            k[:, pos[r]], v[:, pos[r]] = tensor("k", r, p.kv_heads), tensor("v", r, p.kv_heads)
+        worst = 0.0
+        for r in range(world):
+            rows = sample_rows(count)
+            ref, _ = attention_reference(tensor("q", r, p.heads)[:, rows], k, v, scale_of(spec), p.causal,
+                                         q_pos=pos[r][rows])
+            worst = max(worst, rel_err(tensor("o", r, p.heads)[:, rows], ref))
+        return worst
+
+
+class CpAttentionFamily(OpFamily):
+    kind = "cp_attention"
+    Spec = CpAttentionSpec
+    template = "cp_attention.cu.j2"
+    count_unit = "rows"  # S / P positions per rank
+    host_launch = True
+    bench = CpAttentionBench()
+    summary = ("context-parallel attention: K and V all-gathered chunk by chunk into symmetric buffers (copy engine "
+               "or SM push, a signal per chunk) while the flash-attention kernel waits per chunk; contiguous or "
+               "zig-zag positions, causal, GQA; O and LSE of the local queries")
+
+    def summary_of(self, spec):
+        p = spec.params
+        return (f"context-parallel attention ({p.layout}, {'causal' if p.causal else 'not causal'}): K and V "
+                f"all-gathered chunk by chunk ({'copy engine on a side stream' if p.gather == 'copy_engine' else 'SM push kernel on a side stream'}), "
+                "a signal per chunk, while the flash-attention kernel waits per chunk; O and LSE of the local queries")
+
+    @staticmethod
+    def copy_engine(spec) -> bool:
+        """Refused on a shared GPU (tsgen.harness.shared_gpu_variant)."""
+        return spec.params.gather == "copy_engine"
+
+    def check(self, spec):
+        p = spec.params
+        problems = AttentionFamily().check(spec)
+        if max(spec.world_sizes) > MAX_WORLD:
+            problems.append((("world_sizes",), f"at most {MAX_WORLD} ranks (the signals of tsgen_cp.cuh)"))
+        if min(spec.world_sizes) < 2:
+            problems.append((("world_sizes",), "context parallelism needs at least 2 ranks (one GPU: op attention)"))
+        if p.layout == "zigzag" and spec.test.count % 2:
+            problems.append((("test", "count"),
+                             f"{spec.test.count} rows per rank: zigzag splits them into two chunks, so the count "
+                             "must be even"))
+        if p.skip_wait and p.gather != "sm":
+            problems.append((("params", "skip_wait"), "the negative control runs on a shared GPU: needs gather: sm"))
+        return problems
+
+    def shared_fit(self, spec, colocated, sms):
+        """Each rank's share of the GPU: the push kernel's CTAs (at most a quarter of the share)
+        and the persistent attention grid in the rest."""
+        if colocated == 1:
+            return {}
+        p = spec.params
+        room = sms // colocated
+        reserve = min(p.gather_blocks, max(1, room // 4)) if p.gather == "sm" else CE_RESERVE_SMS
+        blocks = fit_blocks(spec.launch.blocks or room, colocated, sms, reserve=reserve)
+        updates = {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+        if p.gather == "sm" and reserve != p.gather_blocks:
+            updates["params"] = {"gather_blocks": reserve}
+        return updates
+
+    def buffers(self, spec):
+        p = spec.params
+        kv = p.batch * p.kv_heads * p.head_dim
+        return (
+            Buffer("q", spec.dtype, "input", per_count=p.batch * p.heads * p.head_dim),
+            Buffer("k", spec.dtype, "input", per_count=kv),
+            Buffer("v", spec.dtype, "input", per_count=kv),
+            Buffer("o", spec.dtype, "output", per_count=p.batch * p.heads * p.head_dim),
+            Buffer("lse", "float32", "output", per_count=p.batch * p.heads),
+            Buffer("k_full", spec.dtype, "scratch", per_count=0, per_world_count=kv),  # the whole sequence's K
+            Buffer("v_full", spec.dtype, "scratch", per_count=0, per_world_count=kv),
+            Buffer("sig", "uint64", "signal", per_count=0, fixed=SIGNALS),
+        )
+
+    def constants(self, spec):
+        p = spec.params
+        return {
+            "HEAD_DIM": p.head_dim,
+            "HEADS": p.heads,
+            "KV_HEADS": p.kv_heads,
+            "BATCH": p.batch,
+            "TILE_M": p.tile.m,
+            "TILE_N": p.tile.n,
+            "STAGES": p.stages,
+            "CAUSAL": int(p.causal),
+            "PINGPONG": int(p.pingpong),
+            "KV_WAITS": 1,
+            "BHSD": int(p.tensors == "bhsd"),
+            "ZIGZAG": int(p.layout == "zigzag"),
+            "SM_GATHER": int(p.gather == "sm"),
+            "GATHER_BLOCKS": p.gather_blocks,
+            "RESERVE_SMS": p.gather_blocks if p.gather == "sm" else CE_RESERVE_SMS,
+            "SKIP_WAIT": int(p.skip_wait),
+            "THREADS": spec.launch.threads,
+            "BLOCKS": spec.launch.blocks,
+            "SMEM_BYTES": smem_bytes(spec),
+        }
+
+    def abi(self, spec):
+        buffers = (CALLS,) + self.buffers(spec)
+        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
+            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
+        # the copy engine's copies address peers' k_full / v_full from the host: the host copy of the table
+        launcher_args = args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + args[1:]
+        kernels = tuple(
+            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
+                   smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
+            for w in spec.world_sizes)
+        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
+
+    def template_vars(self, spec):
+        args = self.abi(spec).kernels[0].launcher_args
+        scale = scale_of(spec)
+        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
+                "launcher_arg_names": ", ".join(a.name for a in args),
+                "softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
+
+    # -- reference ----------------------------------------------------------
+    def make_inputs(self, spec, world, count, rng, pattern):
+        """Normal random Q, K, V on every rank (a pattern would make every score alike)."""
+        out = {}
+        for b in self.buffers(spec):
+            if b.role == "input":
+                out[b.name] = [from_f64(rng.standard_normal(b.elems(count, world)), spec.dtype) for _ in range(world)]
+        return out
+
+    def whole(self, spec, world, count, inputs):
+        """Float64 Q, K, V of the whole sequence [batch, S, heads, d] (every rank's rows at their
+        positions), and each rank's positions."""
+        p = spec.params
+        pos = [positions(p.layout, world, count, r) for r in range(world)]
+        full = {}
+        for name, heads in (("q", p.heads), ("k", p.kv_heads), ("v", p.kv_heads)):
+            x = np.zeros((p.batch, world * count, heads, p.head_dim))
+            for r in range(world):
+                x[:, pos[r]] = to_bshd(to_f64(inputs[name][r], spec.dtype), p.batch, count, heads, p.head_dim,
+                                       p.tensors)
+            full[name] = x
+        return full, pos
+
+    def outputs(self, spec, world, count, inputs):
+        """Attention over the whole sequence, then each rank's rows: O [batch, count, heads, d]
+        and LSE [batch, heads, count] per rank (float64; cached for the call's tolerance)."""
+        cached = getattr(self, "_cached", None)
+        if cached is not None and cached[0] is inputs and cached[1] == (spec.name, world, count):
+            return cached[2]
+        p = spec.params
+        full, pos = self.whole(spec, world, count, inputs)
+        o, lse = attention_reference(full["q"], full["k"], full["v"], scale_of(spec), p.causal)
+        result = ([o[:, pos[r]] for r in range(world)], [lse[:, :, pos[r]] for r in range(world)],
+                  max(np.abs(full["v"]).max(initial=0), 0.0))
+        self._cached = (inputs, (spec.name, world, count), result)
+        return result
+
+    def reference(self, spec, world, count, inputs):
+        o, lse, _ = self.outputs(spec, world, count, inputs)
+        t = spec.params.tensors
+        return {"o": [from_f64(from_bshd(x, t).reshape(-1), spec.dtype) for x in o],
+                "lse": [x.reshape(-1).astype(np.float32) for x in lse]}
+
+    def tolerance(self, spec, world, count, inputs):
+        """As the attention op's: a unit in the last place of O plus the rounding of P to 16 bits
+        (at most 2 ulp of max|v|); LSE 1e-3 relative (absolute below 1)."""
+        o, lse, vmax = self.outputs(spec, world, count, inputs)
+        ulp = 2.0**-7 if spec.dtype == "bfloat16" else 2.0**-10
+        t = spec.params.tensors
+        return {"o": [ulp * np.abs(from_bshd(x, t).reshape(-1)) + 2 * ulp * vmax for x in o],
+                "lse": [1e-3 * np.maximum(1.0, np.abs(x.reshape(-1))) for x in lse]}
+
+    def bytes_moved(self, spec, world, count):
+        """This rank's K and V rows into every peer's gathered buffers."""
+        p = spec.params
+        return 2 * (world - 1) * p.batch * count * p.kv_heads * p.head_dim * 2
+
+    def flops(self, spec, world, count) -> float:
+        """Per rank: its count queries against the whole sequence (halved for causal: zig-zag
+        balances it; contiguous ranks differ, this is their mean)."""
+        p = spec.params
+        return flops(p.batch, count, world * count, p.heads, p.head_dim, p.causal)
+
+
+FAMILIES: list[OpFamily] = [CpAttentionFamily()]
