@@ -13,7 +13,7 @@ export TSGEN_SHARE_GPUS=1
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
 step "compile cp_attention specs" 60 python3 -m tsgen build specs/cp_attention.yaml \
   specs/cp_attention_zigzag_causal.yaml specs/cp_attention_zigzag_causal_sm.yaml --compile
-step "shared-GPU tests (worlds 2 4 8)" 150 python3 -m pytest -q -m gpu tests/test_cp_attention_gpu.py \
+step "shared-GPU tests (worlds 2 4 8)" 150 python3 -m pytest -q -m gpu tests/test_cp_attention_gpu.py -n 4 \
   -p no:cacheprovider -rs --durations=8
 step "wait cost (signals pre-raised)" 50 python3 tools/gpu_cp_attention.py "$OUT" --seqs 8192,16384
 step "bench entry (shared: not comparable)" 40 python3 -m tsgen bench specs/cp_attention_zigzag_causal_sm.yaml \

@@ -55,6 +55,7 @@ from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
 MAX_WORLD = 8  # tsgen_cp::MAX_WORLD
 SIGNALS = 4 * MAX_WORLD  # tsgen_cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
+ENTRY_SMS = 1  # gather sm: the SM the launcher's one-block entry kernel needs beside the push and the attention
 CE_RESERVE_SMS = 2  # gather copy_engine: SMs the attention leaves to the one-block signal kernels
 
 
@@ -231,17 +232,22 @@ class CpAttentionFamily(OpFamily):
         return problems
 
     def shared_fit(self, spec, colocated, sms):
-        """Each rank's share of the GPU: the push kernel's CTAs (at most a quarter of the share)
-        and the persistent attention grid in the rest."""
+        """Each rank's share of the GPU: the push kernel's CTAs (at most a quarter of the share),
+        one SM for the launcher's one-block entry kernel, and the persistent attention grid in
+        the rest. An attention CTA takes a whole SM (its registers), so nothing else runs beside
+        it: without the entry kernel's SM, every SM held spinning kernels of the ranks that had
+        started while a peer's entry kernel waited for one (measured: W 4, rank 0's push waited
+        3 s for sig.free[1])."""
         if colocated == 1:
             return {}
         p = spec.params
         room = sms // colocated
-        reserve = min(p.gather_blocks, max(1, room // 4)) if p.gather == "sm" else CE_RESERVE_SMS
+        gather = min(p.gather_blocks, max(1, room // 4)) if p.gather == "sm" else 0
+        reserve = gather + ENTRY_SMS if p.gather == "sm" else CE_RESERVE_SMS
         blocks = fit_blocks(spec.launch.blocks or room, colocated, sms, reserve=reserve)
         updates = {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
-        if p.gather == "sm" and reserve != p.gather_blocks:
-            updates["params"] = {"gather_blocks": reserve}
+        if p.gather == "sm" and gather != p.gather_blocks:
+            updates["params"] = {"gather_blocks": gather}
         return updates
 
     def buffers(self, spec):
