@@ -17,6 +17,7 @@ import jinja2
 from .files import atomic_write, sweep_temps
 from .lowering import Lowered, banner_first_line, comment_line, lower, spec_display_path  # noqa: F401 (re-exported)
 from .ops.base import ModuleAbi
+from .plan.lower import c_slice, c_tables, emit_defines, share_runs
 from .spec import LoadedSpec
 
 
@@ -43,12 +44,11 @@ def environment() -> jinja2.Environment:
     )
 
     def inline_header(name: str) -> str:
-        text = (root / "include" / name).read_text(encoding="utf-8")
+        text = emit_defines(name, (root / "include" / name).read_text(encoding="utf-8"))
         rule = "// " + "-" * 74
         return f"{rule}\n// Inlined from templates/include/{name}\n{rule}\n{text.rstrip()}\n"
 
     env.globals["inline_header"] = inline_header
-    from .plan.lower import c_slice, c_tables, share_runs
 
     env.globals["c_tables"] = c_tables
     env.globals["c_slice"] = c_slice
