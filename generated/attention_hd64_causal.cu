@@ -1860,8 +1860,7 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 //     walked from the last needed one down, so that masked (diagonal and tail) blocks come
 //     first. With KV_WAITS, before the first block of KV chunk c (kv_chunk rows each) it
 //     waits until kv_signal[c] >= kv_expected (acquire; a sequence-parallel producer of K
-//     and V raises it once the chunk is in place), or >= *kv_epoch where that is given (a
-//     device call counter: cp_attention's epoch, which the host does not know).
+//     and V raises it once the chunk is in place).
 //   * warpgroups 1 and 2, the consumers, take 232 registers and 64 query rows each. Per
 //     block i: S_i = Q K_i^T (wgmma, both operands from shared memory, fp32), then the
 //     online softmax in registers (exp2 with scale * log2(e) folded in, running max m and
@@ -2005,9 +2004,7 @@ struct Layout {
 struct Problem {
   float* lse;                 // [batch, HEADS, q_len]
   const uint64_t* kv_signal;  // KV_WAITS: one signal per KV chunk (nullptr: no waits)
-  uint64_t kv_expected;       // the value each signal must reach, unless kv_epoch is set:
-  const uint64_t* kv_epoch;   //   then the value there (a call counter on the device, read once)
-  int32_t kv_unwaited;        // test-only negative control: the chunk not waited for (-1: none)
+  uint64_t kv_expected;       // the value each signal must reach
   uint32_t kv_chunk;          // KV rows per signal
   uint32_t batch, q_len, kv_len;
   int32_t q_offset, q_split, q_offset2, kv_offset;  // positions: see the top of this file
@@ -2090,7 +2087,7 @@ static __device__ __forceinline__ void load_rows(uint32_t dst, const CUtensorMap
 // KV_WAITS: wait for every KV chunk that block j touches and that this tile has not waited
 // for yet (blocks are walked downwards: `waited` is the lowest chunk already waited for).
 template <class C>
-static __device__ __forceinline__ void wait_chunks(const Problem& p, uint64_t expected, int32_t j, uint32_t& waited) {
+static __device__ __forceinline__ void wait_chunks(const Problem& p, int32_t j, uint32_t& waited) {
   if constexpr (C::KV_WAITS) {
     if (p.kv_signal == nullptr) return;
     const uint32_t first = (uint32_t)j * C::TILE_N / p.kv_chunk;
@@ -2098,7 +2095,7 @@ static __device__ __forceinline__ void wait_chunks(const Problem& p, uint64_t ex
     const uint32_t last = (end - 1) / p.kv_chunk;
     if (first >= waited) return;
     for (uint32_t c = (last < waited ? last : waited - 1) + 1; c-- > first;) {
-      if ((int32_t)c != p.kv_unwaited) C::wait_signal(p.kv_signal + c, expected, (int)c);
+      C::wait_signal(p.kv_signal + c, p.kv_expected, (int)c);
     }
     fence_proxy_async_global();  // the acquired data, visible to the TMA loads that follow
     waited = first;
@@ -2110,7 +2107,6 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
                                                const CUtensorMap* v_map, uint32_t smem, const Problem& p) {
   using L = Layout<C>;
   uint32_t count = 0, tiles = 0;  // KV blocks and tiles loaded so far
-  const uint64_t expected = C::KV_WAITS && p.kv_epoch != nullptr ? ld_relaxed_gpu_global_u64(p.kv_epoch) : p.kv_expected;
   for (uint32_t t = blockIdx.x; t < p.tiles; t += gridDim.x, ++tiles) {
     const Tile tile = tile_of<C>(p, t);
     const int kvh = (int)(tile.head / L::GROUP), h = (int)tile.head, b = (int)tile.batch;
@@ -2126,7 +2122,7 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
     for (int32_t i = 0; i <= tile.blocks; ++i) {
       if (i < tile.blocks) {
         const int32_t j = tile.blocks - 1 - i;
-        wait_chunks<C>(p, expected, j, waited);
+        wait_chunks<C>(p, j, waited);
         const Ring<C> r(count + i);
         const uint32_t full = smem + L::K_FULL + 8 * r.stage;
         mbar_wait(smem + L::K_EMPTY + 8 * r.stage, r.phase ^ 1);  // a fresh barrier passes parity 1
@@ -2555,15 +2551,13 @@ static cudaError_t prepare(const void* kernel) {
 
 // One call. `blocks` = 0: one CTA per tile; else at most `blocks` CTAs walk the tiles.
 // Positions: see the top of this file (q_split >= q_len: one query segment). KV_WAITS
-// kernels wait on kv_signal[c] >= kv_expected (kv_epoch given: >= *kv_epoch, read on the
-// device) before KV chunk c (kv_chunk rows) unless kv_signal is null; chunk kv_unwaited
-// (test-only; -1: none) is not waited for.
+// kernels wait on kv_signal[c] >= kv_expected before KV chunk c (kv_chunk rows) unless
+// kv_signal is null.
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
                           uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
                           int64_t q_offset2, int64_t kv_offset, const uint64_t* kv_signal, uint64_t kv_chunk,
-                          uint64_t kv_expected, int blocks, cudaStream_t stream,
-                          const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1) {
+                          uint64_t kv_expected, int blocks, cudaStream_t stream) {
   using L = Layout<C>;
   if (batch == 0 || q_len == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
@@ -2578,8 +2572,6 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   p.lse = lse;
   p.kv_signal = kv_signal;
   p.kv_expected = kv_expected;
-  p.kv_epoch = kv_epoch;
-  p.kv_unwaited = kv_unwaited;
   p.kv_chunk = (uint32_t)(kv_chunk > 0 ? kv_chunk : 1);
   p.batch = (uint32_t)batch, p.q_len = (uint32_t)q_len, p.kv_len = (uint32_t)kv_len;
   p.q_offset = (int32_t)q_offset, p.q_offset2 = (int32_t)q_offset2, p.kv_offset = (int32_t)kv_offset;

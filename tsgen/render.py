@@ -17,18 +17,23 @@ import jinja2
 from .files import atomic_write, sweep_temps
 from .lowering import Lowered, banner_first_line, comment_line, lower, spec_display_path  # noqa: F401 (re-exported)
 from .ops.base import ModuleAbi
-from .plan.lower import c_slice, c_tables, emit_defines, share_runs
+from .plan.lower import emit_defines
 from .spec import LoadedSpec
 
 
 def templates_dir() -> Path:
-    """templates/ of a source checkout, or the copy installed as tsgen.templates."""
+    """templates/ of the source checkout this package lies in, else the copy installed as
+    tsgen.templates. The checkout's own first: an editable install of another checkout maps
+    tsgen.templates to that checkout's templates, which would render this one's specs."""
+    checkout = Path(__file__).resolve().parents[1] / "templates"
+    if (checkout / "module.cu.j2").is_file() and (checkout / "include" / "tsgen_ptx.cuh").is_file():
+        return checkout
     try:
         import tsgen.templates as installed  # mapped from templates/ by pyproject.toml
 
         return Path(list(installed.__path__)[0])
-    except ImportError:  # pragma: no cover - running from a bare checkout
-        return Path(__file__).resolve().parents[1] / "templates"
+    except ImportError:  # pragma: no cover - neither: a broken install
+        return checkout
 
 
 @lru_cache(maxsize=None)
@@ -50,9 +55,6 @@ def environment() -> jinja2.Environment:
 
     env.globals["inline_header"] = inline_header
 
-    env.globals["c_tables"] = c_tables
-    env.globals["c_slice"] = c_slice
-    env.globals["share_runs"] = share_runs
     return env
 
 

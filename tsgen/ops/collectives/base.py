@@ -14,7 +14,8 @@ import numpy as np
 from pydantic import Field
 
 from ...plan.ir import MAX_WAITS, CommPlan, SignalRef, Step, schedule
-from ...plan.lower import STRAIGHT_LINE_MAX_CALLS, ShareGroup, straight_line_groups, stream_program
+from ...plan.lower import (STRAIGHT_LINE_MAX_CALLS, ShareGroup, c_slice, c_tables, share_runs, straight_line_groups,
+                           stream_program)
 from ...spec_types import Launch, SpecBase, StrictModel
 from ..base import CALLS, Arg, Buffer, ModuleAbi, OpFamily, fill
 from .bench import CollectiveBench
@@ -284,11 +285,19 @@ class CollectiveFamily(OpFamily):
         if self.is_multimem(spec):
             return out
         table = (CALLS,) + tuple(self.buffers(spec))  # the order plan.buffers has
-        out |= {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
+        index = {b.name: i for i, b in enumerate(table)}
         # the SM kernel (collective.cu.j2) raises each rank's opening signal in code
-        out |= {"hoist_opening": self.template_for(spec) == self.template, "straight_line": straight}
+        hoist = self.template_for(spec) == self.template
+        out |= {"comm_plans": plans, "buffer_index": index, "hoist_opening": hoist, "straight_line": straight,
+                # the plans' C rows (templates/ops/plan_tables.cu.j2)
+                "plan_tables": {w: c_tables(cp, index, hoist) for w, cp in plans.items()},
+                "plan_share_runs": {w: share_runs(cp, hoist) for w, cp in plans.items()}}
         if self.copy_engine(spec):
             out["stream_programs"] = {w: [stream_program(cp, r) for r in range(w)] for w, cp in plans.items()}
+            # world size -> rank -> copy step -> (destination, source) tsgen_slice initializers
+            out["copy_slices"] = {w: [{i: (c_slice(cp, index, st.dst), c_slice(cp, index, st.srcs[0]))
+                                       for i, st in enumerate(rp.steps) if st.op == "copy"} for rp in cp.ranks]
+                                  for w, cp in plans.items()}
             out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in abi.kernels[0].launcher_args)
         return out
 
