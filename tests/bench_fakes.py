@@ -12,13 +12,12 @@ the real kernels would; `break_rank` leaves one rank's outputs alone.
 from __future__ import annotations
 
 import contextlib
-import json
 
 import numpy as np
 
 import tsgen.runtime as R
 from tsgen.ops import get_family
-from tsgen.runtime.world import layout, np_dtype
+from tsgen.runtime.world import module_files, np_dtype
 
 HOST_US = 0.05
 
@@ -168,7 +167,7 @@ class FakeCp:
 class Bufs:
     def __init__(self, module, count):
         self.module, self.count = module, count
-        self.slots, self.heap_bytes = layout(module.manifest, count, module.world.size)
+        self.slots, self.heap_bytes = module.manifest.layout(count, module.world.size)
         self.by_name = {s.name: s for s in self.slots}
         self.bases = {r: (r + 1) << 40 for r in range(module.world.size)}
         self.data = [{s.name: arr(np.zeros(s.elems, np_dtype(s.dtype))) for s in self.slots}
@@ -183,9 +182,12 @@ class Bufs:
 
 
 class Module:
-    def __init__(self, world, manifest):
+    def __init__(self, world, manifest, source=None):
         self.world = world
-        self.manifest = json.loads(open(manifest).read())
+        # as the real World.load: a Manifest in memory with its source, or a NAME.json path
+        self.manifest, self.source = module_files(manifest, source)
+        assert self.source.is_file() and self.source.name == self.manifest.source, self.source
+        self.kernel = self.manifest.kernel(world.size)
 
     def alloc(self, count):
         return Bufs(self, count)
@@ -254,9 +256,9 @@ class World:
     def synchronize(self):
         Clock.host = max([Clock.host] + [s.t for s in Stream.by_ptr.values() if s.capture is None])
 
-    def load(self, manifest, arch=None):
-        self.spec = World.last_spec  # the (variant) spec the runner materialized: see install()
-        return Module(self, manifest)
+    def load(self, manifest, arch=None, source=None):
+        self.spec = World.last_spec  # the (variant) spec the runner rendered: see install()
+        return Module(self, manifest, source)
 
     last_spec = None
 
@@ -265,13 +267,13 @@ def install(monkeypatch, **attrs):
     """The fake World everywhere the bench makes one; the spec the runner renders is recorded."""
     import tsgen.bench.runner as runner
 
-    real = runner.materialize
+    real = runner.render_to_cache
 
-    def materialize(loaded, skew=None):
+    def render_to_cache(loaded, skew=None):
         World.last_spec = loaded.model
         return real(loaded, skew)
 
-    monkeypatch.setattr(runner, "materialize", materialize)
+    monkeypatch.setattr(runner, "render_to_cache", render_to_cache)
     monkeypatch.setattr(R, "World", World)
     for k, v in {**dict(kernel_us=40.0, break_rank=None, share=False), **attrs}.items():
         monkeypatch.setattr(World, k, v)

@@ -621,9 +621,10 @@ def test_item15_run_test_refuses_zero_iterations(monkeypatch):
 
 
 def test_item15_arguments_that_do_not_fit_their_c_type():
+    from tsgen.manifest import Arg
     from tsgen.runtime.world import checked_args
 
-    args = [{"name": "rank", "role": "rank"}, {"name": "count", "role": "count"}, {"name": "src", "role": "input"}]
+    args = [Arg("rank", "int", "rank"), Arg("count", "uint64_t", "count"), Arg("src", "float*", "buffer")]
     assert checked_args(args, [1, (1 << 64) - 1, 4096]) == [1, (1 << 64) - 1, 4096]
     for values, message in [([0, -1, 4096], "argument count = -1 does not fit a uint64_t"),
                             ([0, 1 << 64, 4096], "argument count = 18446744073709551616 does not fit a uint64_t"),
@@ -634,13 +635,13 @@ def test_item15_arguments_that_do_not_fit_their_c_type():
 
 
 def test_item15_heap_size():
-    from tsgen.runtime.world import layout
+    from tsgen.manifest import Manifest
 
-    manifest = json.loads((ROOT / "generated" / "all_reduce_one_shot.json").read_text())
-    slots, size = layout(manifest, 1 << 20, 4)
+    manifest = Manifest.load(ROOT / "generated" / "all_reduce_one_shot.json")
+    slots, size = manifest.layout(1 << 20, 4)
     assert size > 0
     with pytest.raises(RuntimeSetupError, match=r"allocating a \d+-byte symmetric heap per rank \(count "
                                                 r"4611686018427387904\): larger than the 64-bit address space"):
-        layout(manifest, 1 << 62, 8)
+        manifest.layout(1 << 62, 8)
     with pytest.raises(RuntimeSetupError, match="count -1: the number of elements per rank cannot be negative"):
-        layout(manifest, -1, 2)
+        manifest.layout(-1, 2)

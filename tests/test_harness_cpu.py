@@ -12,7 +12,8 @@ import pytest
 import tsgen.harness as H
 import tsgen.runtime as R
 from tsgen.ops import get_family
-from tsgen.runtime.world import layout, np_dtype
+from tsgen.manifest import Manifest
+from tsgen.runtime.world import module_files, np_dtype
 
 class Arr(np.ndarray):
     def set(self, a): self[...] = a
@@ -26,7 +27,7 @@ class FakeCp:
 class Bufs:
     def __init__(self, module, count):
         self.module, self.count = module, count
-        self.slots, _ = layout(module.manifest, count, module.world.size)
+        self.slots, _ = module.manifest.layout(count, module.world.size)
         self.data = module.world.heap(lambda: [{s.name: np.zeros(s.elems, np_dtype(s.dtype)).view(Arr)
                                                 for s in self.slots} for _ in range(module.world.size)])
     def array(self, name, rank):
@@ -36,9 +37,12 @@ class Bufs:
     def free(self): pass
 
 class Module:
-    def __init__(self, world, manifest, break_it):
-        import json
-        self.world, self.manifest, self.break_it = world, json.load(open(manifest)), break_it
+    def __init__(self, world, manifest, source, break_it):
+        # the harness hands over the lowered Manifest in memory, never a file it wrote and reads back
+        assert isinstance(manifest, Manifest), manifest
+        self.manifest, self.source = module_files(manifest, source)
+        assert self.source.is_file() and self.source.name == manifest.source
+        self.world, self.break_it = world, break_it
     def alloc(self, count): return Bufs(self, count)
     def launch(self, bufs):
         fam = get_family(self.spec.op)
@@ -65,8 +69,8 @@ class World:
     def __enter__(self): return self
     def __exit__(self, *a): pass
     def synchronize(self): pass
-    def load(self, manifest, arch=None):
-        m = Module(self, manifest, self.break_it)
+    def load(self, manifest, arch=None, source=None):
+        m = Module(self, manifest, source, self.break_it)
         m.spec = H.load_spec(self.spec_path).model
         m.in_names = [b.name for b in get_family(m.spec.op).buffers(m.spec) if b.role in ("input", "inout")]
         return m

@@ -415,16 +415,16 @@ def test_world_and_buffers_over_the_ipc_backend(monkeypatch):
     """The real World and Buffers on the IPC backend: per-rank things keyed by this
     process's rank only, every heap freed; an exception inside `with World` tells
     the other processes through the store, so they stop waiting at once."""
-    import json
     import types
 
     from conftest import ROOT
+    from tsgen.manifest import Manifest
     from tsgen.runtime import world as world_mod
 
     machine = Machine()
     cp = fake_cupy(machine, [0, 1, 2])
     monkeypatch.setattr(world_mod, "cupy_or_error", lambda: cp)
-    manifest = json.loads((ROOT / "generated" / "allgather.json").read_text())
+    manifest = Manifest.load(ROOT / "generated" / "allgather.json")
     rvs = localhost_ranks(3, timeout=30)
 
     def run(r, rv):
@@ -461,10 +461,10 @@ def test_world_and_buffers_over_the_ipc_backend(monkeypatch):
 def test_a_failure_inside_a_world_is_reported_as_is_and_everything_is_freed(monkeypatch):
     """Rank 2 cannot map rank 3's heap: its own error surfaces (not a cleanup error), the
     other ranks stop waiting at once, and every heap and mapping is released."""
-    import json
     import types
 
     from conftest import ROOT
+    from tsgen.manifest import Manifest
     from tsgen.runtime import world as world_mod
 
     machine = Machine()
@@ -474,7 +474,7 @@ def test_a_failure_inside_a_world_is_reported_as_is_and_everything_is_freed(monk
     machine.fail_after = 3 * 3 + 2
     cp = fake_cupy(machine, [0, 1, 2, 3])
     monkeypatch.setattr(world_mod, "cupy_or_error", lambda: cp)
-    manifest = json.loads((ROOT / "generated" / "allgather.json").read_text())
+    manifest = Manifest.load(ROOT / "generated" / "allgather.json")
     rvs = localhost_ranks(4, timeout=30)
 
     def run(r, rv):

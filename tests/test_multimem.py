@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT
 
 from tsgen.errors import ToolchainError
+from tsgen.manifest import Manifest
 from tsgen.runtime.world import multimem_refusal
 from tsgen.spec import load_spec
 from tsgen.errors import SpecError
@@ -66,12 +67,12 @@ def test_non_multimem_sources_have_no_multimem_code(toolchain, tmp_path):
     ({"TSGEN_ALLOW_MULTIMEM": "1"}, True, "not implemented"),
 ])
 def test_runtime_refuses_multimem(env, supported, expect):
-    reason = multimem_refusal({"name": "all_reduce_multimem", "multimem": True}, env, supported)
+    reason = multimem_refusal(Manifest.load(ROOT / "generated" / "all_reduce_multimem.json"), env, supported)
     assert reason and expect in reason
 
 
 def test_runtime_accepts_ordinary_modules():
-    assert multimem_refusal({"name": "allgather", "multimem": False}, {}, False) is None
+    assert multimem_refusal(Manifest.load(ROOT / "generated" / "allgather.json"), {}, False) is None
 
 
 def test_manifest_marks_multimem():

@@ -285,10 +285,10 @@ def test_pe_that_is_not_the_rank_is_refused_and_nothing_collective_follows(capsy
 def test_ranks_on_two_hosts_run_nvshmem_kernels_only(monkeypatch):
     """Across hosts the join succeeds (NVSHMEM's transports span hosts), and World refuses
     p2p kernels (peer loads and stores) with a message that names the fix."""
-    import json
     import types
 
     from conftest import ROOT
+    from tsgen.manifest import Manifest
     from tsgen.runtime import world as world_mod
 
     job, rvs, backends = nvshmem_world(2, hosts=lambda r: f"node{r}")
@@ -299,7 +299,7 @@ def test_ranks_on_two_hosts_run_nvshmem_kernels_only(monkeypatch):
         world = types.SimpleNamespace(backend=backends[0])
         with pytest.raises(RuntimeSetupError, match="need one host"):
             world_mod.World.check_mesh(world)
-        manifest = json.loads((ROOT / "generated" / "allgather_nvshmem.json").read_text())
+        manifest = Manifest.load(ROOT / "generated" / "allgather_nvshmem.json")
         assert world_mod.device_lib_refusal(manifest, backends[0]) is None
         together(backends, lambda r, b: b.finalize())
     finally:

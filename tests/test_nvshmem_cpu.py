@@ -128,9 +128,10 @@ def test_nvshmem_spec_errors(tmp_path):
 
 
 def test_runtime_refuses_without_nvshmem_backend():
+    from tsgen.manifest import Manifest
     from tsgen.runtime.world import device_lib_refusal
 
-    manifest = json.loads((ROOT / "generated" / "allgather_nvshmem.json").read_text())
+    manifest = Manifest.load(ROOT / "generated" / "allgather_nvshmem.json")
     msg = device_lib_refusal(manifest, object())
     assert msg and "the nvshmem backend" in msg and "allgather_nvshmem" in msg and "--backend nvshmem" in msg
 
@@ -138,7 +139,7 @@ def test_runtime_refuses_without_nvshmem_backend():
         nvshmem = True
 
     assert device_lib_refusal(manifest, Nvshmem()) is None
-    assert device_lib_refusal(json.loads((ROOT / "generated" / "allgather.json").read_text()), object()) is None
+    assert device_lib_refusal(Manifest.load(ROOT / "generated" / "allgather.json"), object()) is None
 
 
 # ---------------------------------------------------------------------------

@@ -318,12 +318,20 @@ def test_more_than_512_threads_keep_the_tables():
     assert "::run<T, UNROLL>" not in render(wide).source
 
 
-def test_table_limits_match_the_header():
-    """The limits of a plan's table rows (tsgen.plan.ir) are the array sizes of
-    templates/include/tsgen_plan.cuh: checked here rather than kept equal by hand."""
+def test_table_limits_are_emitted_from_the_ir():
+    """The limits of a plan's table rows (tsgen.plan.ir) are written into every rendered source's
+    copy of templates/include/tsgen_plan.cuh (tsgen.plan.lower.C_DEFINES); the header's own
+    values, which a vendored copy keeps, agree with them; a header without the line is refused."""
     from tsgen.plan import ir
+    from tsgen.plan.lower import C_DEFINES, emit_defines
 
+    limits = {f"TSGEN_{k}": getattr(ir, k) for k in ("MAX_SRCS", "MAX_WAITS", "MAX_SIGNALS", "MAX_ALSO")}
+    assert C_DEFINES["tsgen_plan.cuh"] == limits
     header = (ROOT / "templates/include/tsgen_plan.cuh").read_text()
-    defined = dict(re.findall(r"^#define TSGEN_(MAX_\w+) (\d+)$", header, re.M))
-    assert {k: int(v) for k, v in defined.items()} == {
-        k: getattr(ir, k) for k in ("MAX_SRCS", "MAX_WAITS", "MAX_SIGNALS", "MAX_ALSO")}
+    assert {k: int(v) for k, v in re.findall(r"^#define (TSGEN_MAX_\w+) (\d+)$", header, re.M)} == limits
+    restored = emit_defines("tsgen_plan.cuh", header.replace("#define TSGEN_MAX_SRCS 8", "#define TSGEN_MAX_SRCS 3"))
+    assert "#define TSGEN_MAX_SRCS 8\n" in restored and "TSGEN_MAX_SRCS 3" not in restored
+    source = render(load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml")).source
+    assert all(f"#define {k} {v}\n" in source for k, v in limits.items())
+    with pytest.raises(ValueError, match="no single `#define TSGEN_MAX_ALSO <number>` line"):
+        emit_defines("tsgen_plan.cuh", header.replace("#define TSGEN_MAX_ALSO 7", ""))

@@ -13,6 +13,7 @@ from tsgen.bench import parse_size, parse_sizes
 from tsgen.errors import RuntimeSetupError
 from tsgen.harness import _poison_value, as_bits, poison_byte
 from tsgen.ops import get_family
+from tsgen.manifest import Buffer, KernelEntry, Manifest
 from tsgen.runtime.world import ALIGN, check_array, layout, np_dtype
 
 # ---------------------------------------------------------------------------
@@ -21,19 +22,18 @@ from tsgen.runtime.world import ALIGN, check_array, layout, np_dtype
 
 
 def _buf(name, dtype, per_count, fixed, role="scratch", init=0):
-    return {"name": name, "dtype": dtype, "role": role,
-            "elems": {"per_count": per_count, "fixed": fixed}, "init_byte": init}
+    return Buffer(name, dtype, role, per_count=per_count, fixed=fixed, init=init)
 
 
 def test_layout_offsets_sizes_and_order():
-    manifest = {"buffers": [
+    buffers = [
         _buf("a", "uint8", 1, 0, "input"),  # 1000 B -> 1024
         _buf("empty", "uint32", 0, 0),  # 0 B, still its own slot
         _buf("sig", "uint64", 0, 1, "signal", init=0xFF),  # 8 B -> 256
         _buf("h", "float16", 2, 3, "output"),  # (2*1000+3)*2 = 4006 B -> 4096
         _buf("bf", "bfloat16", 1, 0),  # 2000 B -> 2048
-    ]}
-    slots, heap = layout(manifest, 1000)
+    ]
+    slots, heap = layout(buffers, 1000)
     assert [s.name for s in slots] == ["a", "empty", "sig", "h", "bf"]
     assert [s.elems for s in slots] == [1000, 0, 1, 2003, 1000]
     assert [s.nbytes for s in slots] == [1000, 0, 8, 4006, 2000]
@@ -44,17 +44,17 @@ def test_layout_offsets_sizes_and_order():
 
 
 def test_layout_all_empty_and_no_buffers():
-    slots, heap = layout({"buffers": [_buf("x", "uint8", 1, 0), _buf("y", "uint64", 1, 0)]}, 0)
+    slots, heap = layout([_buf("x", "uint8", 1, 0), _buf("y", "uint64", 1, 0)], 0)
     assert [s.offset for s in slots] == [0, ALIGN]
     assert heap == 2 * ALIGN
-    assert layout({"buffers": []}, 123) == ([], ALIGN)
+    assert layout([], 123) == ([], ALIGN)
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("count", [1, 17, 4000037])
 def test_layout_of_shipped_manifests(path, count):
     manifest = json.loads((ROOT / "generated" / f"{path.stem}.json").read_text())
-    slots, heap = layout(manifest, count)
+    slots, heap = Manifest.load(ROOT / "generated" / f"{path.stem}.json").layout(count)
     assert [s.name for s in slots] == [b["name"] for b in manifest["buffers"]]
     end = 0
     for s, b in zip(slots, manifest["buffers"]):
@@ -341,7 +341,7 @@ def test_launch_is_ordered_with_the_callers_streams_without_ranks_waiting_for_ea
     world = type("W", (), {"cp": fake, "devices": devices, "ranks": sorted(devices), "streams": streams})()
     module = object.__new__(Module)
     module.world, module.launcher = world, None
-    module.kernel = {"grid": [1, 1, 1], "block": [32, 1, 1], "shared_bytes": 0, "args": []}
+    module.kernel = KernelEntry("k_w3", "k_w3_launch", 3, (1, 1, 1), (32, 1, 1), 0, (), ())
     module.functions = {r: (lambda r: lambda *a, **k: fake.log.append(("launch", f"rank{r}")))(r) for r in devices}
     bufs = type("B", (), {"arg_values": staticmethod(lambda args, rank: [])})()
 

@@ -64,7 +64,8 @@ def render_all(paths: list[str | Path], out_dir: Path) -> list[Rendered]:
 
 
 def _manifest(path: Path) -> dict | None:
-    """The tsgen manifest at `path` (NAME.json naming NAME.cu), or None."""
+    """The tsgen manifest at `path` (NAME.json naming NAME.cu), or None. Read as plain JSON,
+    not with Manifest.from_json: an output of any manifest version is tsgen's to prune."""
     try:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError):

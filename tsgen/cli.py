@@ -93,26 +93,29 @@ def build(paths, out_dir, check, prune, do_compile, arch, jobs):
         for p, why in result.kept:
             click.echo(f"tsgen: kept {p}: {why}")
     if do_compile:
-        _compile_all([out_dir / f"{r.name}.cu" for r in result.rendered], arch, jobs)
+        _compile_all([(r.lowered.manifest, out_dir / f"{r.name}.cu") for r in result.rendered], arch, jobs)
 
 
-def _compile_all(sources: list[Path], arch: str, jobs: int) -> None:
-    """Compile each source as the runtime loads it, `jobs` at a time: a line per source
-    in order (output file in the cache, registers, spills), then the totals."""
+def _compile_all(modules: list, arch: str, jobs: int) -> None:
+    """Compile each (manifest, source) as the runtime loads it (toolchain.compile_for), `jobs`
+    at a time: a line per source in order (output file in the cache, registers, spills), then
+    the totals."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .toolchain import cache_dir, compile_module
+    from .toolchain import cache_dir, compile_for
 
-    def timed(source: Path):
+    sources = [source for _, source in modules]
+
+    def timed(manifest, source: Path):
         start = time.monotonic()
-        return compile_module(source, arch), time.monotonic() - start
+        return compile_for(manifest, source, arch), time.monotonic() - start
 
     start, cached = time.monotonic(), 0
     n = len(sources)
     click.echo(f"tsgen: compiling {n} source(s) for {arch}, {jobs} at a time; outputs in {cache_dir()}")
     pool = ThreadPoolExecutor(jobs)  # the work is in nvcc processes
     try:
-        futures = [pool.submit(timed, s) for s in sources]
+        futures = [pool.submit(timed, m, s) for m, s in modules]
         for i, (source, future) in enumerate(zip(sources, futures), 1):
             res, seconds = future.result()
             cached += res.cached

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import RuntimeSetupError
+from .manifest import Manifest
 from .ops import get_family
 from .render import render, write_if_different
 from .spec import LoadedSpec, describe_variant, load_spec, spec_variant
@@ -47,10 +48,11 @@ def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -
     updates = family.shared_fit(loaded.model, world.colocated, sms)
     variant = spec_variant(loaded, updates)
     fitted = f"fitted variant: {describe_variant(updates)}" if updates else "the spec fits as it is"
-    if updates and hasattr(family, "comm_plan"):
+    plan = variant.plans.get(world.size)  # built when the variant was validated
+    if updates and plan is not None:
         from .plan.verifier import verify as verify_plan
 
-        problems = verify_plan(family.comm_plan(variant.model, world.size), schedules=4, seed=0)
+        problems = verify_plan(plan, schedules=4, seed=0)
         if problems:
             raise RuntimeSetupError(f"{loaded.path}: the {fitted} fails plan verification at world size "
                                     f"{world.size}: {problems[0]}")
@@ -61,17 +63,39 @@ def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -
     return variant
 
 
-def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
-    """Render the spec into the cache (so tests always match the spec); manifest path.
-    `skew`: render the test-only rank skew with this seed (render's `skew`)."""
+@dataclass(frozen=True)
+class CachedModule:
+    """A lowered spec rendered into the cache: its manifest (in memory) and its source's path;
+    World.load(module.manifest, source=module.source) loads it."""
+
+    manifest: Manifest
+    source: Path
+
+
+def render_to_cache(loaded: LoadedSpec, skew: int | None = None) -> CachedModule:
+    """Lower and render the spec and write its source into the cache (so tests always match
+    the spec); the manifest stays in memory. `skew`: render the test-only rank skew with this
+    seed (render's `skew`)."""
     rendered = render(loaded, base=loaded.path.resolve().parent.parent, skew=skew)
     out = cache_dir() / "render" / (loaded.sha256[:16] + ("" if skew is None else f"-skew{skew}"))
+    source = out / f"{rendered.name}.cu"
     try:
-        for name, text in rendered.files().items():
-            write_if_different(out / name, text)
+        write_if_different(source, rendered.source)
     except OSError as e:
         raise cache_error(out, e) from None
-    return out / f"{rendered.name}.json"
+    return CachedModule(rendered.lowered.manifest, source)
+
+
+def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
+    """render_to_cache, and the manifest written beside the source: its path, for tools that
+    load a module by path (World.load(path)) or read its files."""
+    module = render_to_cache(loaded, skew)
+    path = module.source.with_suffix(".json")
+    try:
+        write_if_different(path, module.manifest.to_json())
+    except OSError as e:
+        raise cache_error(path.parent, e) from None
+    return path
 
 
 @contextlib.contextmanager
@@ -158,16 +182,15 @@ def run_test(
             f"{spec_path}: compiled for world sizes {list(spec.world_sizes)}; {asked} is not one"
         )
     count, iters = run_settings(spec, count, iters)
-    manifest = materialize(loaded, skew=skew)  # cache problems show before any GPU is touched
+    cached = render_to_cache(loaded, skew=skew)  # cache problems show before any GPU is touched
     t0 = time.perf_counter()
     with World(gpus, backend=backend, share_gpus=share_gpus) as world:
         fitted = shared_gpu_variant(loaded, world, echo)
         if fitted is not loaded:  # ranks share a GPU: the variant whose grids fit
             loaded, spec = fitted, fitted.model
-            manifest = materialize(loaded, skew=skew)
-        if mutate is not None:
-            manifest = _mutated(manifest, mutate)
-        module = world.load(manifest, arch=arch)
+            cached = render_to_cache(loaded, skew=skew)
+        source = cached.source if mutate is None else _mutated(cached.source, mutate)
+        module = world.load(cached.manifest, arch=arch, source=source)
         tallies = {rank: RankTally() for rank in world.ranks}
         bufs = module.alloc(count)
         try:
@@ -298,17 +321,15 @@ def leave_now(code: int) -> None:
     os._exit(code)
 
 
-def _mutated(manifest: Path, mutate: Callable[[str], str]) -> Path:
-    """Copy of a rendered module with its source edited (for negative controls)."""
-    source = manifest.with_name(manifest.stem + ".cu")
+def _mutated(source: Path, mutate: Callable[[str], str]) -> Path:
+    """Copy of a rendered source, edited (for negative controls); its path."""
     text = source.read_text()
     changed = mutate(text)
     if changed == text:
         raise ValueError("mutation left the source unchanged")
-    out = manifest.parent / "mutated" / hashlib.sha256(changed.encode()).hexdigest()[:16]
-    write_if_different(out / source.name, changed)
-    write_if_different(out / manifest.name, manifest.read_text())
-    return out / manifest.name
+    out = source.parent / "mutated" / hashlib.sha256(changed.encode()).hexdigest()[:16] / source.name
+    write_if_different(out, changed)
+    return out
 
 
 def _poison_value(dtype: np.dtype, call: int) -> int:
@@ -332,10 +353,9 @@ def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeou
     spec = loaded.model
     if not get_family(spec.op).blocks_wait:
         raise RuntimeSetupError(f"{spec_path}: op {spec.op} never waits; probe a signal or barrier spec")
-    probe = spec_variant(loaded, {"sync": {"timeout_ms": timeout_ms}})
-    manifest = materialize(probe)
+    probe = render_to_cache(spec_variant(loaded, {"sync": {"timeout_ms": timeout_ms}}))
     with World(gpus, share_gpus=share_gpus) as world, gpu_turn():
-        module = world.load(manifest, arch=arch)
+        module = world.load(probe.manifest, arch=arch, source=probe.source)
         bufs = module.alloc(1024)
         # Capture what the device printf writes to this process's stdout.
         sys.stdout.flush()

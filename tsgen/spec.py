@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,9 @@ class LoadedSpec:
     model: SpecBase
     # a variant's changes to the spec file, `key = value` (spec_variant); () for the file itself
     changes: tuple[str, ...] = ()
+    # world size -> the comm plan its kernels run (OpFamily.comm_plans), built once when the
+    # spec was validated; {} for families without plans. tsgen.lowering reads them from here.
+    plans: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def sha256(self) -> str:
@@ -247,12 +250,14 @@ def load_spec(path: str | Path, display_path: str | None = None) -> LoadedSpec:
             [_fmt(shown, loc.find(("op",)), "op", f"unknown op {op!r}; one of: {', '.join(family_names())}")]
         ) from None
 
-    return LoadedSpec(path=shown, text=text, model=_validate(family, data, shown, loc))
+    model, plans = _validate(family, data, shown, loc)
+    return LoadedSpec(path=shown, text=text, model=model, plans=plans)
 
 
-def _validate(family, data: dict, shown: Path, loc: _Located, after: str = "") -> SpecBase:
-    """The family's model of `data`: field types, then the family's cross-field checks; every
-    problem of the first that has any as a SpecError, each line ending in `after`."""
+def _validate(family, data: dict, shown: Path, loc: _Located, after: str = "") -> tuple[SpecBase, dict[int, Any]]:
+    """The family's model of `data` and its comm plans: field types, then the family's
+    cross-field checks, then (the plans built, once) what only the plans show; every problem
+    of the first of these that has any as a SpecError, each line ending in `after`."""
     try:
         model = family.Spec.model_validate(data)
     except ValidationError as e:
@@ -261,13 +266,14 @@ def _validate(family, data: dict, shown: Path, loc: _Located, after: str = "") -
             field_path = tuple(err["loc"])
             problems.append(_fmt(shown, loc.find(field_path), _dotted(field_path), _pydantic_message(err)) + after)
         raise SpecError(problems) from None
-    problems = [
-        _fmt(shown, loc.find(field_path), _dotted(field_path), msg) + after
-        for field_path, msg in family.check(model)
-    ]
-    if problems:
-        raise SpecError(problems)
-    return model
+    def report(found: list[tuple[tuple, str]]) -> None:
+        if found:
+            raise SpecError([_fmt(shown, loc.find(path), _dotted(path), msg) + after for path, msg in found])
+
+    report(family.check(model))
+    plans = family.comm_plans(model)
+    report(family.check_plans(model, plans))
+    return model, plans
 
 
 # ---------------------------------------------------------------------------
@@ -309,10 +315,10 @@ def spec_variant(loaded: LoadedSpec, updates: dict) -> LoadedSpec:
         return loaded
     family = get_family(loaded.model.op)
     data = merge(loaded.model.model_dump(), updates)
-    model = _validate(family, data, loaded.path, _Located(), f" (in the variant {describe_variant(updates)})")
+    model, plans = _validate(family, data, loaded.path, _Located(), f" (in the variant {describe_variant(updates)})")
     changes = tuple(f"{k} = {v}" for k, v in _flat(updates))
     note = "".join(f"\n# variant: {c}" for c in changes)
-    return LoadedSpec(loaded.path, loaded.text + note + "\n", model, loaded.changes + changes)
+    return LoadedSpec(loaded.path, loaded.text + note + "\n", model, loaded.changes + changes, plans)
 
 
 def spec_files(paths: list[str | Path]) -> list[Path]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -19,9 +18,13 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ToolchainError
 from .files import atomic_write, new_file_mode, new_temp, sweep_temps
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 DEFAULT_ARCH = "sm_90a"
 
@@ -393,15 +396,23 @@ def _compile(source: Path, nvcc: Path, libs: list[DeviceLib], arch: str, mode: s
     return CompileResult(out, parse_ptxas_report(report_text), cached=False)
 
 
+def compile_for(manifest: Manifest, source: str | Path, arch: str = DEFAULT_ARCH) -> CompileResult:
+    """Compile `source` as the runtime loads the module `manifest` describes: the one place
+    its compile mode (Manifest.compile_mode) becomes nvcc's: the shared library with the host
+    launchers, or a cubin device-linked with the manifest's device libraries."""
+    mode, libs = manifest.compile_mode
+    if mode == "shared":
+        return compile_source(source, arch=arch, mode="shared")
+    return compile_source(source, arch=arch, link=libs)
+
+
 def compile_module(source: str | Path, arch: str = DEFAULT_ARCH) -> CompileResult:
     """Compile a generated source as the runtime loads it, as its manifest (the JSON
-    beside it) says: the shared library with the host launchers for host_launch ops,
-    else a cubin, device-linked with the manifest's device_libs."""
+    beside it) says (compile_for)."""
+    from .manifest import Manifest
+
     source = Path(source)
-    manifest = json.loads(source.with_suffix(".json").read_text(encoding="utf-8"))
-    if manifest.get("host_launch", False):
-        return compile_source(source, arch=arch, mode="shared")
-    return compile_source(source, arch=arch, link=tuple(manifest.get("device_libs", ())))
+    return compile_for(Manifest.load(source.with_suffix(".json")), source, arch)
 
 
 # A cache entry: the binary, and its ptxas report whose first line is the binary's digest.

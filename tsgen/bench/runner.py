@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import RuntimeSetupError
-from ..harness import materialize, poison_byte, shared_gpu_variant, wrong_elements
+from ..harness import poison_byte, render_to_cache, shared_gpu_variant, wrong_elements
 from ..ops import get_family
 from ..ops.conventions import BenchCase
 from ..spec import load_spec, spec_variant
@@ -140,7 +140,8 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
     with (World(gpus, backend=backend, share_gpus=share_gpus) if own else contextlib.nullcontext(world)) as w:
         loaded = shared_gpu_variant(loaded, w, echo)
         spec = loaded.model
-        module = w.load(materialize(loaded), arch=arch)
+        cached = render_to_cache(loaded)
+        module = w.load(cached.manifest, arch=arch, source=cached.source)
         dev = device_of(w)
         ceil = ceilings_for(dev)
         out.shared = w.shared

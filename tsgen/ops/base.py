@@ -17,25 +17,16 @@ family lists them, each pointing into the calling rank's heap.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
+# the manifest's records are the ABI's: families import them from here
+from ..manifest import DTYPES, Arg, Buffer, KernelEntry  # noqa: F401
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase
 from .conventions import BenchConventions
-
-# dtype name -> (C type, numpy dtype)
-DTYPES: dict[str, tuple[str, str]] = {
-    "uint8": ("uint8_t", "uint8"),
-    "int32": ("int32_t", "int32"),
-    "uint32": ("uint32_t", "uint32"),
-    "uint64": ("uint64_t", "uint64"),
-    "float32": ("float", "float32"),
-    "float16": ("__half", "float16"),
-    "bfloat16": ("__nv_bfloat16", "bfloat16"),
-}
 
 LEADING_ARGS: tuple[tuple[str, str, str], ...] = (
     ("peers", "char* const*", "peers"),
@@ -45,41 +36,7 @@ LEADING_ARGS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Buffer:
-    """A symmetric buffer: same size and offset on every rank.
-
-    Elements per rank = (per_count + per_world_count * world) * count + fixed.
-    `role` tells the harness
-    what to do with it: fill `input`s with data, poison `output`s before each
-    call and compare them after, leave `scratch` alone, and zero `signal`s
-    once at allocation (or fill them with `init` bytes) and never again.
-    """
-
-    name: str
-    dtype: str
-    role: str  # input | output | inout | scratch | signal
-    per_count: int = 1
-    fixed: int = 0
-    init: int = 0  # byte value signals start at
-    per_world_count: int = 0
-
-    def elems(self, count: int, world: int = 1) -> int:
-        return (self.per_count + self.per_world_count * world) * count + self.fixed
-
-    @property
-    def ctype(self) -> str:
-        return DTYPES[self.dtype][0]
-
-
 CALLS = Buffer("calls", "uint64", "signal", per_count=0, fixed=2)
-
-
-@dataclass(frozen=True)
-class Arg:
-    name: str
-    ctype: str
-    role: str  # peers | rank | calls | count | buffer
 
 
 @dataclass(frozen=True)
@@ -102,17 +59,10 @@ class Kernel:
     def launcher(self) -> str:
         return f"{self.name}_launch"
 
-    def manifest(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "launcher": self.launcher,
-            "world_size": self.world_size,
-            "grid": [self.grid, 1, 1],
-            "block": [self.block, 1, 1],
-            "shared_bytes": self.smem,
-            "args": [asdict(a) for a in self.args],
-            "launcher_args": [asdict(a) for a in (self.launcher_args or self.args)],
-        }
+    def manifest(self) -> KernelEntry:
+        """The manifest's entry for this kernel (how the runtime launches it)."""
+        return KernelEntry(self.name, self.launcher, self.world_size, (self.grid, 1, 1), (self.block, 1, 1),
+                           self.smem, self.args, self.launcher_args or self.args)
 
 
 @dataclass
@@ -187,6 +137,23 @@ class OpFamily:
     def template_vars(self, spec: Any) -> dict[str, Any]:
         """Extra names the op's template uses (beyond spec, the module ABI, constants)."""
         return {}
+
+    # -- lowering (tsgen.lowering: once per loaded spec) ----------------------------
+    def comm_plans(self, spec: Any) -> dict[int, Any]:
+        """World size -> the comm plan (tsgen.plan.ir.CommPlan) the kernels run, for families
+        whose kernels run one; {} otherwise. Built once per loaded spec, after `check` passed
+        (tsgen.spec), and handed to check_plans and lower."""
+        return {}
+
+    def check_plans(self, spec: Any, plans: dict[int, Any]) -> list[tuple[tuple, str]]:
+        """Problems only the comm plans show (table limits ...), as `check`'s; [] when fine."""
+        return []
+
+    def lower(self, spec: Any, plans: dict[int, Any]) -> tuple[ModuleAbi, dict[str, Any]]:
+        """The module ABI and the template's extra names (template_vars) of `spec`, whose comm
+        plans are `plans`. Families with plans override it so that neither is built from the
+        plans again; the default is abi(spec) and template_vars(spec)."""
+        return self.abi(spec), self.template_vars(spec)
 
     # -- shared-GPU worlds -------------------------------------------------------
     def shared_fit(self, spec: Any, colocated: int, sms: int) -> dict[str, Any]:

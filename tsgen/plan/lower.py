@@ -3,9 +3,29 @@ straight-line share groups, and copy-engine stream programs. See tsgen/plan/__in
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from .ir import CommPlan, Share, Slice, Step
+from .ir import MAX_ALSO, MAX_SIGNALS, MAX_SRCS, MAX_WAITS, CommPlan, Share, Slice, Step
+
+# The limits of the C tables, emitted from the IR's constants: the renderer rewrites each of
+# these `#define`s of the hand-written header it inlines (its own values are the defaults a
+# vendored copy of the header keeps; tests/test_plan.py checks they agree).
+C_DEFINES: dict[str, dict[str, int]] = {
+    "tsgen_plan.cuh": {"TSGEN_MAX_SRCS": MAX_SRCS, "TSGEN_MAX_WAITS": MAX_WAITS,
+                       "TSGEN_MAX_SIGNALS": MAX_SIGNALS, "TSGEN_MAX_ALSO": MAX_ALSO},
+}
+
+
+def emit_defines(header: str, text: str) -> str:
+    """`text` of templates/include/`header` with every define C_DEFINES lists for it set from
+    Python; ValueError when the header has no such `#define NAME <number>` line."""
+    for name, value in C_DEFINES.get(header, {}).items():
+        text, n = re.subn(rf"^#define {name} \d+$", f"#define {name} {value}", text, flags=re.M)
+        if n != 1:
+            raise ValueError(f"templates/include/{header}: no single `#define {name} <number>` line to set "
+                             f"from tsgen.plan (found {n})")
+    return text
 
 # ---------------------------------------------------------------------------
 # Rendering the plan as C tables (used by templates/ops/collective.cu.j2)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,60 +22,21 @@ import numpy as np
 
 from ..env import force_no_multicast
 from ..errors import RuntimeSetupError
+from ..manifest import ALIGN, Arg, KernelEntry, Manifest, Slot, layout, np_dtype  # noqa: F401 (re-exported)
 from .backends import Backend, cupy_or_error, make_backend
 from .placement import SHARED_CONNECTIONS, ranks_per_gpu, residency_problem, share_from_env
-
-ALIGN = 256  # every buffer starts on a 256-byte boundary of the heap
-
-
-def np_dtype(name: str) -> np.dtype:
-    """NumPy dtype for a manifest dtype; bfloat16 travels as its 16 bits."""
-    return np.dtype("uint16" if name == "bfloat16" else name)
-
-
-@dataclass(frozen=True)
-class Slot:
-    name: str
-    dtype: str
-    role: str
-    offset: int
-    elems: int
-    init_byte: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.elems * np_dtype(self.dtype).itemsize
-
-
-def layout(manifest: dict, count: int, world: int = 1) -> tuple[list[Slot], int]:
-    """Offsets of every buffer in the symmetric heap, and the heap size; RuntimeSetupError for
-    a negative count or a heap past the 64-bit address space."""
-    if count < 0:
-        raise RuntimeSetupError(f"count {count}: the number of elements per rank cannot be negative")
-    slots, offset = [], 0
-    for b in manifest["buffers"]:
-        e = b["elems"]
-        elems = (e["per_count"] + e.get("per_world_count", 0) * world) * count + e["fixed"]
-        slot = Slot(b["name"], b["dtype"], b["role"], offset, elems, b.get("init_byte", 0))
-        slots.append(slot)
-        offset += -(-max(slot.nbytes, 1) // ALIGN) * ALIGN
-    if offset >= 1 << 64:
-        raise RuntimeSetupError(f"allocating a {offset}-byte symmetric heap per rank (count {count}): "
-                                "larger than the 64-bit address space")
-    return slots, max(offset, ALIGN)
-
 
 # C types of the scalar kernel arguments by role (every other argument is an address)
 _ARG_RANGES = {"rank": ("int", -(1 << 31), (1 << 31) - 1), "count": ("uint64_t", 0, (1 << 64) - 1)}
 
 
-def checked_args(args: list[dict], values: list[int]) -> list[int]:
+def checked_args(args: Sequence[Arg], values: list[int]) -> list[int]:
     """`values` of a kernel's or launcher's `args`; RuntimeSetupError for a value its C type
     cannot hold (ctypes and NumPy would wrap -1 to 2**64 - 1 or fail deep inside)."""
     for a, v in zip(args, values):
-        ctype, lo, hi = _ARG_RANGES.get(a["role"], ("pointer", 0, (1 << 64) - 1))
+        ctype, lo, hi = _ARG_RANGES.get(a.role, ("pointer", 0, (1 << 64) - 1))
         if not lo <= v <= hi:
-            raise RuntimeSetupError(f"argument {a['name']} = {v} does not fit a {ctype}")
+            raise RuntimeSetupError(f"argument {a.name} = {v} does not fit a {ctype}")
     return values
 
 
@@ -100,14 +60,14 @@ def check_array(array: Any, *, name: str, rank: int, device: int, dtype: str, el
         raise RuntimeSetupError(f"{where}: array is on GPU {got}, rank {rank} runs on GPU {device}")
 
 
-def multimem_refusal(manifest: dict, env, multicast_supported: bool) -> str | None:
+def multimem_refusal(manifest: Manifest, env, multicast_supported: bool) -> str | None:
     """Why a module may not run here, or None. NVLink multicast (multimem) can take a
     shared host's GPUs down: it runs only where the device reports multicast support
     AND the user opted in with TSGEN_ALLOW_MULTIMEM=1 -- and even then this runtime
     has no multicast allocation yet, so it refuses with that reason. Pure: testable on CPU."""
-    if not manifest.get("multimem"):
+    if not manifest.multimem:
         return None
-    name = manifest.get("name", "?")
+    name = manifest.name
     if env.get("TSGEN_ALLOW_MULTIMEM") != "1":
         return (f"{name}: uses NVLink multicast (multimem), which tsgen never runs unless asked: "
                 "set TSGEN_ALLOW_MULTIMEM=1 on a machine you own whose GPUs report multicast "
@@ -118,13 +78,12 @@ def multimem_refusal(manifest: dict, env, multicast_supported: bool) -> str | No
             "use the non-multimem variant")
 
 
-def device_lib_refusal(manifest: dict, backend: Any) -> str | None:
+def device_lib_refusal(manifest: Manifest, backend: Any) -> str | None:
     """Why a device-linked module (manifest `device_libs`) cannot run on `backend`, or None.
     An nvshmem-transport kernel needs NVSHMEM initialized, its heap from nvshmem_malloc and
     nvshmemx_cumodule_init on the module: a backend says so with `nvshmem = True`. Pure."""
-    libs = manifest.get("device_libs", [])
-    if "nvshmem" in libs and not getattr(backend, "nvshmem", False):
-        return (f"{manifest.get('name', '?')}: built for the NVSHMEM transport (params.transport: nvshmem), which "
+    if "nvshmem" in manifest.device_libs and not getattr(backend, "nvshmem", False):
+        return (f"{manifest.name}: built for the NVSHMEM transport (params.transport: nvshmem), which "
                 "runs only under the nvshmem backend (one process per GPU: `tsgen launch --nproc N -- tsgen test "
                 "SPEC --backend nvshmem`), or use the p2p variant of the spec")
     return None
@@ -135,7 +94,7 @@ class Buffers:
 
     def __init__(self, module: "Module", count: int):
         self.module, self.count = module, count
-        self.slots, self.heap_bytes = layout(module.manifest, count, module.world.size)
+        self.slots, self.heap_bytes = module.manifest.layout(count, module.world.size)
         self.by_name = {s.name: s for s in self.slots}
         world = module.world
         # per local rank (world.ranks), keyed by global rank: heap base, peer table.
@@ -169,12 +128,12 @@ class Buffers:
         with world.cp.cuda.Device(world.devices[rank]):
             self.array(name, rank)[...] = array.reshape(-1)
 
-    def arg_values(self, args: list[dict], rank: int) -> list[int]:
+    def arg_values(self, args: Sequence[Arg], rank: int) -> list[int]:
         """The value of each manifest argument for `rank`, by role: an address (peer
         tables, the call counter, buffers), the rank, or the count."""
         out = []
         for a in args:
-            role = a["role"]
+            role = a.role
             if role == "peers":
                 out.append(self.peer_tables[rank].data.ptr)
             elif role == "peers_host":  # the same table in host memory, for cudaMemcpyAsync
@@ -184,7 +143,7 @@ class Buffers:
             elif role == "count":
                 out.append(self.count)
             else:  # "calls" or a buffer: its place in this rank's heap
-                out.append(self.bases[rank] + self.by_name["calls" if role == "calls" else a["name"]].offset)
+                out.append(self.bases[rank] + self.by_name["calls" if role == "calls" else a.name].offset)
         return out
 
     def free(self) -> None:
@@ -193,56 +152,63 @@ class Buffers:
             self.bases = {}
 
 
-class Module:
-    """One generated source loaded on every rank of a World."""
+def module_files(manifest: str | Path | Manifest, source: str | Path | None = None) -> tuple[Manifest, Path]:
+    """The manifest and source of a module to load: `manifest` is the path of its NAME.json
+    (read with Manifest.load, which refuses another format version; the source is the NAME.cu
+    it names, beside it, unless `source` is given) or a Manifest in memory (tsgen.lowering)
+    with `source`, the path of its rendered NAME.cu."""
+    if isinstance(manifest, Manifest):
+        if source is None:
+            raise TypeError("World.load(Manifest): give source=, the path of the module's .cu")
+        return manifest, Path(source)
+    path = Path(manifest)
+    loaded = Manifest.load(path)
+    return loaded, path.with_name(loaded.source) if source is None else Path(source)
 
-    def __init__(self, world: "World", manifest_path: Path, arch: str):
-        from ..toolchain import compile_source
+
+class Module:
+    """One generated source loaded on every rank of a World: its `manifest` (in memory, or
+    read from NAME.json) and `source`, the NAME.cu it describes."""
+
+    def __init__(self, world: "World", manifest: Manifest, source: Path, arch: str):
+        from ..toolchain import compile_for
 
         self.world = world
-        self.manifest_path = Path(manifest_path)
-        self.manifest = json.loads(self.manifest_path.read_text())
-        sizes = self.manifest["world_sizes"]
-        if world.size not in sizes:
-            raise RuntimeSetupError(
-                f"{self.manifest['name']}: compiled for world sizes {sizes}, not {world.size}; "
-                f"add {world.size} to world_sizes in {self.manifest['spec']}"
-            )
-        refusal = multimem_refusal(self.manifest, os.environ, world.multicast_supported())
+        self.manifest = manifest
+        self.source = Path(source)
+        self.kernel = manifest.kernel(world.size)  # RuntimeSetupError naming the spec if not built for it
+        refusal = multimem_refusal(manifest, os.environ, world.multicast_supported())
         if refusal:
             raise RuntimeSetupError(refusal)
-        refusal = device_lib_refusal(self.manifest, world.backend)
+        refusal = device_lib_refusal(manifest, world.backend)
         if refusal:
             raise RuntimeSetupError(refusal)
-        self.device_libs = list(self.manifest.get("device_libs", []))
+        self.device_libs = list(manifest.device_libs)
         if "nvshmem" not in self.device_libs:
             world.check_mesh()  # p2p kernels store into every peer: a partial NVLink mesh is refused
-        self.kernel = next(k for k in self.manifest["kernels"] if k["world_size"] == world.size)
-        source = self.manifest_path.with_name(self.manifest["source"])
         cp = world.cp
         self.functions = {}  # per local rank
         self.launcher = None
         self._pool = None  # threads that call host launchers, one per local rank
         self._registered: list[int] = []  # CUmodule handles the backend registered (NVSHMEM)
-        if self.manifest.get("host_launch", False):
+        self.binary = compile_for(manifest, self.source, arch).output
+        if manifest.compile_mode[0] == "shared":
             # The call is more than one kernel launch: the module's own host launcher
             # (compiled into a shared library) enqueues it on the stream we pass.
-            self.binary = compile_source(source, arch=arch, mode="shared").output
             self.launcher = _host_launcher(self.binary, self.kernel)
             if world.shared:  # persistent GEMM grids: one CTA per SM (their shared memory fills it)
                 world.check_resident(self.kernel, None)
             return
-        self.binary = compile_source(source, arch=arch, link=self.device_libs).output
         self._raw = {}  # the loaded modules, kept alive while registered
         for rank, dev in world.devices.items():
             with cp.cuda.Device(dev):
                 mod = cp.RawModule(path=str(self.binary))
-                self.functions[rank] = mod.get_function(self.kernel["name"])  # loads it
+                self.functions[rank] = mod.get_function(self.kernel.name)  # loads it
                 self._raw[rank] = mod
                 if self.device_libs:  # device-linked NVSHMEM: nvshmemx_cumodule_init before any launch
                     world.backend.register_module(mod.module.ptr)
                     self._registered.append(mod.module.ptr)
-        if self.manifest.get("blocks_wait", False) or world.shared:
+        if manifest.blocks_wait or world.shared:
             world.check_resident(self.kernel, self.functions[world.ranks[0]])
 
     def alloc(self, count: int) -> Buffers:
@@ -272,13 +238,10 @@ class Module:
         if self.launcher is not None:
             self._host_launch_all(buffers, ranks, streams)
         else:
-            grid = tuple(self.kernel["grid"])
-            block = tuple(self.kernel["block"])
-            smem = self.kernel["shared_bytes"]
+            grid, block, smem = self.kernel.grid, self.kernel.block, self.kernel.shared_bytes
             for rank in ranks:
-                values = checked_args(self.kernel["args"], buffers.arg_values(self.kernel["args"], rank))
-                args = [np.int32(v) if a["role"] == "rank" else np.uint64(v)
-                        for a, v in zip(self.kernel["args"], values)]
+                values = checked_args(self.kernel.args, buffers.arg_values(self.kernel.args, rank))
+                args = [np.int32(v) if a.role == "rank" else np.uint64(v) for a, v in zip(self.kernel.args, values)]
                 with cp.cuda.Device(world.devices[rank]):
                     self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=streams[rank])
         if ordered:
@@ -336,25 +299,25 @@ class Module:
     def _host_launch(self, buffers: "Buffers", rank: int, stream: Any) -> None:
         import ctypes
 
-        specs = self.kernel["launcher_args"]
+        specs = self.kernel.launcher_args
         wrap = {"rank": ctypes.c_int, "count": ctypes.c_uint64}
         values = checked_args(specs, buffers.arg_values(specs, rank))
-        args = [wrap.get(a["role"], ctypes.c_void_p)(v) for a, v in zip(specs, values)]
+        args = [wrap.get(a.role, ctypes.c_void_p)(v) for a, v in zip(specs, values)]
         args.append(ctypes.c_void_p(stream.ptr))
         err = self.launcher(*args)
         if err != 0:
             raise RuntimeSetupError(
-                f"rank {rank}: {self.kernel['launcher']} failed with cudaError {err} "
-                f"({self.manifest['name']}, count {buffers.count})"
+                f"rank {rank}: {self.kernel.launcher} failed with cudaError {err} "
+                f"({self.manifest.name}, count {buffers.count})"
             )
 
 
-def _host_launcher(library: Path, kernel: dict):
+def _host_launcher(library: Path, kernel: KernelEntry):
     """The `<kernel>_launch` function of a compiled module library, via ctypes."""
     import ctypes
 
     lib = ctypes.CDLL(str(library))
-    fn = getattr(lib, kernel["launcher"])
+    fn = getattr(lib, kernel.launcher)
     fn.restype = ctypes.c_int
     return fn
 
@@ -429,8 +392,9 @@ class World:
             raise RuntimeSetupError(problem)
         check_full_mesh(list(dict.fromkeys(self.backend.bus_ids)))  # ranks sharing a GPU: one entry
 
-    def load(self, manifest: str | Path, arch: str = "sm_90a") -> Module:
-        module = Module(self, Path(manifest), arch)
+    def load(self, manifest: str | Path | Manifest, arch: str = "sm_90a", source: str | Path | None = None) -> Module:
+        """Load a generated module on this process's ranks (see module_files)."""
+        module = Module(self, *module_files(manifest, source), arch)
         self._modules.append(module)
         return module
 
@@ -455,13 +419,13 @@ class World:
                 who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
                 raise RuntimeSetupError(f"{who} (GPU {dev}): kernel failed: {e}") from e
 
-    def check_resident(self, kernel: dict, function: Any) -> None:
+    def check_resident(self, kernel: KernelEntry, function: Any) -> None:
         """Kernels whose blocks wait on each other (or, on a shared GPU, on other ranks) need
         every block of every co-located rank resident at once. `function` None: a host-launched
         persistent kernel, counted at one block per SM."""
         cp = self.cp
-        blocks = kernel["grid"][0]
-        threads = kernel["block"][0]
+        blocks = kernel.grid[0]
+        threads = kernel.block[0]
         props = cp.cuda.runtime.getDeviceProperties(self.devices[self.ranks[0]])
         sms = props["multiProcessorCount"]
         if function is None:
@@ -469,11 +433,11 @@ class World:
         else:
             try:
                 per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                    function.ptr, threads, kernel["shared_bytes"]
+                    function.ptr, threads, kernel.shared_bytes
                 )
             except Exception:  # older CuPy: bound by threads alone
                 per_sm = max(1, props["maxThreadsPerMultiProcessor"] // threads)
-        problem = residency_problem(kernel["name"], blocks, self.colocated, sms, per_sm)
+        problem = residency_problem(kernel.name, blocks, self.colocated, sms, per_sm)
         if problem:
             raise RuntimeSetupError(problem)
 

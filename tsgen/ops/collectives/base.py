@@ -14,7 +14,8 @@ import numpy as np
 from pydantic import Field
 
 from ...plan.ir import MAX_WAITS, CommPlan, SignalRef, Step, schedule
-from ...plan.lower import STRAIGHT_LINE_MAX_CALLS, ShareGroup, straight_line_groups, stream_program
+from ...plan.lower import (STRAIGHT_LINE_MAX_CALLS, ShareGroup, c_slice, c_tables, share_runs, straight_line_groups,
+                           stream_program)
 from ...spec_types import Launch, SpecBase, StrictModel
 from ..base import CALLS, Arg, Buffer, ModuleAbi, OpFamily, fill
 from .bench import CollectiveBench
@@ -126,7 +127,23 @@ class CollectiveFamily(OpFamily):
     def device_libs(self, spec: Any) -> tuple[str, ...]:
         return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
 
+    def comm_plans(self, spec: Any) -> dict[int, CommPlan]:
+        """The plan of every world size of the spec; multimem variants have none (their
+        template is written out, not a plan)."""
+        return {} if self.is_multimem(spec) else {w: self.comm_plan(spec, w) for w in spec.world_sizes}
+
     def abi(self, spec: Any) -> ModuleAbi:
+        return self.lower(spec, self.comm_plans(spec))[0]
+
+    def template_vars(self, spec):
+        return self.lower(spec, self.comm_plans(spec))[1]
+
+    def lower(self, spec: Any, plans: dict[int, CommPlan]) -> tuple[ModuleAbi, dict[str, Any]]:
+        straight = self.straight_line(spec, plans)
+        abi = self._abi(spec, straight)
+        return abi, self._template_vars(spec, plans, straight, abi)
+
+    def _abi(self, spec: Any, straight: dict[int, list[list[ShareGroup]]]) -> ModuleAbi:
         abi = super().abi(spec)
         if self.copy_engine(spec):
             # The host launcher also needs the peer table in host memory (memcpy addresses).
@@ -138,7 +155,6 @@ class CollectiveFamily(OpFamily):
         # Straight-line code keeps every source of a reduction in flight at once, which takes
         # more registers than the interpreter; ptxas's default may cap them at what a second
         # block per SM leaves and spill. Collectives run one block per SM (at most 132).
-        straight = self.straight_line(spec)
         abi.kernels = tuple(dataclasses.replace(k, min_blocks=1) if k.world_size in straight else k
                              for k in abi.kernels)
         return abi
@@ -199,12 +215,18 @@ class CollectiveFamily(OpFamily):
             # (docs/design/transports.md, "Copy engine")
             problems.append((("params", "direction"), "the copy engine pushes only: a copy reading a peer's "
                              "memory blocks the host thread that launches every rank; use direction: push"))
-        if spec.params.transport == "nvshmem":
-            problems += self._nvshmem_check(spec)
-        if problems or self.is_multimem(spec):
+        if spec.params.transport == "nvshmem" and self.is_multimem(spec):
+            problems.append((("params", "transport"), "multimem variants store through NVLink multicast, not "
+                             "NVSHMEM; use transport: p2p"))
+        return problems
+
+    def check_plans(self, spec, plans):
+        """The C tables index shares with 16 bits; the copy-engine launcher has 32 streams and
+        copies to one destination; the nvshmem transport puts, gets and reduces locally."""
+        problems = self._nvshmem_check(spec, plans) if spec.params.transport == "nvshmem" else []
+        if problems:
             return problems
-        for w in spec.world_sizes:  # the C tables index shares with 16 bits; streams are finite
-            cp = self.comm_plan(spec, w)
+        for w, cp in plans.items():
             shares = sum(len(b) for rp in cp.ranks for b in rp.blocks)
             if shares > 0xFFFF:
                 problems.append((("params", "pieces"), f"the plan at world size {w} has {shares} block shares, "
@@ -219,14 +241,11 @@ class CollectiveFamily(OpFamily):
                 break
         return problems
 
-    def _nvshmem_check(self, spec):
+    def _nvshmem_check(self, spec, plans):
         """The nvshmem transport moves remote data by put (copy into a peer, from our memory)
         and get (copy from a peer into ours); reductions and anything else run on local memory."""
-        if self.is_multimem(spec):
-            return [(("params", "transport"), "multimem variants store through NVLink multicast, not NVSHMEM; "
-                     "use transport: p2p")]
-        for w in spec.world_sizes:
-            for r, rp in enumerate(self.comm_plan(spec, w).ranks):
+        for w, cp in plans.items():
+            for r, rp in enumerate(cp.ranks):
                 for st in rp.steps:
                     if st.op == "reduce" and any(q != r for q, _ in (st.dst,) + tuple(st.srcs)):
                         return [(("params", "transport"), f"{spec.op} with these params reduces a peer's memory "
@@ -260,19 +279,26 @@ class CollectiveFamily(OpFamily):
             problems.append((("dtype",), "multimem all_reduce reduces bfloat16 or float32 (multimem.ld_reduce .v4 forms)"))
         return problems
 
-    def template_vars(self, spec):
+    def _template_vars(self, spec, plans, straight, abi: ModuleAbi) -> dict[str, Any]:
         # every collective inlines tsgen_plan.cuh (vector math; the plan interpreter)
         out = {"plan_header": True, "copy_engine": self.copy_engine(spec), "nvshmem": spec.params.transport == "nvshmem"}
         if self.is_multimem(spec):
             return out
-        plans = {w: self.comm_plan(spec, w) for w in spec.world_sizes}
         table = (CALLS,) + tuple(self.buffers(spec))  # the order plan.buffers has
-        out |= {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
+        index = {b.name: i for i, b in enumerate(table)}
         # the SM kernel (collective.cu.j2) raises each rank's opening signal in code
-        out |= {"hoist_opening": self.template_for(spec) == self.template, "straight_line": self.straight_line(spec, plans)}
+        hoist = self.template_for(spec) == self.template
+        out |= {"comm_plans": plans, "buffer_index": index, "hoist_opening": hoist, "straight_line": straight,
+                # the plans' C rows (templates/ops/plan_tables.cu.j2)
+                "plan_tables": {w: c_tables(cp, index, hoist) for w, cp in plans.items()},
+                "plan_share_runs": {w: share_runs(cp, hoist) for w, cp in plans.items()}}
         if self.copy_engine(spec):
             out["stream_programs"] = {w: [stream_program(cp, r) for r in range(w)] for w, cp in plans.items()}
-            out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in self.abi(spec).kernels[0].launcher_args)
+            # world size -> rank -> copy step -> (destination, source) tsgen_slice initializers
+            out["copy_slices"] = {w: [{i: (c_slice(cp, index, st.dst), c_slice(cp, index, st.srcs[0]))
+                                       for i, st in enumerate(rp.steps) if st.op == "copy"} for rp in cp.ranks]
+                                  for w, cp in plans.items()}
+            out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in abi.kernels[0].launcher_args)
         return out
 
     # -- reference ----------------------------------------------------------
