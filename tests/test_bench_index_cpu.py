@@ -15,6 +15,7 @@ from bench_fakes import install
 from conftest import ROOT, run_cli
 from tsgen.bench.index import BEGIN, END, latest_md, readme_block, scan
 from tsgen.bench.legacy import normalize
+from tsgen.bench.runner import SHARED_NOTE
 from tsgen.bench.suites import list_suites, load_suite
 from tsgen.errors import SpecError
 
@@ -111,14 +112,16 @@ def test_repository_results_index_is_current():
 
 
 def test_migrated_results_keep_their_rows():
-    """The newest file of every benchmark suite (from before the index) reads as rows with ratios."""
+    """The newest file of every benchmark suite (from before the index) reads as rows with ratios;
+    a suite of ranks sharing one GPU reads as rows without any (its timings compare nothing)."""
     for (top, suite), runs in scan(ROOT / "results").items():
         if top == "tests":
             continue
         meta, rows = normalize(json.loads(runs[-1].json.read_text()))
         assert rows and meta.get("command"), (top, suite)
         tsgen = [r for r in rows if r["impl"] == "tsgen"]
-        assert tsgen and any(r.get("ratios") for r in tsgen), (top, suite)
+        shared = [r for r in tsgen if SHARED_NOTE in (r.get("note") or "")]
+        assert tsgen and (shared == tsgen) != any(r.get("ratios") for r in tsgen), (top, suite)
     assert "## gemm / gemm" in latest_md(ROOT / "results")
     assert "gemm against cuBLAS" in readme_block(ROOT / "results", ROOT / "suites")
 
