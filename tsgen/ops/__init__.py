@@ -7,9 +7,9 @@ reference) + one template under templates/ops/, listed in _MODULES.
 from __future__ import annotations
 
 from .base import OpFamily
-from . import all_to_all_v, attention, collectives, fused, gemm, grid_gemm, primitives
+from . import all_to_all_v, attention, collectives, fused, gemm, grid_gemm, moe, primitives
 
-_MODULES = [primitives, collectives, all_to_all_v, gemm, fused, grid_gemm, attention]
+_MODULES = [primitives, collectives, all_to_all_v, gemm, fused, grid_gemm, attention, moe]
 
 _FAMILIES: dict[str, OpFamily] = {}
 for _module in _MODULES:

@@ -1,0 +1,260 @@
+"""MoE dispatch and combine on GPUs (shared-GPU worlds on one GPU: TSGEN_SHARE_GPUS=1).
+
+Each call: fresh routing of one case (tokens per rank differ: the spec's count, 0, 1, odd),
+every output and receive buffer poisoned, dispatch, then every received row, its metadata, its
+handle and recv_counts compared exactly with the NumPy reference and the rows past what arrived
+checked still poisoned; then combine of rows the test makes from the received ones (row r scaled
+by 2^(r mod 3), exact in bf16) compared with the reference. Signals are never reset between
+calls; the last test launches 20 dispatch + combine pairs back to back with no host sync.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+from conftest import need_gpus
+from tsgen.harness import _mutated, materialize, poison_byte, shared_gpu_variant
+from tsgen.ops.collectives import from_f64, to_f64
+from tsgen.ops.moe import combine_reference, counts_array, dispatch_reference, recv_rows, routing
+from tsgen.spec import load_spec, spec_variant
+
+pytestmark = pytest.mark.gpu
+
+SPEC = "specs/moe.yaml"
+CASES = ("random", "skewed", "one_rank_idle", "no_expert", "same_rank", "pattern")
+
+
+def tokens_of(call: int, rank: int, cap: int, rng) -> int:
+    """Per-rank token counts: the capacity-ish odd count, 0, 1 and random ones."""
+    choice = (call + rank) % 5
+    return [cap - 1 if cap % 2 == 0 else cap, 0, 1, int(rng.integers(0, cap + 1)), 7 if cap >= 7 else cap][choice]
+
+
+def expert_stand_in(recv_x: np.ndarray, hidden: int) -> np.ndarray:
+    """Row r of y = row r of recv_x times 2^(r mod 3) (exact in bf16 for these values)."""
+    rows = recv_x.reshape(-1, hidden)
+    f = to_f64(rows, "bfloat16") * (2.0 ** (np.arange(rows.shape[0]) % 3))[:, None]
+    return from_f64(f.reshape(-1), "bfloat16")
+
+
+class Moe:
+    """The module loaded on a world, with its dispatch and combine launchers."""
+
+    def __init__(self, world, loaded, skew=None, mutate=None, echo=print):
+        fitted = shared_gpu_variant(loaded, world, echo)
+        self.spec = fitted.model
+        manifest = materialize(fitted, skew=skew)
+        if mutate is not None:
+            manifest = _mutated(manifest, mutate)
+        self.world = world
+        self.module = world.load(manifest)
+        lib = ctypes.CDLL(str(self.module.binary))
+        name = self.module.kernel["name"]
+        self.dispatch_fn = getattr(lib, f"{name}_dispatch_launch")
+        self.combine_fn = getattr(lib, f"{name}_combine_launch")
+        self.pair_fn = getattr(lib, f"{name}_launch")
+        for fn in (self.dispatch_fn, self.combine_fn, self.pair_fn):
+            fn.restype = ctypes.c_int
+        p = self.spec.params
+        self.cap, self.hidden, self.topk, self.experts = p.capacity, p.hidden, p.topk, p.experts
+        self.recv = recv_rows(self.spec)
+        self.bufs = self.module.alloc(self.cap)
+        self.y = {}
+        cp = world.cp
+        for r in world.ranks:
+            with cp.cuda.Device(world.devices[r]):
+                self.y[r] = cp.zeros(self.recv * self.hidden, dtype=np.uint16)
+
+    def _args(self, rank, tokens, extra=()):
+        args = self.module.kernel["args"]
+        values = self.bufs.arg_values(args, rank)
+        out = []
+        for a, v in zip(args, values):
+            if a["role"] == "rank":
+                out.append(ctypes.c_int(v))
+            elif a["role"] == "count":
+                out.append(ctypes.c_uint64(tokens[rank]))
+            else:
+                out.append(ctypes.c_void_p(v))
+        return out + [ctypes.c_void_p(e) for e in extra] + [ctypes.c_void_p(self.world.streams[rank].ptr)]
+
+    def launch(self, which, tokens):
+        cp = self.world.cp
+        for r in self.world.ranks:
+            with cp.cuda.Device(self.world.devices[r]):
+                if which == "dispatch":
+                    err = self.dispatch_fn(*self._args(r, tokens))
+                elif which == "combine":
+                    err = self.combine_fn(*self._args(r, tokens, (self.y[r].data.ptr,)))
+                else:
+                    err = self.pair_fn(*self._args(r, tokens))
+                assert err == 0, f"rank {r}: {which} launch failed with cudaError {err}"
+
+    def load(self, inputs, call):
+        world, cp = self.world, self.world.cp
+        for r in world.ranks:
+            with cp.cuda.Device(world.devices[r]):
+                for name in ("x", "topk_idx", "topk_weights"):
+                    a = self.bufs.array(name, r)
+                    full = np.zeros(a.size, dtype=a.dtype)
+                    full[: inputs[name][r].size] = inputs[name][r].view(a.dtype)
+                    a.set(full)
+                for name in ("out", "recv_counts", "recv_x", "recv_idx", "recv_w", "handle"):
+                    self.bufs.array(name, r).view(np.uint8)[...] = poison_byte(call)
+
+    def get(self, name, rank):
+        return self.bufs.array(name, rank).get()
+
+    def free(self):
+        self.bufs.free()
+
+
+def make_inputs(moe, world, case, call, seed=0):
+    rng = np.random.default_rng([seed, call])
+    tokens = {r: tokens_of(call, r, moe.cap, rng) for r in range(world)}
+    inputs = {
+        "x": [from_f64(rng.standard_normal(tokens[r] * moe.hidden), "bfloat16") for r in range(world)],
+        "topk_idx": [routing(case, world, moe.experts, moe.topk, tokens[r], rng, r) for r in range(world)],
+        "topk_weights": [rng.random(tokens[r] * moe.topk, dtype=np.float32) for r in range(world)],
+    }
+    return tokens, inputs
+
+
+def check_dispatch(moe, world, inputs, call, problems):
+    """Compare every rank's received rows, metadata, handles, counts; rows past them poisoned."""
+    ref = dispatch_reference(inputs, world, moe.experts, moe.topk, moe.hidden, moe.recv)
+    poison8 = poison_byte(call)
+    for d in world.ranks:
+        want_counts = counts_array(ref[d], max(moe.spec.world_sizes), moe.experts)
+        got_counts = moe.get("recv_counts", d)
+        if not np.array_equal(got_counts, want_counts):
+            problems.append(f"call {call}: rank {d} recv_counts {got_counts[:2 + world].tolist()} ... expected "
+                            f"{want_counts[:2 + world].tolist()} ...")
+            continue
+        rows = min(int(want_counts[0]), moe.recv)
+        for name, width, want in (("recv_x", moe.hidden, ref[d]["recv_x"]), ("recv_idx", moe.topk, ref[d]["recv_idx"]),
+                                  ("recv_w", moe.topk, ref[d]["recv_w"]), ("handle", 2, ref[d]["handle"])):
+            got = moe.get(name, d)
+            head = got[: rows * width].view(np.uint8)
+            want_bytes = np.ascontiguousarray(want.reshape(-1)[: rows * width]).view(np.uint8)
+            if not np.array_equal(head, want_bytes):
+                bad = np.flatnonzero(head != want_bytes)[0] // (got.itemsize * width)
+                problems.append(f"call {call}: rank {d} {name} row {bad} of {rows} differs")
+            tail = got[rows * width:].view(np.uint8)
+            if tail.size and not (tail == poison8).all():
+                problems.append(f"call {call}: rank {d} {name} written past the {rows} rows received")
+    return ref
+
+
+def check_combine(moe, world, inputs, ref, call, problems):
+    ys = [expert_stand_in(ref[d]["recv_x"], moe.hidden) for d in range(world)]
+    want = combine_reference(inputs, ys, world, moe.experts, moe.topk, moe.hidden, moe.spec.params.weighted)
+    for s in world.ranks:
+        got = moe.get("out", s)[: want[s].size]
+        if moe.spec.params.weighted:
+            diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
+            bad = np.flatnonzero(~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16"))))
+        else:
+            bad = np.flatnonzero(got != want[s])
+        if bad.size:
+            i = int(bad[0])
+            problems.append(f"call {call}: rank {s} out[{i // moe.hidden}][{i % moe.hidden}] = {got[i]:#x}, expected "
+                            f"{want[s][i]:#x} ({bad.size} wrong)")
+    return ys
+
+
+def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=None, combine=True, burst=0):
+    """Problems found (empty: every check passed)."""
+    from tsgen.runtime import World
+
+    loaded = spec_variant(load_spec(SPEC), variant or {})
+    lines, problems = [], []
+    with World(world_size, share_gpus=None) as world:
+        moe = Moe(world, loaded, skew=skew, mutate=mutate, echo=lines.append)
+        try:
+            for call in range(iters):
+                case = cases[call % len(cases)]
+                tokens, inputs = make_inputs(moe, world_size, case, call)
+                moe.load(inputs, call)
+                world.synchronize()
+                moe.launch("dispatch", tokens)
+                world.synchronize()
+                ref = check_dispatch(moe, world, inputs, call, problems)
+                if not combine or any(r["flags"] for r in ref):
+                    continue
+                ys = [expert_stand_in(ref[d]["recv_x"], moe.hidden) for d in range(world_size)]
+                for d in world.ranks:
+                    with world.cp.cuda.Device(world.devices[d]):
+                        moe.y[d][: ys[d].size].set(ys[d])
+                world.synchronize()
+                moe.launch("combine", tokens)
+                world.synchronize()
+                check_combine(moe, world, inputs, ref, call, problems)
+            if burst:  # back-to-back dispatch + combine pairs (identity expert), no host sync between
+                tokens, inputs = make_inputs(moe, world_size, "random", iters)
+                moe.load(inputs, iters)
+                world.synchronize()
+                for _ in range(burst):
+                    moe.launch("pair", tokens)
+                world.synchronize()
+                ref = check_dispatch(moe, world, inputs, iters, problems)
+                want = combine_reference(inputs, [r["recv_x"] for r in ref], world_size, moe.experts, moe.topk,
+                                         moe.hidden, moe.spec.params.weighted)
+                for s in world.ranks:
+                    got = moe.get("out", s)[: want[s].size]
+                    diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
+                    if (~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16")))).any():
+                        problems.append(f"after {burst} back-to-back pairs: rank {s} out differs")
+        finally:
+            moe.free()
+    return problems, lines
+
+
+def _record(row):
+    out = os.environ.get("TSGEN_RESULTS_DIR")
+    if out:
+        import json
+
+        with open(os.path.join(out, "moe.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_moe_dispatch_combine(world, weighted):
+    need_gpus(world)
+    problems, lines = run_moe(world, variant={"params": {"weighted": weighted}}, burst=20 if weighted else 0)
+    _record({"test": "dispatch_combine", "world": world, "weighted": weighted, "pass": not problems,
+             "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_receive_overflow_is_reported(world):
+    """A receive capacity of one rank's tokens and every token to expert 0: rank 0 flags the
+    overflow, its first rows are right, nothing is written past the capacity; senders flag drops."""
+    need_gpus(world)
+    problems, lines = run_moe(world, cases=("skewed",), iters=3, variant={"params": {"recv_capacity": 200}},
+                              combine=False)
+    _record({"test": "overflow", "world": world, "pass": not problems, "problems": problems[:5]})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
+SKEW_SEED = 7
+# the wait for every rank's counts row: satisfied at once (stale rows give wrong offsets)
+COUNTS_WAIT = ("wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, epoch,",
+               "wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, 0ull,")
+
+
+def test_moe_negative_control_counts_wait_removed():
+    """Dispatch without its wait for the peers' counts rows must fail (with rank skew)."""
+    need_gpus(4)
+    old, new = COUNTS_WAIT
+    problems, lines = run_moe(4, cases=("random", "skewed"), iters=10, skew=SKEW_SEED, combine=False,
+                              mutate=lambda text: text.replace(old, new))
+    _record({"test": "negative_control_counts_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
+    assert problems, "dispatch without the counts wait passed:\n" + "\n".join(lines)

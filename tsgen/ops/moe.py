@@ -1,0 +1,292 @@
+"""moe: mixture-of-experts expert-parallel dispatch and combine (normal mode, bf16).
+
+E experts are placed in contiguous runs of L = E / W per rank (rank d holds experts
+[d L, (d + 1) L)). From `topk_idx` [tokens, topk] (expert ids; -1, or any id outside
+[0, E), means none) a token's destination ranks are the ranks of its experts; it is sent
+once to each, however many of its experts live there.
+
+dispatch: every rank receives its rows contiguously in `recv_x`, grouped by source rank
+(rank 0's rows first), in source token order inside one source; with each row, per top-k
+slot, the local expert id on the receiving rank (-1 where that slot's expert lives
+elsewhere) and its weight (0 there), and the handle (source rank, source token).
+`recv_counts`: rows received, flags (1: more rows than the receive capacity arrived and
+those past it were dropped; 2: some of this rank's rows were dropped by a destination),
+rows per source rank, (token, expert) pairs per local expert. The receive capacity is
+fixed in the spec (worst case: every token of every rank, W x capacity), so a call needs no
+host synchronization and can be captured in a CUDA graph.
+
+combine: each rank hands back its processed rows `y` (row r = received row r); every source
+token gets the sum of its rows over its destination ranks, fp32 accumulation in rank order,
+one rounding to bf16, in the original order. With `weighted: true` the row from rank d is
+scaled by the sum of the token's top-k weights of the experts on d (exact MoE weighting when
+each rank returns its experts' unweighted output averaged the same way, e.g. one expert per
+rank); unweighted, the experts' weights travel with the rows and the ranks apply them.
+
+`count` (the run-time argument) is this rank's tokens, at most params.capacity; the
+`tsgen test` call is dispatch then combine of the received rows as they are (identity expert).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from ..runtime.placement import fit_blocks
+from ..spec_types import SpecBase, StrictModel
+from .base import Buffer, OpFamily
+from .collectives import from_f64, to_f64
+from .collectives.base import _values
+
+
+class MoeParams(StrictModel):
+    experts: int = Field(64, ge=1, le=1024, description="experts in all (E); each rank holds E / world of them")
+    hidden: int = Field(1024, ge=8, le=65536, description="channels per token (bf16: a multiple of 8)")
+    topk: int = Field(8, ge=1, le=16, description="experts per token")
+    capacity: int = Field(512, ge=1, le=65536, description="tokens per rank at most (the run-time count)")
+    recv_capacity: int | None = Field(None, ge=1, le=1 << 22,
+                                      description="rows one rank can receive (default: max world x capacity, "
+                                      "the worst case); more is reported, never written")
+    weighted: bool = Field(False, description="combine scales rank d's row by the token's weights of experts on d")
+    mode: Literal["normal", "low_latency"] = Field("normal", description="normal | low_latency (decode)")
+    payload: Literal["bf16", "fp8"] = Field("bf16", description="dispatch payload")
+
+
+class MoeSpec(SpecBase):
+    """Spec of op `moe` (dispatch + combine)."""
+
+    op: Literal["moe"]
+    dtype: Literal["bfloat16"] = "bfloat16"
+    params: MoeParams = MoeParams()
+
+
+def recv_rows(spec) -> int:
+    p = spec.params
+    return p.recv_capacity if p.recv_capacity is not None else max(spec.world_sizes) * p.capacity
+
+
+class MoeFamily(OpFamily):
+    kind = "moe"
+    summary = ("MoE expert-parallel dispatch (tokens to the ranks of their top-k experts, grouped by source "
+               "rank) and combine (rows back to their tokens, summed in fp32), normal mode, bf16")
+    Spec = MoeSpec
+    template = "moe.cu.j2"
+    count_unit = "tokens"
+    blocks_wait = True
+    host_launch = True  # a call is two kernels (dispatch, combine) through NAME_wW_launch
+
+    def check(self, spec):
+        p, problems = spec.params, []
+        for w in spec.world_sizes:
+            if p.experts % w:
+                problems.append((("params", "experts"), f"{p.experts} experts do not divide over world size {w} "
+                                 "(each rank holds experts / world of them)"))
+                break
+        if p.hidden % 8:
+            problems.append((("params", "hidden"), f"{p.hidden} is not a multiple of 8 (rows move as 16-byte "
+                             "vectors of 8 bf16)"))
+        if p.payload == "fp8" and p.hidden % 128:
+            problems.append((("params", "hidden"), f"{p.hidden} is not a multiple of 128: the fp8 payload has one "
+                             "scale per 128 channels"))
+        if p.topk > p.experts:
+            problems.append((("params", "topk"), f"{p.topk} experts per token, but there are {p.experts}"))
+        if p.mode != "normal":
+            problems.append((("params", "mode"), "low_latency is not built yet; use normal"))
+        if p.payload != "bf16":
+            problems.append((("params", "payload"), "fp8 is not built yet; use bf16"))
+        if spec.test.count > p.capacity:
+            problems.append((("test", "count"), f"{spec.test.count} tokens per rank, more than params.capacity "
+                             f"{p.capacity}"))
+        if spec.launch.blocks > 132:
+            problems.append((("launch", "blocks"), "its blocks wait on peers: at most 132 (one per SM)"))
+        return problems
+
+    def shared_fit(self, spec, colocated, sms):
+        blocks = fit_blocks(spec.launch.blocks, colocated, sms)
+        return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+
+    def buffers(self, spec):
+        p, wmax, recv = spec.params, max(spec.world_sizes), recv_rows(spec)
+        return (
+            Buffer("x", "bfloat16", "input", per_count=p.hidden),
+            Buffer("topk_idx", "int32", "input", per_count=p.topk),
+            Buffer("topk_weights", "float32", "input", per_count=p.topk),
+            Buffer("out", "bfloat16", "output", per_count=p.hidden),
+            Buffer("recv_counts", "int32", "output", per_count=0, fixed=2 + wmax + p.experts),
+            Buffer("recv_x", "bfloat16", "scratch", per_count=0, fixed=recv * p.hidden),
+            Buffer("recv_idx", "int32", "scratch", per_count=0, fixed=recv * p.topk),
+            Buffer("recv_w", "float32", "scratch", per_count=0, fixed=recv * p.topk),
+            Buffer("handle", "int32", "scratch", per_count=0, fixed=recv * 2),
+            Buffer("comb", "bfloat16", "scratch", per_count=0, fixed=p.capacity * wmax * p.hidden),
+            Buffer("cnt", "int32", "scratch", per_count=0, fixed=wmax * wmax + wmax * p.experts),
+            Buffer("sig", "uint64", "signal", per_count=0, fixed=3 * wmax),
+            Buffer("combine_calls", "uint64", "signal", per_count=0, fixed=2),
+        )
+
+    def constants(self, spec):
+        p = spec.params
+        return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
+                "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted)}
+
+    def template_vars(self, spec):
+        # the buffers tsgen_moe::Buffers holds, in its order
+        held = [b for b in self.buffers(spec) if b.name != "combine_calls"]
+        return {"buffer_params": ", ".join(f"{b.ctype}* {b.name}" for b in held),
+                "buffer_names": ", ".join(b.name for b in held)}
+
+    # -- reference ----------------------------------------------------------
+    def make_inputs(self, spec, world, count, rng, pattern):
+        p = spec.params
+        idx = [routing("random", world, p.experts, p.topk, count, rng, r) for r in range(world)]
+        return {"x": [_values("bfloat16", count * p.hidden, rng, pattern, r) for r in range(world)],
+                "topk_idx": idx,
+                "topk_weights": [rng.random(count * p.topk, dtype=np.float32) for _ in range(world)]}
+
+    def reference(self, spec, world, count, inputs):
+        p = spec.params
+        disp = dispatch_reference(inputs, world, p.experts, p.topk, p.hidden, recv_rows(spec))
+        outs = combine_reference(inputs, [d["recv_x"] for d in disp], world, p.experts, p.topk, p.hidden, p.weighted)
+        wmax = max(spec.world_sizes)
+        return {"out": outs, "recv_counts": [counts_array(d, wmax, p.experts) for d in disp]}
+
+    def tolerance(self, spec, world, count, inputs):
+        """recv_counts exact; out within a bf16 rounding (2^-8 relative) of the fp32 sum, plus the
+        fp32 rounding of the sum of up to world terms (weighted)."""
+        ref = self.reference(spec, world, count, inputs)
+        tol_out = [2.0**-8 * np.abs(to_f64(o, "bfloat16")) + 1e-30 for o in ref["out"]]
+        return {"out": tol_out, "recv_counts": [np.zeros(c.size) for c in ref["recv_counts"]]}
+
+    def bytes_moved(self, spec, world, count):
+        """Dispatch's rows plus combine's rows that cross the link (see bench notes): a token with
+        random top-k sends (destination ranks other than its own) rows each way."""
+        return 0
+
+
+# ---------------------------------------------------------------------------
+# NumPy references (shared with the tests)
+# ---------------------------------------------------------------------------
+
+ROUTINGS = ("random", "skewed", "one_rank_idle", "no_expert", "same_rank", "pattern")
+
+
+def routing(case: str, world: int, experts: int, topk: int, tokens: int, rng: np.random.Generator,
+            rank: int) -> np.ndarray:
+    """topk_idx [tokens * topk] (int32) of one rank for a routing case:
+    random: distinct random experts, one slot in ten -1; skewed: every token to expert 0
+    (the other slots -1); one_rank_idle: random experts, none on the last rank; no_expert: all
+    -1 on even tokens, random on odd; same_rank: every slot an expert of one rank (several experts
+    of a token on one rank); pattern: expert (t + k) mod E."""
+    local = experts // world
+    idx = np.full((tokens, topk), -1, dtype=np.int64)
+    for t in range(tokens):
+        if case == "random":
+            idx[t] = rng.permutation(experts)[:topk]
+            idx[t, rng.random(topk) < 0.1] = -1
+        elif case == "skewed":
+            idx[t, 0] = 0
+        elif case == "one_rank_idle":
+            pool = experts - local
+            n = min(topk, pool)
+            idx[t, :n] = rng.permutation(pool)[:n]
+        elif case == "no_expert":
+            if t % 2:
+                idx[t] = rng.permutation(experts)[:topk]
+        elif case == "same_rank":
+            d = int(rng.integers(world))
+            n = min(topk, local)
+            idx[t, :n] = d * local + rng.permutation(local)[:n]
+        elif case == "pattern":
+            idx[t] = (t + np.arange(topk)) % experts
+        else:
+            raise ValueError(f"routing case {case!r}: one of {ROUTINGS}")
+    return idx.astype(np.int32).reshape(-1)
+
+
+def layout(topk_idx: np.ndarray, world: int, experts: int, topk: int) -> dict[str, np.ndarray]:
+    """One rank's routing layout: mask [tokens, world] (token goes to rank d), per_rank [world]
+    tokens to each rank, per_expert [experts] (token, expert) pairs, pos [tokens, world] (the
+    token's place among this rank's tokens to d, -1 where it does not go)."""
+    idx = topk_idx.reshape(-1, topk).astype(np.int64)
+    valid = (idx >= 0) & (idx < experts)
+    ranks = np.where(valid, idx // (experts // world), -1)
+    mask = np.zeros((idx.shape[0], world), dtype=bool)
+    for k in range(topk):
+        rows = np.flatnonzero(ranks[:, k] >= 0)
+        mask[rows, ranks[rows, k]] = True
+    pos = np.where(mask, np.cumsum(mask, axis=0) - 1, -1)
+    per_expert = np.bincount(idx[valid], minlength=experts)
+    return {"mask": mask, "per_rank": mask.sum(axis=0), "per_expert": per_expert, "pos": pos}
+
+
+def dispatch_reference(inputs: dict, world: int, experts: int, topk: int, hidden: int, recv: int) -> list[dict]:
+    """What every rank receives: rows (recv_x [rows, hidden] bf16 bits), recv_idx, recv_w,
+    handle [rows, 2] (all the rows, also past the capacity `recv`), per-source and per-local-expert
+    counts and the flags."""
+    local = experts // world
+    lays = [layout(inputs["topk_idx"][s], world, experts, topk) for s in range(world)]
+    out = []
+    for d in range(world):
+        xs, ids, ws, hs = [], [], [], []
+        for s in range(world):
+            sel = np.flatnonzero(lays[s]["mask"][:, d])
+            idx = inputs["topk_idx"][s].reshape(-1, topk)[sel].astype(np.int64)
+            here = (idx >= d * local) & (idx < (d + 1) * local)
+            xs.append(inputs["x"][s].reshape(-1, hidden)[sel])
+            ids.append(np.where(here, idx - d * local, -1).astype(np.int32))
+            ws.append(np.where(here, inputs["topk_weights"][s].reshape(-1, topk)[sel], 0).astype(np.float32))
+            hs.append(np.stack([np.full(sel.size, s), sel], axis=1).astype(np.int32))
+        per_source = np.array([lay["per_rank"][d] for lay in lays])
+        # rank d as a sender: rows it sent past a destination's capacity
+        dropped = any(lays[d]["per_rank"][dd] and sum(lays[j]["per_rank"][dd] for j in range(d + 1)) > recv
+                      for dd in range(world))
+        received = int(per_source.sum())
+        out.append({
+            "recv_x": np.concatenate(xs), "recv_idx": np.concatenate(ids), "recv_w": np.concatenate(ws),
+            "handle": np.concatenate(hs), "per_source": per_source,
+            "per_expert": sum(lay["per_expert"][d * local:(d + 1) * local] for lay in lays),
+            "flags": (1 if received > recv else 0) | (2 if dropped else 0),
+        })
+    return out
+
+
+def counts_array(received: dict, wmax: int, experts: int) -> np.ndarray:
+    """recv_counts as the kernel writes it."""
+    out = np.zeros(2 + wmax + experts, dtype=np.int32)
+    out[0] = received["per_source"].sum()
+    out[1] = received["flags"]
+    out[2:2 + received["per_source"].size] = received["per_source"]
+    out[2 + wmax:2 + wmax + received["per_expert"].size] = received["per_expert"]
+    return out
+
+
+def combine_reference(inputs: dict, ys: list[np.ndarray], world: int, experts: int, topk: int, hidden: int,
+                      weighted: bool) -> list[np.ndarray]:
+    """Every source's out [tokens * hidden] (bf16 bits): the fp32 sum in rank order of the rows
+    its destination ranks hand back (`ys[d]`, bf16 bits, in dispatch's order), each scaled by the
+    token's weights of the experts on that rank when `weighted`."""
+    local = experts // world
+    lays = [layout(inputs["topk_idx"][s], world, experts, topk) for s in range(world)]
+    starts = np.zeros((world, world), dtype=np.int64)  # starts[s, d]: s's first row on d
+    for d in range(world):
+        starts[1:, d] = np.cumsum([lays[s]["per_rank"][d] for s in range(world - 1)])
+    out = []
+    for s in range(world):
+        lay = lays[s]
+        tokens = lay["mask"].shape[0]
+        idx = inputs["topk_idx"][s].reshape(-1, topk).astype(np.int64)
+        w = inputs["topk_weights"][s].reshape(-1, topk)
+        acc = np.zeros((tokens, hidden), dtype=np.float32)
+        for d in range(world):
+            sel = np.flatnonzero(lay["mask"][:, d])
+            rows = to_f64(ys[d].reshape(-1, hidden)[starts[s, d] + lay["pos"][sel, d]], "bfloat16").astype(np.float32)
+            if weighted:
+                here = (idx[sel] >= d * local) & (idx[sel] < (d + 1) * local)
+                scale = np.where(here, w[sel], np.float32(0)).sum(axis=1, dtype=np.float32)
+                rows = rows * scale[:, None]
+            acc[sel] = acc[sel] + rows
+        out.append(from_f64(acc.reshape(-1), "bfloat16"))
+    return out
+
+
+FAMILIES: list[OpFamily] = [MoeFamily()]
