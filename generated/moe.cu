@@ -1263,12 +1263,17 @@ extern "C" __global__ void __launch_bounds__(512) moe_w2_combine(char* const* pe
   tsgen_call_end(combine_calls, epoch);
 }
 
+// Host launchers: each makes the device of this rank's buffers current first (see tsgen_use_device_of).
 extern "C" cudaError_t moe_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  const cudaError_t err = tsgen_use_device_of(calls);
+  if (err != cudaSuccess) return err;
   moe_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t moe_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  const cudaError_t err = tsgen_use_device_of(calls);
+  if (err != cudaSuccess) return err;
   moe_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
@@ -1276,8 +1281,7 @@ extern "C" cudaError_t moe_w2_combine_launch(char* const* peers, int rank, uint6
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
 extern "C" cudaError_t moe_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = tsgen_use_device_of(calls);
-  if (err == cudaSuccess) err = moe_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
+  cudaError_t err = moe_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) err = moe_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_x, stream);
   return err;
 }
@@ -1298,12 +1302,17 @@ extern "C" __global__ void __launch_bounds__(512) moe_w4_combine(char* const* pe
   tsgen_call_end(combine_calls, epoch);
 }
 
+// Host launchers: each makes the device of this rank's buffers current first (see tsgen_use_device_of).
 extern "C" cudaError_t moe_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  const cudaError_t err = tsgen_use_device_of(calls);
+  if (err != cudaSuccess) return err;
   moe_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t moe_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  const cudaError_t err = tsgen_use_device_of(calls);
+  if (err != cudaSuccess) return err;
   moe_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
@@ -1311,8 +1320,7 @@ extern "C" cudaError_t moe_w4_combine_launch(char* const* peers, int rank, uint6
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
 extern "C" cudaError_t moe_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = tsgen_use_device_of(calls);
-  if (err == cudaSuccess) err = moe_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
+  cudaError_t err = moe_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) err = moe_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_x, stream);
   return err;
 }
@@ -1333,12 +1341,17 @@ extern "C" __global__ void __launch_bounds__(512) moe_w8_combine(char* const* pe
   tsgen_call_end(combine_calls, epoch);
 }
 
+// Host launchers: each makes the device of this rank's buffers current first (see tsgen_use_device_of).
 extern "C" cudaError_t moe_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  const cudaError_t err = tsgen_use_device_of(calls);
+  if (err != cudaSuccess) return err;
   moe_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t moe_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  const cudaError_t err = tsgen_use_device_of(calls);
+  if (err != cudaSuccess) return err;
   moe_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
@@ -1346,8 +1359,7 @@ extern "C" cudaError_t moe_w8_combine_launch(char* const* peers, int rank, uint6
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
 extern "C" cudaError_t moe_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = tsgen_use_device_of(calls);
-  if (err == cudaSuccess) err = moe_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
+  cudaError_t err = moe_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) err = moe_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_x, stream);
   return err;
 }
