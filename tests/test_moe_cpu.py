@@ -8,7 +8,8 @@ import pytest
 
 from conftest import spec_problems
 from tsgen.ops.collectives import from_f64, to_f64
-from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, layout, routing)
+from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, layout, ll_combine_reference,
+                           ll_counts_array, ll_dispatch_reference, routing)
 from tsgen.spec import load_spec
 
 
@@ -104,6 +105,50 @@ def test_combine_reference_matches_brute_force(case, world, weighted):
         assert np.allclose(to_f64(got[s], "bfloat16"), want, rtol=2.0**-7, atol=0), (s, case)
 
 
+@pytest.mark.parametrize("case,world", CASES, ids=lambda x: str(x))
+def test_low_latency_references_match_brute_force(case, world):
+    """Slots by (local expert, source rank), pairs in (token, k) order; combine weights each pair."""
+    experts, topk, hidden, slot = 12, 4, 8, 6
+    tokens = [5, 0, 1, 3][:world]
+    inputs = _inputs(case, world, experts, topk, hidden, tokens, seed=world + 20)
+    ref = ll_dispatch_reference(inputs, world, experts, topk, hidden, slot)
+    local = experts // world
+    ys = []
+    for d in range(world):
+        rows = {}
+        for s in range(world):
+            idx = inputs["topk_idx"][s].reshape(-1, topk)
+            for t in range(idx.shape[0]):
+                for k in range(topk):
+                    e = int(idx[t, k])
+                    if 0 <= e < experts and e // local == d:
+                        rows.setdefault((e % local) * world + s, []).append((t, k))
+        for i in range(experts):
+            got = rows.get(i, [])
+            assert ref[d]["counts"][i] == len(got)
+            assert ref[d]["recv_src"][i, :len(got)].tolist() == [t * 32 + k for t, k in got]
+            for j, (t, _) in enumerate(got):
+                assert np.array_equal(ref[d]["recv_x"][i, j], inputs["x"][i % world].reshape(-1, hidden)[t])
+        assert ll_counts_array(ref[d], 8, experts)[0] == sum(len(v) for v in rows.values())
+        ys.append(ref[d]["recv_x"].reshape(-1))
+    out = ll_combine_reference(inputs, ys, world, experts, topk, hidden, slot)
+    for s in range(world):
+        idx = inputs["topk_idx"][s].reshape(-1, topk)
+        w = inputs["topk_weights"][s].reshape(-1, topk)
+        x = to_f64(inputs["x"][s].reshape(-1, hidden), "bfloat16")
+        want = np.array([sum(float(w[t, k]) for k in range(topk) if 0 <= idx[t, k] < experts) * x[t]
+                         for t in range(idx.shape[0])]).reshape(-1)
+        assert np.allclose(to_f64(out[s], "bfloat16"), want, rtol=2.0**-7, atol=1e-30)
+
+
+def test_low_latency_slot_overflow_flagged():
+    inputs = {"x": [from_f64(np.ones(5 * 8), "bfloat16")] * 2,
+              "topk_idx": [np.zeros(5, np.int32), np.zeros(5, np.int32)],
+              "topk_weights": [np.ones(5, np.float32)] * 2}
+    ref = ll_dispatch_reference(inputs, 2, 4, 1, 8, slot=4)
+    assert ref[0]["flags"] == 1 and ref[0]["counts"].tolist() == [5, 5, 0, 0] and ref[1]["flags"] == 0
+
+
 def test_layout_arithmetic():
     """8 experts on 2 ranks (0-3 on rank 0, 4-7 on rank 1), top-3: a token goes once per rank."""
     idx = np.array([[0, 1, 5],     # ranks 0 and 1 (two experts on rank 0: once)
@@ -144,7 +189,9 @@ params:
   topk: 4
   capacity: 64
   payload: {payload}
-test:
+  mode: {mode}
+  weighted: {weighted}
+{extra}test:
   count: {count}
 """
 
@@ -154,20 +201,28 @@ test:
     ({"hidden": 100}, "params.hidden: 100 is not a multiple of 8"),
     ({"hidden": 1000, "payload": "fp8"}, "params.hidden: 1000 is not a multiple of 128"),
     ({"count": 65}, "test.count: 65 tokens per rank, more than params.capacity 64"),
+    ({"mode": "low_latency", "extra": "  recv_capacity: 100\n"},
+     "params.recv_capacity: 100 rows is too small for the low-latency slots: 8 (local expert, source rank) slots "
+     "of 64 rows (params.slot_tokens) need 512"),
+    ({"mode": "low_latency", "weighted": "false"}, "params.weighted: low_latency combine always applies"),
+    ({"extra": "  slot_tokens: 8\n"}, "params.slot_tokens: only the low_latency mode has slots"),
 ])
 def test_spec_errors(tmp_path, fields, expect):
-    values = {"experts": 8, "hidden": 256, "payload": "bf16", "count": 64} | fields
+    values = {"experts": 8, "hidden": 256, "payload": "bf16", "count": 64, "mode": "normal", "weighted": "true",
+              "extra": ""} | fields
     problems = spec_problems(tmp_path, MOE.format(**values))
     assert any(expect in p for p in problems), problems
 
 
-def test_shipped_spec_loads_and_renders(tmp_path):
+@pytest.mark.parametrize("spec", ["moe", "moe_ll"])
+def test_shipped_spec_loads_and_renders(tmp_path, spec):
     from conftest import rendered_source
 
-    loaded = load_spec("specs/moe.yaml")
+    loaded = load_spec(f"specs/{spec}.yaml")
     text = rendered_source(loaded, tmp_path).read_text()
     for w in loaded.model.world_sizes:
         for part in ("dispatch", "combine"):
-            assert f'extern "C" __global__ void __launch_bounds__(512) moe_w{w}_{part}(' in text
-            assert f'extern "C" cudaError_t moe_w{w}_{part}_launch(' in text
-        assert f'extern "C" cudaError_t moe_w{w}_launch(' in text
+            assert f'extern "C" __global__ void __launch_bounds__(512) {spec}_w{w}_{part}(' in text
+            assert f'extern "C" cudaError_t {spec}_w{w}_{part}_launch(' in text
+        assert f'extern "C" cudaError_t {spec}_w{w}_launch(' in text
+    assert ("tsgen_moe::ll_dispatch<" in text) == (spec == "moe_ll")

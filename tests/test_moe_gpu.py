@@ -19,12 +19,14 @@ import pytest
 from conftest import need_gpus
 from tsgen.harness import _mutated, materialize, poison_byte, shared_gpu_variant
 from tsgen.ops.collectives import from_f64, to_f64
-from tsgen.ops.moe import combine_reference, counts_array, dispatch_reference, recv_rows, routing
+from tsgen.ops.moe import (combine_reference, counts_array, dispatch_reference, ll_combine_reference, ll_counts_array,
+                           ll_dispatch_reference, low_latency, recv_rows, routing, slot_rows)
 from tsgen.spec import load_spec, spec_variant
 
 pytestmark = pytest.mark.gpu
 
 SPEC = "specs/moe.yaml"
+LL_SPEC = "specs/moe_ll.yaml"
 CASES = ("random", "skewed", "one_rank_idle", "no_expert", "same_rank", "pattern")
 
 
@@ -62,12 +64,15 @@ class Moe:
         p = self.spec.params
         self.cap, self.hidden, self.topk, self.experts = p.capacity, p.hidden, p.topk, p.experts
         self.recv = recv_rows(self.spec)
+        self.ll, self.slot = low_latency(self.spec), slot_rows(self.spec)
+        self.dispatches = 0  # dispatch calls so far: the low-latency half is (this + 1) & 1
         self.bufs = self.module.alloc(self.cap)
         self.y = {}
         cp = world.cp
+        y_rows = self.experts * self.slot if self.ll else self.recv
         for r in world.ranks:
             with cp.cuda.Device(world.devices[r]):
-                self.y[r] = cp.zeros(self.recv * self.hidden, dtype=np.uint16)
+                self.y[r] = cp.zeros(y_rows * self.hidden, dtype=np.uint16)
 
     def _args(self, rank, tokens, extra=()):
         args = self.module.kernel["args"]
@@ -93,6 +98,8 @@ class Moe:
                 else:
                     err = self.pair_fn(*self._args(r, tokens))
                 assert err == 0, f"rank {r}: {which} launch failed with cudaError {err}"
+        if which != "combine":
+            self.dispatches += 1
 
     def load(self, inputs, call):
         world, cp = self.world, self.world.cp
@@ -103,7 +110,8 @@ class Moe:
                     full = np.zeros(a.size, dtype=a.dtype)
                     full[: inputs[name][r].size] = inputs[name][r].view(a.dtype)
                     a.set(full)
-                for name in ("out", "recv_counts", "recv_x", "recv_idx", "recv_w", "handle"):
+                scratch = ("recv_x", "recv_src") if self.ll else ("recv_x", "recv_idx", "recv_w", "handle")
+                for name in ("out", "recv_counts") + scratch:
                     self.bufs.array(name, r).view(np.uint8)[...] = poison_byte(call)
 
     def get(self, name, rank):
@@ -124,8 +132,37 @@ def make_inputs(moe, world, case, call, seed=0):
     return tokens, inputs
 
 
+def check_ll_dispatch(moe, world, inputs, call, problems):
+    """Low-latency: every slot's rows and handles in this call's half; everything else poisoned."""
+    ref = ll_dispatch_reference(inputs, world.size, moe.experts, moe.topk, moe.hidden, moe.slot)
+    poison8, half = poison_byte(call), (moe.dispatches & 1)  # dispatch number `dispatches`: its half
+    for d in world.ranks:
+        want_counts = ll_counts_array(ref[d], max(moe.spec.world_sizes), moe.experts)
+        got_counts = moe.get("recv_counts", d)
+        if not np.array_equal(got_counts, want_counts):
+            bad = np.flatnonzero(got_counts != want_counts)[:4].tolist()
+            problems.append(f"call {call}: rank {d} recv_counts differ at {bad}: {got_counts[bad].tolist()} "
+                            f"expected {want_counts[bad].tolist()}")
+            continue
+        for name, width, want in (("recv_x", moe.hidden, ref[d]["recv_x"]), ("recv_src", 1, ref[d]["recv_src"])):
+            got = moe.get(name, d).reshape(2, moe.experts, moe.slot, width)
+            written = np.zeros((2, moe.experts, moe.slot), dtype=bool)
+            for i in range(moe.experts):
+                n = min(int(ref[d]["counts"][i]), moe.slot)
+                written[half, i, :n] = True
+                if not np.array_equal(got[half, i, :n].reshape(-1), want[i, :n].reshape(-1)):
+                    problems.append(f"call {call}: rank {d} {name} slot {i} (local expert {i // world.size}, "
+                                    f"source {i % world.size}) differs in its {n} rows")
+            rest = got[~written].view(np.uint8)
+            if rest.size and not (rest == poison8).all():
+                problems.append(f"call {call}: rank {d} {name} written outside the rows received")
+    return ref
+
+
 def check_dispatch(moe, world, inputs, call, problems):
     """Compare every rank's received rows, metadata, handles, counts; rows past them poisoned."""
+    if moe.ll:
+        return check_ll_dispatch(moe, world, inputs, call, problems)
     ref = dispatch_reference(inputs, world, moe.experts, moe.topk, moe.hidden, moe.recv)
     poison8 = poison_byte(call)
     for d in world.ranks:
@@ -150,9 +187,14 @@ def check_dispatch(moe, world, inputs, call, problems):
     return ref
 
 
-def check_combine(moe, world, inputs, ref, call, problems):
-    ys = [expert_stand_in(ref[d]["recv_x"], moe.hidden) for d in range(world)]
-    want = combine_reference(inputs, ys, world, moe.experts, moe.topk, moe.hidden, moe.spec.params.weighted)
+def expected_out(moe, world_size, inputs, ys):
+    if moe.ll:
+        return ll_combine_reference(inputs, ys, world_size, moe.experts, moe.topk, moe.hidden, moe.slot)
+    return combine_reference(inputs, ys, world_size, moe.experts, moe.topk, moe.hidden, moe.spec.params.weighted)
+
+
+def check_combine(moe, world, inputs, ys, call, problems):
+    want = expected_out(moe, world.size, inputs, ys)
     for s in world.ranks:
         got = moe.get("out", s)[: want[s].size]
         if moe.spec.params.weighted:
@@ -164,14 +206,14 @@ def check_combine(moe, world, inputs, ref, call, problems):
             i = int(bad[0])
             problems.append(f"call {call}: rank {s} out[{i // moe.hidden}][{i % moe.hidden}] = {got[i]:#x}, expected "
                             f"{want[s][i]:#x} ({bad.size} wrong)")
-    return ys
 
 
-def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=None, combine=True, burst=0):
+def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=None, combine=True, burst=0,
+            spec=SPEC):
     """Problems found (empty: every check passed)."""
     from tsgen.runtime import World
 
-    loaded = spec_variant(load_spec(SPEC), variant or {})
+    loaded = spec_variant(load_spec(spec), variant or {})
     lines, problems = [], []
     with World(world_size, share_gpus=None) as world:
         moe = Moe(world, loaded, skew=skew, mutate=mutate, echo=lines.append)
@@ -193,7 +235,7 @@ def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=N
                 world.synchronize()
                 moe.launch("combine", tokens)
                 world.synchronize()
-                check_combine(moe, world, inputs, ref, call, problems)
+                check_combine(moe, world, inputs, ys, call, problems)
             if burst:  # back-to-back dispatch + combine pairs (identity expert), no host sync between
                 tokens, inputs = make_inputs(moe, world_size, "random", iters)
                 moe.load(inputs, iters)
@@ -202,8 +244,7 @@ def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=N
                     moe.launch("pair", tokens)
                 world.synchronize()
                 ref = check_dispatch(moe, world, inputs, iters, problems)
-                want = combine_reference(inputs, [r["recv_x"] for r in ref], world_size, moe.experts, moe.topk,
-                                         moe.hidden, moe.spec.params.weighted)
+                want = expected_out(moe, world_size, inputs, [r["recv_x"] for r in ref])
                 for s in world.ranks:
                     got = moe.get("out", s)[: want[s].size]
                     diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
@@ -233,6 +274,25 @@ def test_moe_dispatch_combine(world, weighted):
     assert not problems, "\n".join(lines + problems[:10])
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_moe_low_latency(world):
+    need_gpus(world)
+    problems, lines = run_moe(world, spec=LL_SPEC, burst=20)
+    _record({"test": "low_latency", "world": world, "pass": not problems, "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_low_latency_slot_overflow_is_reported(world):
+    """Slots of 16 rows and every token to expert 0: the slots past 16 rows are flagged, nothing
+    is written past a slot."""
+    need_gpus(world)
+    problems, lines = run_moe(world, spec=LL_SPEC, cases=("skewed",), iters=3, combine=False,
+                              variant={"params": {"slot_tokens": 16}})
+    _record({"test": "ll_overflow", "world": world, "pass": not problems, "problems": problems[:5]})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_receive_overflow_is_reported(world):
     """A receive capacity of one rank's tokens and every token to expert 0: rank 0 flags the
@@ -258,3 +318,16 @@ def test_moe_negative_control_counts_wait_removed():
                               mutate=lambda text: text.replace(old, new))
     _record({"test": "negative_control_counts_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
     assert problems, "dispatch without the counts wait passed:\n" + "\n".join(lines)
+
+
+# low-latency: block 0's wait for every slot's signal (its count rides on it)
+LL_SLOT_WAIT = ("wait_ge_acquire_sys(b.lsig + i, epoch << 32,", "wait_ge_acquire_sys(b.lsig + i, 0ull,")
+
+
+def test_moe_low_latency_negative_control_slot_wait_removed():
+    need_gpus(4)
+    old, new = LL_SLOT_WAIT
+    problems, lines = run_moe(4, spec=LL_SPEC, cases=("random", "skewed"), iters=10, skew=SKEW_SEED, combine=False,
+                              mutate=lambda text: text.replace(old, new))
+    _record({"test": "negative_control_ll_slot_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
+    assert problems, "low-latency dispatch without the slot wait passed:\n" + "\n".join(lines)

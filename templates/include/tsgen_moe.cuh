@@ -334,6 +334,187 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   }
 }
 
+// ---------------------------------------------------------------------------
+// Low-latency mode (decode): rows go straight into per-(local expert, source rank) slots of
+// SLOT rows each, one kernel per direction, no counts exchange before the rows.
+//
+// ll_dispatch: block b handles experts b, b + gridDim.x, ...; for expert e (rank d = e / L, local
+//   l = e % L) it walks the (token, top-k slot) pairs of this rank in order and sends each pair
+//   whose expert is e as a row into d's slot [parity][l][rank][i], i = the pair's place among
+//   this rank's pairs for e (so a slot holds its source's rows in token order), with the handle
+//   token * 32 + k; then raises d's lsig[l * W + rank] to (epoch << 32) | pairs (release): the
+//   count travels with the signal. Pairs past SLOT are dropped and reported. Block 0 waits for
+//   every (l, s) signal of this call and writes recv_counts. parity = epoch & 1: rows of call n
+//   and n + 1 never share a slot, so a rank may dispatch again before its peers are done
+//   reading the previous call's rows.
+// ll_combine: the rows of the last dispatch (its parity from the dispatch call counter) go back to its source as comb[token][k]; each block then
+//   raises the source's csig[rank] by one; a source waits for every rank's arrivals and writes
+//   out[t] = sum over valid k of topk_weights[t][k] * comb[t][k] (fp32, k order), bf16.
+// ---------------------------------------------------------------------------
+struct LLBuffers {
+  const __nv_bfloat16* x;
+  const int32_t* topk_idx;
+  const float* topk_w;
+  __nv_bfloat16* out;
+  int32_t* recv_counts;   // [0] rows, [1] flags, [2 + WMAX + l * W + s] rows from source s for local expert l
+  __nv_bfloat16* recv_x;  // [2][L][W][SLOT][HIDDEN] (L * W = EXPERTS)
+  int32_t* recv_src;      // [2][L][W][SLOT] token * 32 + k
+  __nv_bfloat16* comb;    // [CAP][TOPK][HIDDEN]
+  uint64_t* lsig;         // [EXPERTS] (epoch << 32) | rows, by (l, s)
+  uint64_t* csig;         // [WMAX] combine arrivals
+};
+
+// One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, UNROLL in flight).
+template <class C>
+static __device__ __forceinline__ void copy_row(__nv_bfloat16* dst_, const __nv_bfloat16* src_, int lane) {
+  constexpr int VECS = C::HIDDEN / 8;
+  const uint4* src = reinterpret_cast<const uint4*>(src_);
+  uint4* dst = reinterpret_cast<uint4*>(dst_);
+  for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
+    uint4 v[C::UNROLL];
+#pragma unroll
+    for (int u = 0; u < C::UNROLL; ++u)
+      if (v0 + u * 32 < VECS) v[u] = ld_nc_na_global_v4(src + v0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < C::UNROLL; ++u)
+      if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank, uint64_t epoch, int tokens,
+                                                   const LLBuffers& b) {
+  constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK, SLOT = C::SLOT;
+  constexpr int NWARPS = C::THREADS / 32;
+  __shared__ int s_warp[NWARPS];
+  __shared__ int s_run;
+  __shared__ int s_pair[C::THREADS * K];  // this round's pairs for the expert: token * 32 + k
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int par = (int)(epoch & 1ull);
+  for (int e = blockIdx.x; e < E; e += gridDim.x) {
+    const int d = e / L, l = e % L;
+    const size_t slot = ((size_t)par * E + (size_t)l * W + rank) * SLOT;  // first row of our slot on d
+    __nv_bfloat16* rx = tsgen_peer_ptr(b.recv_x, peers, rank, d) + slot * C::HIDDEN;
+    int32_t* rs = tsgen_peer_ptr(b.recv_src, peers, rank, d) + slot;
+    if (tid == 0) s_run = 0;
+    __syncthreads();
+    for (int round = 0; round < tokens; round += C::THREADS) {
+      const int t = round + tid;
+      int mine = 0;
+      if (t < tokens)
+#pragma unroll
+        for (int k = 0; k < K; ++k) mine += __ldg(b.topk_idx + (size_t)t * K + k) == e;
+      int incl = mine;  // inclusive scan over the warp
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+      }
+      if (lane == 31) s_warp[warp] = incl;
+      __syncthreads();
+      int before = 0, all = 0;
+      for (int w = 0; w < NWARPS; ++w) {
+        before += w < warp ? s_warp[w] : 0;
+        all += s_warp[w];
+      }
+      int at = before + incl - mine;  // this thread's first pair within the round
+      if (mine)
+        for (int k = 0; k < K; ++k)
+          if (__ldg(b.topk_idx + (size_t)t * K + k) == e) s_pair[at++] = t * 32 + k;
+      const int run = s_run;
+      __syncthreads();
+      for (int j = warp; j < all; j += NWARPS) {
+        const int i = run + j, p = s_pair[j];
+        if (i >= SLOT) break;  // dropped: the count says so
+        copy_row<C>(rx + (size_t)i * C::HIDDEN, b.x + (size_t)(p >> 5) * C::HIDDEN, lane);
+        if (lane == 0) rs[i] = p;
+      }
+      __syncthreads();
+      if (tid == 0) s_run = run + all;
+      __syncthreads();
+    }
+    if (tid == 0)  // the rows (ordered before by __syncthreads) and the count, released together
+      st_release_sys_global_u64(tsgen_peer_ptr(b.lsig, peers, rank, d) + l * W + rank,
+                                epoch << 32 | (uint64_t)(uint32_t)s_run);
+  }
+  if (blockIdx.x != 0) return;
+  __shared__ int s_total, s_over;
+  if (tid == 0) s_total = s_over = 0;
+  __syncthreads();
+  for (int i = tid; i < E; i += C::THREADS) {  // i = l * W + s
+    const uint64_t v = wait_ge_acquire_sys(b.lsig + i, epoch << 32, tsgen_make_site("moe.ll_rows", rank, rank, i));
+    const int n = (int)(uint32_t)v;
+    b.recv_counts[2 + WMAX + i] = n;
+    atomicAdd(&s_total, n);
+    if (n > SLOT) atomicOr(&s_over, 1);
+  }
+  for (int j = tid; j < WMAX; j += C::THREADS) b.recv_counts[2 + j] = 0;
+  __syncthreads();
+  if (tid == 0) {
+    b.recv_counts[0] = s_total;
+    b.recv_counts[1] = s_over ? FLAG_RECV_OVERFLOW : 0;
+    if (s_over)
+      printf("tsgen: moe_dispatch (low_latency): rank %d got more rows for one (local expert, source rank) "
+             "than params.slot_tokens = %d; the rows past it were dropped (recv_counts[1] flags it)\n", rank, SLOT);
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, uint64_t epoch, int tokens,
+                                                  const LLBuffers& b, const __nv_bfloat16* y, uint64_t dispatched) {
+  constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, K = C::TOPK, SLOT = C::SLOT;
+  constexpr int NWARPS = C::THREADS / 32, VECS = C::HIDDEN / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int par = (int)(dispatched & 1ull);  // the half the last dispatch (call `dispatched`) filled
+  if (y == nullptr) y = b.recv_x + (size_t)par * E * SLOT * C::HIDDEN;
+  // 1. rows home: block b takes (l, s) pairs b, b + gridDim.x, ...; y is laid out as one parity
+  //    of recv_x: [L][W][SLOT][HIDDEN]
+  for (int i = blockIdx.x; i < E; i += gridDim.x) {
+    const int s = i % W, n = min(b.recv_counts[2 + WMAX + i], SLOT);
+    const int32_t* src = b.recv_src + ((size_t)par * E + i) * SLOT;
+    for (int r = warp; r < n; r += NWARPS) {
+      const int p = src[r], t = p >> 5, k = p & 31;
+      if ((unsigned)t >= (unsigned)C::CAP || k >= K) continue;  // not a handle dispatch wrote
+      copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * K + k) * C::HIDDEN,
+                  y + ((size_t)i * SLOT + r) * C::HIDDEN, lane);
+    }
+  }
+  __syncthreads();
+  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.csig, peers, rank, tid) + rank, 1ull);
+  if (tid < W)
+    wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, tsgen_make_site("moe.ll_comb", rank, rank, tid));
+  __syncthreads();
+  // 2. weighted sums, one warp per token
+  const int gwarp = blockIdx.x * NWARPS + warp, nwarps = gridDim.x * NWARPS;
+  for (int t = gwarp; t < tokens; t += nwarps) {
+    uint4* dst = reinterpret_cast<uint4*>(b.out + (size_t)t * C::HIDDEN);
+    const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * K * C::HIDDEN);
+    for (int v0 = lane; v0 < VECS; v0 += 32) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int k = 0; k < K; ++k) {
+        const int e = __ldg(b.topk_idx + (size_t)t * K + k);
+        if (e < 0 || e >= E) continue;
+        const float w = __ldg(b.topk_w + (size_t)t * K + k);
+        const uint4 v = ld_weak_global_v4(slots + (size_t)k * VECS + v0);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          acc[2 * i] = fmaf(f.x, w, acc[2 * i]);
+          acc[2 * i + 1] = fmaf(f.y, w, acc[2 * i + 1]);
+        }
+      }
+      uint4 o;
+      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      st_weak_global_v4(dst + v0, o);
+    }
+  }
+}
+
 }  // namespace tsgen_moe
 
 #endif  // TSGEN_MOE_CUH

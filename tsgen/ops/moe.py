@@ -50,6 +50,9 @@ class MoeParams(StrictModel):
                                       "the worst case); more is reported, never written")
     weighted: bool = Field(False, description="combine scales rank d's row by the token's weights of experts on d")
     mode: Literal["normal", "low_latency"] = Field("normal", description="normal | low_latency (decode)")
+    slot_tokens: int | None = Field(None, ge=1, le=65536,
+                                    description="low_latency: rows per (local expert, source rank) slot (default: "
+                                    "capacity, the worst case)")
     payload: Literal["bf16", "fp8"] = Field("bf16", description="dispatch payload")
 
 
@@ -62,8 +65,19 @@ class MoeSpec(SpecBase):
 
 
 def recv_rows(spec) -> int:
+    """Normal mode: rows one rank can receive."""
     p = spec.params
     return p.recv_capacity if p.recv_capacity is not None else max(spec.world_sizes) * p.capacity
+
+
+def slot_rows(spec) -> int:
+    """Low-latency mode: rows per (local expert, source rank) slot."""
+    p = spec.params
+    return p.slot_tokens if p.slot_tokens is not None else p.capacity
+
+
+def low_latency(spec) -> bool:
+    return spec.params.mode == "low_latency"
 
 
 class MoeFamily(OpFamily):
@@ -91,8 +105,17 @@ class MoeFamily(OpFamily):
                              "scale per 128 channels"))
         if p.topk > p.experts:
             problems.append((("params", "topk"), f"{p.topk} experts per token, but there are {p.experts}"))
-        if p.mode != "normal":
-            problems.append((("params", "mode"), "low_latency is not built yet; use normal"))
+        if low_latency(spec):
+            need = p.experts * slot_rows(spec)
+            if p.recv_capacity is not None and p.recv_capacity < need:
+                problems.append((("params", "recv_capacity"), f"{p.recv_capacity} rows is too small for the "
+                                 f"low-latency slots: {p.experts} (local expert, source rank) slots of "
+                                 f"{slot_rows(spec)} rows (params.slot_tokens) need {need}"))
+            if not p.weighted:
+                problems.append((("params", "weighted"), "low_latency combine always applies the top-k weights "
+                                 "(one row per (token, expert)): set weighted: true"))
+        elif p.slot_tokens is not None:
+            problems.append((("params", "slot_tokens"), "only the low_latency mode has slots"))
         if p.payload != "bf16":
             problems.append((("params", "payload"), "fp8 is not built yet; use bf16"))
         if spec.test.count > p.capacity:
@@ -106,8 +129,29 @@ class MoeFamily(OpFamily):
         blocks = fit_blocks(spec.launch.blocks, colocated, sms)
         return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
 
+    def summary_of(self, spec):
+        if low_latency(spec):
+            return ("MoE expert-parallel dispatch and combine, low-latency mode: rows straight into "
+                    "per-(local expert, source rank) slots, one kernel per direction, weighted combine, bf16")
+        return self.summary
+
     def buffers(self, spec):
         p, wmax, recv = spec.params, max(spec.world_sizes), recv_rows(spec)
+        if low_latency(spec):
+            rows = 2 * p.experts * slot_rows(spec)  # two halves (call parity) of L x W = E slots
+            return (
+                Buffer("x", "bfloat16", "input", per_count=p.hidden),
+                Buffer("topk_idx", "int32", "input", per_count=p.topk),
+                Buffer("topk_weights", "float32", "input", per_count=p.topk),
+                Buffer("out", "bfloat16", "output", per_count=p.hidden),
+                Buffer("recv_counts", "int32", "output", per_count=0, fixed=2 + wmax + p.experts),
+                Buffer("recv_x", "bfloat16", "scratch", per_count=0, fixed=rows * p.hidden),
+                Buffer("recv_src", "int32", "scratch", per_count=0, fixed=rows),
+                Buffer("comb", "bfloat16", "scratch", per_count=0, fixed=p.capacity * p.topk * p.hidden),
+                Buffer("lsig", "uint64", "signal", per_count=0, fixed=p.experts),
+                Buffer("csig", "uint64", "signal", per_count=0, fixed=wmax),
+                Buffer("combine_calls", "uint64", "signal", per_count=0, fixed=2),
+            )
         return (
             Buffer("x", "bfloat16", "input", per_count=p.hidden),
             Buffer("topk_idx", "int32", "input", per_count=p.topk),
@@ -127,13 +171,13 @@ class MoeFamily(OpFamily):
     def constants(self, spec):
         p = spec.params
         return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
-                "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted)}
+                "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec)}
 
     def template_vars(self, spec):
         # the buffers tsgen_moe::Buffers holds, in its order
         held = [b for b in self.buffers(spec) if b.name != "combine_calls"]
         return {"buffer_params": ", ".join(f"{b.ctype}* {b.name}" for b in held),
-                "buffer_names": ", ".join(b.name for b in held)}
+                "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec)}
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
@@ -145,6 +189,11 @@ class MoeFamily(OpFamily):
 
     def reference(self, spec, world, count, inputs):
         p = spec.params
+        if low_latency(spec):
+            disp = ll_dispatch_reference(inputs, world, p.experts, p.topk, p.hidden, slot_rows(spec))
+            outs = ll_combine_reference(inputs, [d["recv_x"] for d in disp], world, p.experts, p.topk, p.hidden,
+                                        slot_rows(spec))
+            return {"out": outs, "recv_counts": [ll_counts_array(d, max(spec.world_sizes), p.experts) for d in disp]}
         disp = dispatch_reference(inputs, world, p.experts, p.topk, p.hidden, recv_rows(spec))
         outs = combine_reference(inputs, [d["recv_x"] for d in disp], world, p.experts, p.topk, p.hidden, p.weighted)
         wmax = max(spec.world_sizes)
@@ -285,6 +334,64 @@ def combine_reference(inputs: dict, ys: list[np.ndarray], world: int, experts: i
                 scale = np.where(here, w[sel], np.float32(0)).sum(axis=1, dtype=np.float32)
                 rows = rows * scale[:, None]
             acc[sel] = acc[sel] + rows
+        out.append(from_f64(acc.reshape(-1), "bfloat16"))
+    return out
+
+
+def ll_dispatch_reference(inputs: dict, world: int, experts: int, topk: int, hidden: int, slot: int) -> list[dict]:
+    """Low-latency mode: what every rank d receives, slot by slot. recv_x [E, slot, hidden] and recv_src
+    [E, slot] (token * 32 + k) for the slot of (local expert l, source s) at index l * world + s,
+    rows past a slot's count left 0 (the kernel leaves them alone); counts [E] (all the pairs, also
+    past the slot); flags."""
+    local = experts // world
+    out = []
+    for d in range(world):
+        rx = np.zeros((experts, slot, hidden), dtype=np.uint16)
+        rs = np.zeros((experts, slot), dtype=np.int32)
+        counts = np.zeros(experts, dtype=np.int64)
+        for l in range(local):
+            for s in range(world):
+                idx = inputs["topk_idx"][s].reshape(-1, topk)
+                t, k = np.nonzero(idx == d * local + l)  # row-major: token order, then k
+                i = l * world + s
+                counts[i] = t.size
+                n = min(t.size, slot)
+                rx[i, :n] = inputs["x"][s].reshape(-1, hidden)[t[:n]]
+                rs[i, :n] = t[:n] * 32 + k[:n]
+        out.append({"recv_x": rx, "recv_src": rs, "counts": counts, "flags": int((counts > slot).any())})
+    return out
+
+
+def ll_counts_array(received: dict, wmax: int, experts: int) -> np.ndarray:
+    """recv_counts of the low-latency mode as the kernel writes it."""
+    out = np.zeros(2 + wmax + experts, dtype=np.int32)
+    out[0] = received["counts"].sum()
+    out[1] = received["flags"]
+    out[2 + wmax:] = received["counts"]
+    return out
+
+
+def ll_combine_reference(inputs: dict, ys: list[np.ndarray], world: int, experts: int, topk: int, hidden: int,
+                         slot: int) -> list[np.ndarray]:
+    """Low-latency combine: out[t] = sum over valid k (in k order, fp32) of topk_weights[t][k] times
+    the row rank e // L hands back for (t, k) (`ys[d]` laid out as recv_x: [E, slot, hidden])."""
+    local = experts // world
+    out = []
+    for s in range(world):
+        idx = inputs["topk_idx"][s].reshape(-1, topk).astype(np.int64)
+        w = inputs["topk_weights"][s].reshape(-1, topk)
+        acc = np.zeros((idx.shape[0], hidden), dtype=np.float32)
+        seen = {}  # (d, slot index) -> next row
+        for t in range(idx.shape[0]):
+            for k in range(topk):
+                e = idx[t, k]
+                if not 0 <= e < experts:
+                    continue
+                d, i = e // local, (e % local) * world + s
+                r = seen.get((d, i), 0)
+                seen[(d, i)] = r + 1
+                row = to_f64(ys[d].reshape(experts, slot, hidden)[i, r], "bfloat16").astype(np.float32)
+                acc[t] = acc[t] + row * w[t, k]
         out.append(from_f64(acc.reshape(-1), "bfloat16"))
     return out
 
