@@ -8,7 +8,8 @@ import pytest
 
 from conftest import spec_problems
 from tsgen.ops.collectives import from_f64, to_f64
-from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, layout, ll_combine_reference,
+from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, e4m3_decode, e4m3_encode,
+                           fp8_dequantize, fp8_error_bound, fp8_quantize, layout, ll_combine_reference,
                            ll_counts_array, ll_dispatch_reference, routing)
 from tsgen.spec import load_spec
 
@@ -206,6 +207,7 @@ params:
      "of 64 rows (params.slot_tokens) need 512"),
     ({"mode": "low_latency", "weighted": "false"}, "params.weighted: low_latency combine always applies"),
     ({"extra": "  slot_tokens: 8\n"}, "params.slot_tokens: only the low_latency mode has slots"),
+    ({"mode": "low_latency", "payload": "fp8"}, "params.payload: fp8 is built for the normal mode only"),
 ])
 def test_spec_errors(tmp_path, fields, expect):
     values = {"experts": 8, "hidden": 256, "payload": "bf16", "count": 64, "mode": "normal", "weighted": "true",
@@ -214,7 +216,7 @@ def test_spec_errors(tmp_path, fields, expect):
     assert any(expect in p for p in problems), problems
 
 
-@pytest.mark.parametrize("spec", ["moe", "moe_ll"])
+@pytest.mark.parametrize("spec", ["moe", "moe_ll", "moe_fp8"])
 def test_shipped_spec_loads_and_renders(tmp_path, spec):
     from conftest import rendered_source
 
@@ -222,7 +224,38 @@ def test_shipped_spec_loads_and_renders(tmp_path, spec):
     text = rendered_source(loaded, tmp_path).read_text()
     for w in loaded.model.world_sizes:
         for part in ("dispatch", "combine"):
-            assert f'extern "C" __global__ void __launch_bounds__(512) {spec}_w{w}_{part}(' in text
+            assert f'extern "C" __global__ void __launch_bounds__(512, 1) {spec}_w{w}_{part}(' in text
             assert f'extern "C" cudaError_t {spec}_w{w}_{part}_launch(' in text
         assert f'extern "C" cudaError_t {spec}_w{w}_launch(' in text
     assert ("tsgen_moe::ll_dispatch<" in text) == (spec == "moe_ll")
+    assert ("_dequantize<<<" in text) == (spec == "moe_fp8")
+
+
+def test_e4m3_encoding():
+    """Known codes, ties to even, saturation, subnormals; every finite code decodes and encodes back."""
+    cases = [(1.0, 0x38), (448.0, 0x7E), (500.0, 0x7E), (-1.0, 0xB8), (2.0**-9, 0x01), (2.0**-10, 0x00),
+             (3 * 2.0**-10, 0x02), (1.0625, 0x38), (1.1875, 0x3A), (2.0**-6, 0x08), (0.0, 0x00), (-0.0, 0x80),
+             (240.0, 0x77), (232.0, 0x76)]
+    got = e4m3_encode(np.array([v for v, _ in cases], dtype=np.float32))
+    assert got.tolist() == [c for _, c in cases]
+    codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)  # 0x7F / 0xFF: NaN
+    assert np.array_equal(e4m3_encode(e4m3_decode(codes).astype(np.float32)), codes)
+
+
+def test_fp8_quantization_error_within_bound():
+    """Random rows, a row of zeros and a row with one large channel: the dequantized values stay within
+    fp8_error_bound of the bf16 input; the measured worst relative error of normal-range values ~2^-4."""
+    rng = np.random.default_rng(0)
+    hidden = 256
+    x = rng.standard_normal((6, hidden)) * np.array([1, 1e-3, 1e3, 0, 1, 1])[:, None]
+    x[5, 7] = 300.0
+    bits = from_f64(x.reshape(-1), "bfloat16")
+    q, scale = fp8_quantize(bits, hidden)
+    assert q.shape == (6, hidden) and scale.shape == (6, 2) and scale.dtype == np.float32
+    got = to_f64(fp8_dequantize(q, scale), "bfloat16")
+    xs = to_f64(bits, "bfloat16")
+    err = np.abs(got - xs)
+    assert (err <= fp8_error_bound(bits, hidden)).all()
+    assert (got[3 * hidden:4 * hidden] == 0).all()  # zeros stay zeros (scale from the 1e-4 floor)
+    big = np.abs(xs) >= 2.0**-6 * np.repeat(scale.reshape(-1), 128)  # normal-range e4m3 values
+    assert (err[big] / np.abs(xs[big])).max() <= 2.0**-4 + 2.0**-7

@@ -19,14 +19,16 @@ import pytest
 from conftest import need_gpus
 from tsgen.harness import _mutated, materialize, poison_byte, shared_gpu_variant
 from tsgen.ops.collectives import from_f64, to_f64
-from tsgen.ops.moe import (combine_reference, counts_array, dispatch_reference, ll_combine_reference, ll_counts_array,
-                           ll_dispatch_reference, low_latency, recv_rows, routing, slot_rows)
+from tsgen.ops.moe import (combine_reference, counts_array, dispatch_reference, fp8_dequantize, fp8_error_bound,
+                           fp8_quantize, ll_combine_reference, ll_counts_array, ll_dispatch_reference, low_latency,
+                           recv_rows, routing, slot_rows)
 from tsgen.spec import load_spec, spec_variant
 
 pytestmark = pytest.mark.gpu
 
 SPEC = "specs/moe.yaml"
 LL_SPEC = "specs/moe_ll.yaml"
+FP8_SPEC = "specs/moe_fp8.yaml"
 CASES = ("random", "skewed", "one_rank_idle", "no_expert", "same_rank", "pattern")
 
 
@@ -65,6 +67,8 @@ class Moe:
         self.cap, self.hidden, self.topk, self.experts = p.capacity, p.hidden, p.topk, p.experts
         self.recv = recv_rows(self.spec)
         self.ll, self.slot = low_latency(self.spec), slot_rows(self.spec)
+        self.fp8 = p.payload == "fp8"
+        self.fp8_worst = 0.0  # largest |dequantized - x| / bound seen
         self.dispatches = 0  # dispatch calls so far: the low-latency half is (this + 1) & 1
         self.bufs = self.module.alloc(self.cap)
         self.y = {}
@@ -110,7 +114,8 @@ class Moe:
                     full = np.zeros(a.size, dtype=a.dtype)
                     full[: inputs[name][r].size] = inputs[name][r].view(a.dtype)
                     a.set(full)
-                scratch = ("recv_x", "recv_src") if self.ll else ("recv_x", "recv_idx", "recv_w", "handle")
+                payload = ("recv_q", "recv_scale") if self.fp8 else ("recv_x",)
+                scratch = ("recv_x", "recv_src") if self.ll else payload + ("recv_idx", "recv_w", "handle")
                 for name in ("out", "recv_counts") + scratch:
                     self.bufs.array(name, r).view(np.uint8)[...] = poison_byte(call)
 
@@ -173,7 +178,18 @@ def check_dispatch(moe, world, inputs, call, problems):
                             f"{want_counts[:2 + world].tolist()} ...")
             continue
         rows = min(int(want_counts[0]), moe.recv)
-        for name, width, want in (("recv_x", moe.hidden, ref[d]["recv_x"]), ("recv_idx", moe.topk, ref[d]["recv_idx"]),
+        if moe.fp8:
+            q, scale = fp8_quantize(ref[d]["recv_x"], moe.hidden)
+            payload = (("recv_q", moe.hidden, q), ("recv_scale", moe.hidden // 128, scale))
+            ref[d]["rows"] = fp8_dequantize(q, scale)  # what the experts see
+            err = np.abs(to_f64(ref[d]["rows"], "bfloat16") - to_f64(ref[d]["recv_x"].reshape(-1), "bfloat16"))
+            bound = fp8_error_bound(ref[d]["recv_x"], moe.hidden)
+            if err.size:
+                moe.fp8_worst = max(moe.fp8_worst, float((err / bound).max()))
+        else:
+            payload = (("recv_x", moe.hidden, ref[d]["recv_x"]),)
+            ref[d]["rows"] = ref[d]["recv_x"]
+        for name, width, want in payload + (("recv_idx", moe.topk, ref[d]["recv_idx"]),
                                   ("recv_w", moe.topk, ref[d]["recv_w"]), ("handle", 2, ref[d]["handle"])):
             got = moe.get(name, d)
             head = got[: rows * width].view(np.uint8)
@@ -228,7 +244,8 @@ def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=N
                 ref = check_dispatch(moe, world, inputs, call, problems)
                 if not combine or any(r["flags"] for r in ref):
                     continue
-                ys = [expert_stand_in(ref[d]["recv_x"], moe.hidden) for d in range(world_size)]
+                ys = [expert_stand_in(ref[d]["rows" if "rows" in ref[d] else "recv_x"], moe.hidden)
+                      for d in range(world_size)]
                 for d in world.ranks:
                     with world.cp.cuda.Device(world.devices[d]):
                         moe.y[d][: ys[d].size].set(ys[d])
@@ -244,12 +261,20 @@ def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=N
                     moe.launch("pair", tokens)
                 world.synchronize()
                 ref = check_dispatch(moe, world, inputs, iters, problems)
-                want = expected_out(moe, world_size, inputs, [r["recv_x"] for r in ref])
+                if moe.fp8:  # the identity expert of the pair launcher: the dequantized rows
+                    want = expected_out(moe, world_size, inputs, [r["rows"] for r in ref])
+                else:
+                    want = expected_out(moe, world_size, inputs, [r["recv_x"] for r in ref])
                 for s in world.ranks:
                     got = moe.get("out", s)[: want[s].size]
                     diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
                     if (~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16")))).any():
                         problems.append(f"after {burst} back-to-back pairs: rank {s} out differs")
+            if moe.fp8:
+                lines.append(f"fp8: largest |dequantized - x| / bound = {moe.fp8_worst:.3f} (bound: half an e4m3 "
+                             "step at x, 2^-4 relative or 2^-10 x scale, plus a bf16 rounding)")
+                if moe.fp8_worst > 1:
+                    problems.append(f"fp8 quantization error {moe.fp8_worst:.3f} x the bound")
         finally:
             moe.free()
     return problems, lines
@@ -271,6 +296,16 @@ def test_moe_dispatch_combine(world, weighted):
     problems, lines = run_moe(world, variant={"params": {"weighted": weighted}}, burst=20 if weighted else 0)
     _record({"test": "dispatch_combine", "world": world, "weighted": weighted, "pass": not problems,
              "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_moe_fp8_dispatch(world):
+    """FP8 payload: e4m3 bytes and scales bit-exact with the reference quantizer, the error of the
+    dequantized rows against bf16 within the bound (measured and recorded), bf16 combine."""
+    need_gpus(world)
+    problems, lines = run_moe(world, spec=FP8_SPEC, burst=20)
+    _record({"test": "fp8", "world": world, "pass": not problems, "problems": problems[:5], "lines": lines})
     assert not problems, "\n".join(lines + problems[:10])
 
 

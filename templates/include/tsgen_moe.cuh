@@ -52,14 +52,17 @@ enum { FLAG_RECV_OVERFLOW = 1, FLAG_SENT_DROPPED = 2 };
 struct Buffers {
   const __nv_bfloat16* x;  // [tokens][HIDDEN]
   const int32_t* topk_idx;  // [tokens][TOPK], -1 = none
-  const float* topk_w;      // [tokens][TOPK]
+  const float* topk_weights;  // [tokens][TOPK]
   __nv_bfloat16* out;       // [tokens][HIDDEN] combine's output
   int32_t* recv_counts;     // see above
-  __nv_bfloat16* recv_x;    // [RECV][HIDDEN]
+  __nv_bfloat16* recv_x;    // [RECV][HIDDEN] (payload bf16)
+  uint8_t* recv_q;          // [RECV][HIDDEN] e4m3 (payload fp8)
+  float* recv_scale;        // [RECV][HIDDEN / 128] (payload fp8): channel c of row r is recv_q * recv_scale[r][c / 128]
   int32_t* recv_idx;        // [RECV][TOPK] local expert id or -1
   float* recv_w;            // [RECV][TOPK]
   int32_t* handle;          // [RECV][2] (source rank, source token)
   __nv_bfloat16* comb;      // [CAP][WMAX][HIDDEN] combine's inbox, slot = sending rank
+  __nv_bfloat16* recv_bf16;  // [RECV][HIDDEN] (payload fp8) dequantize's output
   int32_t* cnt;             // [WMAX][WMAX] counts matrix, then [WMAX][EXPERTS] per-expert counts
   uint64_t* sig;            // [3][WMAX]
 };
@@ -88,6 +91,75 @@ static __device__ __forceinline__ void token_chunk(int tokens, int b, int blocks
   const int per = (tokens + blocks - 1) / blocks;
   *lo = min(tokens, b * per);
   *hi = min(tokens, *lo + per);
+}
+
+// FP8 (e4m3) payload: one fp32 scale per token per 128 channels, scale = max(amax, 1e-4) / 448
+// (448: e4m3's largest finite value), q = round-to-nearest-even, saturating, of x * (448 / amax).
+static __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+static __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// One warp quantizes the row at src (HIDDEN bf16, HIDDEN % 128 == 0) and stores the e4m3 bytes and
+// scales to every destination rank in mask `mm`, at row `pos[d]` of that rank's recv_q / recv_scale.
+template <class C>
+static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, uint32_t mm, const int* pos,
+                                                    uint8_t* recv_q, float* recv_scale, char* const* peers,
+                                                    int rank, int lane) {
+  constexpr int VECS = C::HIDDEN / 8, GROUPS = C::HIDDEN / 128;  // 16 lanes (vectors) per group
+  const uint4* src = reinterpret_cast<const uint4*>(src_);
+  for (int base = 0; base < VECS; base += 32) {
+    const int v0 = base + lane;
+    const bool on = v0 < VECS;  // HIDDEN = 128 x odd: the upper half-warp idles on the last pass
+    const uint4 v = on ? ld_nc_na_global_v4(src + v0) : make_uint4(0, 0, 0, 0);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    float f[8], amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = __bfloat1622float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+      amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    amax = fmaxf(amax, 1e-4f);
+    const float scale = amax / 448.f, inv = 448.f / amax;
+    uint2 q;
+    q.x = (uint32_t)e4m3x2(f[0] * inv, f[1] * inv) | (uint32_t)e4m3x2(f[2] * inv, f[3] * inv) << 16;
+    q.y = (uint32_t)e4m3x2(f[4] * inv, f[5] * inv) | (uint32_t)e4m3x2(f[6] * inv, f[7] * inv) << 16;
+    if (!on) continue;
+#pragma unroll
+    for (int d = 0; d < C::WORLD; ++d) {
+      if (!((mm >> d) & 1u)) continue;
+      uint2* dq = reinterpret_cast<uint2*>(tsgen_peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
+      dq[v0] = q;
+      if ((lane & 15) == 0) tsgen_peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + v0 / 16] = scale;
+    }
+  }
+}
+
+// recv_bf16[r] = recv_q[r] * recv_scale[r] (bf16) for the rows the last dispatch delivered: the fp8 rows
+// as bf16 (`tsgen test`'s identity expert).
+template <class C>
+static __device__ __forceinline__ void dequantize(const Buffers& b) {
+  constexpr int GROUPS = C::HIDDEN / 128, PAIRS = C::HIDDEN / 2;
+  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * PAIRS;
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(b.recv_q);
+  __nv_bfloat162* y = reinterpret_cast<__nv_bfloat162*>(b.recv_bf16);
+  for (size_t i = blockIdx.x * (size_t)C::THREADS + threadIdx.x; i < n; i += (size_t)gridDim.x * C::THREADS) {
+    const size_t r = i / PAIRS, c = (i % PAIRS) * 2;
+    const float s = b.recv_scale[r * GROUPS + c / 128];
+    const float2 f = e4m3x2_to_float2(q[i]);
+    y[i] = __floats2bfloat162_rn(f.x * s, f.y * s);
+  }
 }
 
 template <class C>
@@ -198,6 +270,9 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
       for (int d = 0; d < W; ++d)
         if (((mm >> d) & 1u) && (unsigned)s_pos[i][d] >= (unsigned)C::RECV) mm &= ~(1u << d);  // past the capacity: dropped
       if (mm == 0) continue;
+      if constexpr (C::FP8) {
+        push_row_fp8<C>(b.x + (size_t)tok * C::HIDDEN, mm, s_pos[i], b.recv_q, b.recv_scale, peers, rank, lane);
+      } else {
       const uint4* src = reinterpret_cast<const uint4*>(b.x + (size_t)tok * C::HIDDEN);
       for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
         uint4 v[C::UNROLL];
@@ -214,8 +289,9 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
             if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
         }
       }
+      }
       const int e = lane < K ? b.topk_idx[(size_t)tok * K + lane] : -1;
-      const float w = lane < K ? b.topk_w[(size_t)tok * K + lane] : 0.f;
+      const float w = lane < K ? b.topk_weights[(size_t)tok * K + lane] : 0.f;
 #pragma unroll
       for (int d = 0; d < W; ++d) {
         if (!((mm >> d) & 1u)) continue;
@@ -303,7 +379,7 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int e = __ldg(b.topk_idx + (size_t)t * K + k);
-        const float w = __ldg(b.topk_w + (size_t)t * K + k);
+        const float w = __ldg(b.topk_weights + (size_t)t * K + k);
 #pragma unroll
         for (int d = 0; d < W; ++d) scale[d] += (e >= 0 && e < E && e / L == d) ? w : 0.f;
       }
@@ -354,7 +430,7 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
 struct LLBuffers {
   const __nv_bfloat16* x;
   const int32_t* topk_idx;
-  const float* topk_w;
+  const float* topk_weights;
   __nv_bfloat16* out;
   int32_t* recv_counts;   // [0] rows, [1] flags, [2 + WMAX + l * W + s] rows from source s for local expert l
   __nv_bfloat16* recv_x;  // [2][L][W][SLOT][HIDDEN] (L * W = EXPERTS)
@@ -496,7 +572,7 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
       for (int k = 0; k < K; ++k) {
         const int e = __ldg(b.topk_idx + (size_t)t * K + k);
         if (e < 0 || e >= E) continue;
-        const float w = __ldg(b.topk_w + (size_t)t * K + k);
+        const float w = __ldg(b.topk_weights + (size_t)t * K + k);
         const uint4 v = ld_weak_global_v4(slots + (size_t)k * VECS + v0);
         const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll

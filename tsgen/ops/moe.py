@@ -116,8 +116,9 @@ class MoeFamily(OpFamily):
                                  "(one row per (token, expert)): set weighted: true"))
         elif p.slot_tokens is not None:
             problems.append((("params", "slot_tokens"), "only the low_latency mode has slots"))
-        if p.payload != "bf16":
-            problems.append((("params", "payload"), "fp8 is not built yet; use bf16"))
+        if p.payload == "fp8" and low_latency(spec):
+            problems.append((("params", "payload"), "fp8 is built for the normal mode only; use bf16 with "
+                             "low_latency"))
         if spec.test.count > p.capacity:
             problems.append((("test", "count"), f"{spec.test.count} tokens per rank, more than params.capacity "
                              f"{p.capacity}"))
@@ -152,13 +153,19 @@ class MoeFamily(OpFamily):
                 Buffer("csig", "uint64", "signal", per_count=0, fixed=wmax),
                 Buffer("combine_calls", "uint64", "signal", per_count=0, fixed=2),
             )
+        if p.payload == "fp8":  # e4m3 rows, their scales, and bf16 rows for the identity expert
+            payload = (Buffer("recv_q", "uint8", "scratch", per_count=0, fixed=recv * p.hidden),
+                       Buffer("recv_scale", "float32", "scratch", per_count=0, fixed=recv * (p.hidden // 128)),
+                       Buffer("recv_bf16", "bfloat16", "scratch", per_count=0, fixed=recv * p.hidden))
+        else:
+            payload = (Buffer("recv_x", "bfloat16", "scratch", per_count=0, fixed=recv * p.hidden),)
         return (
             Buffer("x", "bfloat16", "input", per_count=p.hidden),
             Buffer("topk_idx", "int32", "input", per_count=p.topk),
             Buffer("topk_weights", "float32", "input", per_count=p.topk),
             Buffer("out", "bfloat16", "output", per_count=p.hidden),
             Buffer("recv_counts", "int32", "output", per_count=0, fixed=2 + wmax + p.experts),
-            Buffer("recv_x", "bfloat16", "scratch", per_count=0, fixed=recv * p.hidden),
+            *payload,
             Buffer("recv_idx", "int32", "scratch", per_count=0, fixed=recv * p.topk),
             Buffer("recv_w", "float32", "scratch", per_count=0, fixed=recv * p.topk),
             Buffer("handle", "int32", "scratch", per_count=0, fixed=recv * 2),
@@ -171,13 +178,15 @@ class MoeFamily(OpFamily):
     def constants(self, spec):
         p = spec.params
         return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
-                "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec)}
+                "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec),
+                "FP8": int(p.payload == "fp8")}
 
     def template_vars(self, spec):
         # the buffers tsgen_moe::Buffers holds, in its order
         held = [b for b in self.buffers(spec) if b.name != "combine_calls"]
         return {"buffer_params": ", ".join(f"{b.ctype}* {b.name}" for b in held),
-                "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec)}
+                "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec),
+                "fp8": spec.params.payload == "fp8"}
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
@@ -195,7 +204,9 @@ class MoeFamily(OpFamily):
                                         slot_rows(spec))
             return {"out": outs, "recv_counts": [ll_counts_array(d, max(spec.world_sizes), p.experts) for d in disp]}
         disp = dispatch_reference(inputs, world, p.experts, p.topk, p.hidden, recv_rows(spec))
-        outs = combine_reference(inputs, [d["recv_x"] for d in disp], world, p.experts, p.topk, p.hidden, p.weighted)
+        rows = [d["recv_x"] if p.payload == "bf16" else fp8_dequantize(*fp8_quantize(d["recv_x"], p.hidden))
+                for d in disp]
+        outs = combine_reference(inputs, rows, world, p.experts, p.topk, p.hidden, p.weighted)
         wmax = max(spec.world_sizes)
         return {"out": outs, "recv_counts": [counts_array(d, wmax, p.experts) for d in disp]}
 
@@ -394,6 +405,60 @@ def ll_combine_reference(inputs: dict, ys: list[np.ndarray], world: int, experts
                 acc[t] = acc[t] + row * w[t, k]
         out.append(from_f64(acc.reshape(-1), "bfloat16"))
     return out
+
+
+E4M3_MAX = 448.0
+
+
+def e4m3_encode(v: np.ndarray) -> np.ndarray:
+    """float32 -> e4m3 bytes (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities),
+    rounding to nearest even and saturating at 448 as PTX cvt.rn.satfinite.e4m3x2.f32 does."""
+    v = np.asarray(v, dtype=np.float32).astype(np.float64)
+    a = np.abs(v)
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    e = np.maximum(e, -6)  # below 2^-6: subnormal steps of 2^-9
+    step = 2.0 ** (e - 3)
+    q = np.minimum(np.rint(a / step) * step, E4M3_MAX)  # np.rint: ties to even
+    e2 = np.floor(np.log2(np.where(q > 0, q, 1.0)))
+    normal = q >= 2.0**-6
+    field = np.where(normal, e2 + 7, 0)
+    mant = np.where(normal, q / 2.0**e2 * 8 - 8, q / 2.0**-9)
+    return ((np.signbit(v).astype(np.uint8) << 7) | (field.astype(np.uint8) << 3) | mant.astype(np.uint8))
+
+
+def e4m3_decode(b: np.ndarray) -> np.ndarray:
+    b = np.asarray(b, dtype=np.uint8)
+    field, mant = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    mag = np.where(field > 0, (1 + mant / 8) * 2.0 ** (field.astype(np.float64) - 7), mant * 2.0**-9)
+    return np.where(b >> 7, -mag, mag)
+
+
+def fp8_quantize(rows_bf16: np.ndarray, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 rows (bits) -> (e4m3 bytes [rows, hidden], fp32 scales [rows, hidden / 128]) as dispatch
+    computes them: amax per 128 channels (at least 1e-4), scale = amax / 448, q = e4m3(x * (448 / amax))."""
+    x = to_f64(rows_bf16.reshape(-1), "bfloat16").astype(np.float32).reshape(-1, hidden // 128, 128)
+    amax = np.maximum(np.abs(x).max(axis=2, initial=0), np.float32(1e-4)).astype(np.float32)
+    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    inv = (np.float32(E4M3_MAX) / amax).astype(np.float32)
+    q = e4m3_encode((x * inv[:, :, None]).astype(np.float32))
+    return q.reshape(-1, hidden), scale.reshape(x.shape[0], -1)
+
+
+def fp8_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """e4m3 bytes and scales -> bf16 bits: (q * scale) in fp32, rounded to bf16 (dequantize's arithmetic)."""
+    rows, hidden = q.shape
+    f = (e4m3_decode(q).astype(np.float32).reshape(rows, -1, 128) * scale[:, :, None]).astype(np.float32)
+    return from_f64(f.reshape(-1), "bfloat16")
+
+
+def fp8_error_bound(rows_bf16: np.ndarray, hidden: int) -> np.ndarray:
+    """|dequantized - x| allowed per element: half a step of e4m3 at x (2^-4 relative for normal
+    values, 2^-10 x scale absolute for the subnormal ones), plus a bf16 rounding of the result."""
+    x = to_f64(rows_bf16.reshape(-1), "bfloat16").reshape(-1, hidden // 128, 128)
+    amax = np.maximum(np.abs(x).max(axis=2, initial=0), 1e-4)
+    scale = amax / E4M3_MAX
+    bound = np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * scale[:, :, None]) * (1 + 2.0**-8) + 2.0**-8 * np.abs(x)
+    return bound.reshape(-1)
 
 
 FAMILIES: list[OpFamily] = [MoeFamily()]
