@@ -23,7 +23,8 @@ from tsgen.spec import load_spec, spec_variant
 SMALL = {"gemm": {"params": {"n": 256, "k": 256}}, "allgather_gemm": {"params": {"n": 256, "k": 256}},
          "gemm_reduce_scatter": {"params": {"n": 256, "k": 256}}, "cannon": {"params": {"n": 512, "k": 512}},
          "summa": {"params": {"n": 512, "k": 512}}}
-SIZES = {"collective": "64K", "copy": "64K", "latency": "1000", "gemm": "128,200", "grid": "256"}
+SIZES = {"collective": "64K", "copy": "64K", "latency": "1000", "gemm": "128,200", "grid": "256",
+         "moe": "200"}  # by conventions kind, or by op where its count is bounded (moe: tokens <= capacity)
 FAST = dict(iters=3, reps=2, warmup=1)
 
 
@@ -40,7 +41,7 @@ def case_of(kind: str):
     path, model = spec_of(kind)
     conv = get_family(kind).bench
     world = min(model.world_sizes)
-    sizes = SIZES.get(conv.kind, str(128 * world))  # fused: M = 128 rows per rank
+    sizes = SIZES.get(kind) or SIZES.get(conv.kind, str(128 * world))  # fused: M = 128 rows per rank
     return path, world, sizes
 
 
@@ -59,7 +60,12 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
                 out.append(B.Measured(role, s, Timing([us] * 2, 4, "eager"), case=c, compare=compare, role=role))
         return out
 
-    for name, fn in (("nccl", collectives), ("symm_mem", collectives), ("cublas+nccl", fused), ("torch_fused", fused)):
+    def moe(names, family, spec, world, sizes, iters, reps, warmup):
+        return [B.Measured("torch all_to_all_single dispatch+combine", s, Timing([40.0 * factor] * 2, 4, "eager"))
+                for s in sizes]
+
+    for name, fn in (("nccl", collectives), ("symm_mem", collectives), ("cublas+nccl", fused), ("torch_fused", fused),
+                     ("torch_a2a", moe)):
         monkeypatch.setitem(B.MULTIPROCESS, name, fn)
 
 

@@ -259,3 +259,28 @@ def test_fp8_quantization_error_within_bound():
     assert (got[3 * hidden:4 * hidden] == 0).all()  # zeros stay zeros (scale from the 1e-4 floor)
     big = np.abs(xs) >= 2.0**-6 * np.repeat(scale.reshape(-1), 128)  # normal-range e4m3 values
     assert (err[big] / np.abs(xs[big])).max() <= 2.0**-4 + 2.0**-7
+
+
+def test_traffic_per_row_and_minimum():
+    """Normal mode: a row per (token, other rank) each way, 8 K + 8 bytes of metadata with the
+    dispatched row; low-latency: a row per (token, expert on another rank); fp8: 1 byte per channel
+    plus a 4-byte scale per 128."""
+    from tsgen.ops.moe import row_bytes, traffic
+
+    idx = [np.array([[0, 1], [2, 3], [-1, 3]], dtype=np.int32).reshape(-1),  # rank 0: experts 0-1 local
+           np.array([[0, 2]], dtype=np.int32).reshape(-1)]
+    inputs = {"topk_idx": idx}
+    from tsgen.spec import spec_variant
+
+    base = load_spec("specs/moe.yaml")
+    small = {"params": {"experts": 4, "topk": 2, "hidden": 128}, "world_sizes": [2], "test": {"count": 3}}
+    normal = spec_variant(base, small).model
+    t = traffic(normal, 2, inputs)
+    # rank 0: tokens 1 and 2 go to rank 1 (2 rows); rank 1: its token goes to rank 0 (1 row)
+    assert t["dispatch"] == [2 * (256 + 8 * 2 + 8), 1 * (256 + 24)]
+    assert t["combine"] == [1 * 256, 2 * 256] and t["min_dispatch"] == [2 * 256, 256]
+    ll = spec_variant(base, {**small, "params": {**small["params"], "mode": "low_latency", "weighted": True}}).model
+    t = traffic(ll, 2, inputs)
+    assert t["dispatch"] == [3 * (256 + 4), 1 * 260]  # rank 0 pairs on rank 1: (1,2) (1,3) (2,3)
+    fp8 = spec_variant(base, {**small, "params": {**small["params"], "payload": "fp8", "hidden": 128}}).model
+    assert row_bytes(fp8)["dispatch"] == 128 + 4 + 24 and row_bytes(fp8)["min_dispatch"] == 132

@@ -4,7 +4,9 @@
 # case, per-rank token counts 0 / 1 / odd / random, poisoned buffers, plain and weighted, 20
 # back-to-back pairs); receive overflow reported; the negative control (counts wait removed,
 # rank skew) must fail; the low-latency mode likewise (specs/moe_ll.yaml); `tsgen test` of both
-# specs through the runtime's path; fp8 dispatch (specs/moe_fp8.yaml) with its error measured. Logs and result rows under $OUT;
+# specs through the runtime's path; fp8 dispatch (specs/moe_fp8.yaml) with its error measured;
+# `tsgen bench` of the three specs at world 4 (shared: tsgen alone, the PyTorch baseline needs
+# one GPU per rank). Logs and result rows under $OUT;
 # the PASS/FAIL table prints last. Under 4 minutes (BUDGET, default 230 s).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -27,5 +29,9 @@ for w in 2 4 8; do
   step "tsgen test moe world $w"    25 python3 -m tsgen test specs/moe.yaml --gpus $w --share-gpus
   step "tsgen test moe_ll world $w" 25 python3 -m tsgen test specs/moe_ll.yaml --gpus $w --share-gpus
   step "tsgen test moe_fp8 world $w" 25 python3 -m tsgen test specs/moe_fp8.yaml --gpus $w --share-gpus
+done
+for spec in moe moe_fp8 moe_ll; do  # bench entries (shared: tsgen alone, timings not comparable)
+  step "bench $spec world 4"        40 python3 -m tsgen bench specs/$spec.yaml --gpus 4 --share-gpus --sizes 1,127 \
+    --iters 10 --reps 3 --json "$OUT/bench_$spec.json"
 done
 summary "moe on one GPU, shared worlds" moe_summary.txt

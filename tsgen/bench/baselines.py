@@ -7,6 +7,7 @@ In this process, on the World's own streams and timed by the same core as tsgen'
 One process per GPU (tsgen launch), after tsgen's timings:
   nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
   cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
+  torch_a2a                 MoE dispatch + combine through all_to_all_single (tsgen/bench/moe_torch.py)
 
 An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
 a multi-process one rows of `Measured` (the same, from the workers' JSON).
@@ -131,7 +132,19 @@ def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: i
     return out
 
 
-MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused}
+def moe_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    from .workers import launch_workers
+
+    p = spec.params
+    cfg = {"kind": "moe", "sizes": sizes, "experts": p.experts, "topk": p.topk, "hidden": p.hidden,
+           "iters": iters, "reps": reps, "warmup": warmup}
+    impl = "torch all_to_all_single dispatch+combine" + (" (bf16 rows)" if p.payload == "fp8" else "")
+    return [Measured(impl, r["tokens"], _timing(r), extra={"torch_version": r.get("torch_version")},
+                     skipped=r.get("skipped")) for r in launch_workers(cfg, world)]
+
+
+MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused,
+                "torch_a2a": moe_a2a}
 
 
 def check_names(names) -> None:

@@ -25,7 +25,8 @@ from typing import Sequence
 
 from ..env import force_no_multicast
 
-WORKERS = {"collective": "tsgen.bench.nccl:worker", "fused": "tsgen.bench.torch_ops:fused_worker"}
+WORKERS = {"collective": "tsgen.bench.nccl:worker", "fused": "tsgen.bench.torch_ops:fused_worker",
+           "moe": "tsgen.bench.moe_torch:moe_worker"}
 GRACE_S = 3.0  # after one rank failed, the others' NCCL calls would wait forever
 
 

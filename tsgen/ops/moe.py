@@ -36,8 +36,31 @@ from pydantic import Field
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel
 from .base import Buffer, OpFamily
+from .conventions import BenchCase, BenchConventions
 from .collectives import from_f64, to_f64
 from .collectives.base import _values
+
+
+class MoeBench(BenchConventions):
+    """A timed call is the pair launcher (dispatch, then combine of the received rows; fp8: with
+    the rows dequantized between), every rank with `size` tokens routed at random (the family's
+    make_inputs). Bytes: what the bottleneck rank (the one sending most) moves to other ranks per
+    call, dispatch plus combine, counting every byte the kernels store into peers (rows, fp8
+    scales, per-row metadata and handles; `traffic`), DeepEP's "bottleneck bandwidth" over the
+    link; the guard's link bytes are the least any rank sends. Baseline: PyTorch's
+    all_to_all_single-based dispatch / combine (counts exchange, permute, all-to-all, unpermute
+    with index_add), one process per GPU (tsgen/bench/moe_torch.py)."""
+
+    kind = "latency"
+    size_unit = "count"
+    metric = "time_us"
+    baselines = ("torch_a2a",)
+
+    def case(self, family, spec, world, size):
+        sent = traffic(spec, world, self.bench_inputs(family, spec, world, size, np.random.default_rng(12345)))
+        total = [d + c for d, c in zip(sent["dispatch"], sent["combine"])]
+        return BenchCase(size, size, link_bytes=float(min(total)), bw_bytes=float(max(total)),
+                         note="bytes: the bottleneck rank's dispatch + combine bytes to other ranks")
 
 
 class MoeParams(StrictModel):
@@ -89,6 +112,7 @@ class MoeFamily(OpFamily):
     count_unit = "tokens"
     blocks_wait = True
     host_launch = True  # a call is two kernels (dispatch, combine) through NAME_wW_launch
+    bench = MoeBench()
 
     def check(self, spec):
         p, problems = spec.params, []
@@ -218,9 +242,9 @@ class MoeFamily(OpFamily):
         return {"out": tol_out, "recv_counts": [np.zeros(c.size) for c in ref["recv_counts"]]}
 
     def bytes_moved(self, spec, world, count):
-        """Dispatch's rows plus combine's rows that cross the link (see bench notes): a token with
-        random top-k sends (destination ranks other than its own) rows each way."""
-        return 0
+        """Bytes the bottleneck rank sends to other ranks per call (dispatch + combine) with the
+        bench's routing (MoeBench.case)."""
+        return int(self.bench.case(self, spec, world, count).bw_bytes)
 
 
 # ---------------------------------------------------------------------------
@@ -404,6 +428,45 @@ def ll_combine_reference(inputs: dict, ys: list[np.ndarray], world: int, experts
                 row = to_f64(ys[d].reshape(experts, slot, hidden)[i, r], "bfloat16").astype(np.float32)
                 acc[t] = acc[t] + row * w[t, k]
         out.append(from_f64(acc.reshape(-1), "bfloat16"))
+    return out
+
+
+def row_bytes(spec) -> dict[str, int]:
+    """Bytes one row moves over the link: dispatch (payload + what travels with it), combine, and
+    the least any design must move (the bf16 row each way; fp8: its bytes and scales)."""
+    p = spec.params
+    payload = p.hidden + 4 * (p.hidden // 128) if p.payload == "fp8" else 2 * p.hidden
+    extra = 4 if low_latency(spec) else 8 * p.topk + 8  # LL: the handle; normal: ids, weights, handle
+    return {"dispatch": payload + extra, "combine": 2 * p.hidden, "min_dispatch": payload, "min_combine": 2 * p.hidden}
+
+
+def traffic(spec, world: int, inputs: dict) -> dict[str, list[int]]:
+    """Per rank, the bytes its dispatch and its combine store into other ranks for these inputs:
+    normal mode one row per (token, destination rank), low-latency one per (token, expert) pair;
+    `min_*`: one payload row per (token, destination rank), nothing else."""
+    p, rb = spec.params, row_bytes(spec)
+    local = p.experts // world
+    out = {"dispatch": [], "combine": [], "min_dispatch": [], "min_combine": []}
+    lays = [layout(inputs["topk_idx"][r], world, p.experts, p.topk) for r in range(world)]
+    for r in range(world):
+        remote_rows = int(np.delete(lays[r]["per_rank"], r).sum())  # (token, other rank) pairs of r
+        idx = inputs["topk_idx"][r].reshape(-1, p.topk).astype(np.int64)
+        valid = (idx >= 0) & (idx < p.experts)
+        remote_pairs = int((valid & (idx // local != r)).sum())
+        back_rows = sum(int(lays[s]["per_rank"][r]) for s in range(world) if s != r)  # rows r returns
+        back_pairs = 0
+        for s in range(world):
+            if s != r:
+                i = inputs["topk_idx"][s].reshape(-1, p.topk).astype(np.int64)
+                back_pairs += int(((i >= 0) & (i < p.experts) & (i // local == r)).sum())
+        if low_latency(spec):
+            out["dispatch"].append(remote_pairs * rb["dispatch"])
+            out["combine"].append(back_pairs * rb["combine"])
+        else:
+            out["dispatch"].append(remote_rows * rb["dispatch"])
+            out["combine"].append(back_rows * rb["combine"])
+        out["min_dispatch"].append(remote_rows * rb["min_dispatch"])
+        out["min_combine"].append(back_rows * rb["min_combine"])
     return out
 
 
