@@ -93,6 +93,23 @@ static __device__ __forceinline__ void token_chunk(int tokens, int b, int blocks
   *hi = min(tokens, *lo + per);
 }
 
+// One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, UNROLL in flight).
+template <class C>
+static __device__ __forceinline__ void copy_row(__nv_bfloat16* dst_, const __nv_bfloat16* src_, int lane) {
+  constexpr int VECS = C::HIDDEN / 8;
+  const uint4* src = reinterpret_cast<const uint4*>(src_);
+  uint4* dst = reinterpret_cast<uint4*>(dst_);
+  for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
+    uint4 v[C::UNROLL];
+#pragma unroll
+    for (int u = 0; u < C::UNROLL; ++u)
+      if (v0 + u * 32 < VECS) v[u] = ld_nc_na_global_v4(src + v0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < C::UNROLL; ++u)
+      if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
+  }
+}
+
 // FP8 (e4m3) payload: one fp32 scale per token per 128 channels, scale = max(amax, 1e-4) / 448
 // (448: e4m3's largest finite value), q = round-to-nearest-even, saturating, of x * (448 / amax).
 static __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
@@ -350,17 +367,8 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   for (int r = gwarp; r < rows; r += nwarps) {
     const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
     if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
-    uint4* dst = reinterpret_cast<uint4*>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN);
-    const uint4* src = reinterpret_cast<const uint4*>(y + (size_t)r * C::HIDDEN);
-    for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
-      uint4 v[C::UNROLL];
-#pragma unroll
-      for (int u = 0; u < C::UNROLL; ++u)
-        if (v0 + u * 32 < VECS) v[u] = ld_nc_na_global_v4(src + v0 + u * 32);
-#pragma unroll
-      for (int u = 0; u < C::UNROLL; ++u)
-        if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
-    }
+    copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
+                y + (size_t)r * C::HIDDEN, lane);
   }
   __syncthreads();
   if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_COMB * WMAX + rank, 1ull);
@@ -439,23 +447,6 @@ struct LLBuffers {
   uint64_t* lsig;         // [EXPERTS] (epoch << 32) | rows, by (l, s)
   uint64_t* csig;         // [WMAX] combine arrivals
 };
-
-// One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, UNROLL in flight).
-template <class C>
-static __device__ __forceinline__ void copy_row(__nv_bfloat16* dst_, const __nv_bfloat16* src_, int lane) {
-  constexpr int VECS = C::HIDDEN / 8;
-  const uint4* src = reinterpret_cast<const uint4*>(src_);
-  uint4* dst = reinterpret_cast<uint4*>(dst_);
-  for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
-    uint4 v[C::UNROLL];
-#pragma unroll
-    for (int u = 0; u < C::UNROLL; ++u)
-      if (v0 + u * 32 < VECS) v[u] = ld_nc_na_global_v4(src + v0 + u * 32);
-#pragma unroll
-    for (int u = 0; u < C::UNROLL; ++u)
-      if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
-  }
-}
 
 template <class C>
 static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank, uint64_t epoch, int tokens,
