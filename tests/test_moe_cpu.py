@@ -284,3 +284,37 @@ def test_traffic_per_row_and_minimum():
     assert t["dispatch"] == [3 * (256 + 4), 1 * 260]  # rank 0 pairs on rank 1: (1,2) (1,3) (2,3)
     fp8 = spec_variant(base, {**small, "params": {**small["params"], "payload": "fp8", "hidden": 128}}).model
     assert row_bytes(fp8)["dispatch"] == 128 + 4 + 24 and row_bytes(fp8)["min_dispatch"] == 132
+
+
+def test_dispatch_position_arithmetic_matches_layout():
+    """tsgen_moe.cuh's dispatch arithmetic, step by step in Python: each block's tokens-before count,
+    the base from the counts matrix, rounds of THREADS tokens with per-warp ballots and the scan
+    over warps carried between rounds, give every row the place the reference layout gives it."""
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        world = int(rng.choice([2, 3, 4, 8]))
+        experts, threads, blocks = world * int(rng.integers(1, 4)), int(rng.choice([32, 64])), int(rng.integers(1, 6))
+        topk = int(rng.integers(1, min(experts, 4) + 1))
+        case = str(rng.choice(["random", "skewed", "no_expert", "same_rank"]))
+        tokens = [int(rng.integers(0, 150)) for _ in range(world)]
+        lays = [layout(routing(case, world, experts, topk, tokens[r], rng, r), world, experts, topk)
+                for r in range(world)]
+        counts = np.array([lay["per_rank"] for lay in lays])  # counts[s][d]
+        for s in range(world):
+            masks = lays[s]["mask"]
+            per = (tokens[s] + blocks - 1) // blocks
+            for b in range(blocks):
+                lo = min(tokens[s], b * per)
+                hi = min(tokens[s], lo + per)
+                run = counts[:s].sum(axis=0) + masks[:lo].sum(axis=0)  # base + tokens before the chunk
+                for rnd in range(lo, hi, threads):
+                    m = np.zeros((threads, world), dtype=bool)
+                    m[: min(threads, hi - rnd)] = masks[rnd:hi][:threads]
+                    warp_sums = m.reshape(threads // 32, 32, world).sum(axis=1)
+                    warp_base = run + np.cumsum(warp_sums, axis=0) - warp_sums  # exclusive scan over warps
+                    run = run + warp_sums.sum(axis=0)
+                    for i in range(min(threads, hi - rnd)):
+                        w, lane = divmod(i, 32)
+                        pre = m[w * 32:w * 32 + lane].sum(axis=0)  # popc(ballot & lanemask_lt)
+                        for d in np.flatnonzero(m[i]):
+                            assert warp_base[w, d] + pre[d] == counts[:s, d].sum() + lays[s]["pos"][rnd + i, d]
