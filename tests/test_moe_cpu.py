@@ -318,3 +318,176 @@ def test_dispatch_position_arithmetic_matches_layout():
                         pre = m[w * 32:w * 32 + lane].sum(axis=0)  # popc(ballot & lanemask_lt)
                         for d in np.flatnonzero(m[i]):
                             assert warp_base[w, d] + pre[d] == counts[:s, d].sum() + lays[s]["pos"][rnd + i, d]
+
+
+# ---------------------------------------------------------------------------
+# The GPU tests' driver (tests/test_moe_gpu.py) on a simulated device: the kernels' effects come
+# from the references, so every check, poison and bookkeeping path of the driver runs on CPU.
+# ---------------------------------------------------------------------------
+
+
+class _Arr(np.ndarray):
+    def set(self, a):
+        self[...] = a
+
+    def get(self):
+        return np.asarray(self).copy()
+
+
+class _FakeWorld:
+    class cp:
+        class cuda:
+            @staticmethod
+            def Device(i):
+                import contextlib
+
+                return contextlib.nullcontext()
+
+    def __init__(self, size, share_gpus=None):
+        self.size, self.ranks, self.devices = size, list(range(size)), {r: 0 for r in range(size)}
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+
+def _fake_moe_class(gpu, break_what=None):
+    from tsgen.ops.moe import low_latency, recv_rows, slot_rows
+    from tsgen.runtime.world import np_dtype
+
+    class FakeBufs:
+        def __init__(self, family, spec, cap, world):
+            self.data = [{b.name: np.zeros(b.elems(cap, world), np_dtype(b.dtype)).view(_Arr)
+                          for b in family.buffers(spec)} for _ in range(world)]
+
+        def array(self, name, rank):
+            return self.data[rank][name]
+
+        def free(self):
+            pass
+
+    class FakeMoe(gpu.Moe):
+        def __init__(self, world, loaded, skew=None, mutate=None, echo=print):
+            from tsgen.ops import get_family
+
+            self.world, self.spec = world, loaded.model
+            p = self.spec.params
+            self.cap, self.hidden, self.topk, self.experts = p.capacity, p.hidden, p.topk, p.experts
+            self.recv, self.ll, self.slot, self.fp8 = recv_rows(self.spec), low_latency(self.spec), slot_rows(self.spec), \
+                p.payload == "fp8"
+            self.fp8_worst, self.dispatches = 0.0, 0
+            self.bufs = FakeBufs(get_family("moe"), self.spec, self.cap, world.size)
+            rows = self.experts * self.slot if self.ll else self.recv
+            self.y = {r: np.zeros(rows * self.hidden, np.uint16).view(_Arr) for r in world.ranks}
+            self.mutated = mutate is not None
+
+        def _inputs(self, tokens):
+            a = self.bufs.array
+            return {"x": [a("x", r)[: tokens[r] * self.hidden].copy() for r in self.world.ranks],
+                    "topk_idx": [a("topk_idx", r)[: tokens[r] * self.topk].copy() for r in self.world.ranks],
+                    "topk_weights": [a("topk_weights", r)[: tokens[r] * self.topk].copy() for r in self.world.ranks]}
+
+        def launch(self, which, tokens):
+            W, a, inputs = self.world.size, self.bufs.array, self._inputs(tokens)
+            wmax = max(self.spec.world_sizes)
+            if which in ("dispatch", "pair"):
+                self.dispatches += 1
+                if self.ll:
+                    ref = ll_dispatch_reference(inputs, W, self.experts, self.topk, self.hidden, self.slot)
+                    half = self.dispatches & 1
+                    for d in range(W):
+                        a("recv_counts", d)[...] = ll_counts_array(ref[d], wmax, self.experts)
+                        if self.mutated:  # a stale count: what the removed wait lets through
+                            a("recv_counts", d)[2 + wmax] += 1
+                        rx = a("recv_x", d).reshape(2, self.experts, self.slot, self.hidden)
+                        rs = a("recv_src", d).reshape(2, self.experts, self.slot)
+                        for i in range(self.experts):
+                            n = min(int(ref[d]["counts"][i]), self.slot)
+                            rx[half, i, :n] = ref[d]["recv_x"][i, :n]
+                            rs[half, i, :n] = ref[d]["recv_src"][i, :n]
+                    rows = [rx_half(a("recv_x", d), half, self) for d in range(W)]
+                else:
+                    ref = dispatch_reference(inputs, W, self.experts, self.topk, self.hidden, self.recv)
+                    rows = []
+                    for d in range(W):
+                        a("recv_counts", d)[...] = counts_array(ref[d], wmax, self.experts)
+                        n = min(len(ref[d]["handle"]), self.recv)
+                        if self.mutated:
+                            a("recv_counts", d)[0] += 1
+                        payload = ref[d]["recv_x"][:n]
+                        if self.fp8:
+                            q, sc = fp8_quantize(payload, self.hidden)
+                            a("recv_q", d)[: q.size] = q.reshape(-1)
+                            a("recv_scale", d)[: sc.size] = sc.reshape(-1)
+                            rows.append(fp8_dequantize(q, sc))
+                        else:
+                            a("recv_x", d)[: payload.size] = payload.reshape(-1)
+                            rows.append(payload.reshape(-1))
+                        for name, key in (("recv_idx", "recv_idx"), ("recv_w", "recv_w"), ("handle", "handle")):
+                            v = ref[d][key][:n].reshape(-1)
+                            a(name, d)[: v.size] = v
+                if break_what == "dispatch":
+                    a("recv_counts", 0)[0] += 1
+                if which == "dispatch":
+                    return
+                ys = rows
+            else:
+                ys = [np.asarray(self.y[d]).copy() for d in range(W)]
+            if self.ll:
+                want = ll_combine_reference(inputs, ys, W, self.experts, self.topk, self.hidden, self.slot)
+            else:
+                want = combine_reference(inputs, ys, W, self.experts, self.topk, self.hidden,
+                                         self.spec.params.weighted)
+            for s in range(W):
+                a("out", s)[: want[s].size] = want[s]
+            if break_what == "combine":
+                a("out", 0)[0] ^= 1
+
+    def rx_half(arr, half, moe):
+        return np.asarray(arr).reshape(2, -1)[half].copy()
+
+    return FakeMoe
+
+
+@pytest.mark.parametrize("spec,world", [("moe", 2), ("moe", 3), ("moe_fp8", 2), ("moe_ll", 2), ("moe_ll", 4)])
+def test_gpu_driver_on_a_simulated_device(monkeypatch, spec, world):
+    import test_moe_gpu as gpu
+    import tsgen.runtime
+
+    small = {"params": {"hidden": 256, "capacity": 40}, "test": {"count": 39}}  # fast references
+    if spec == "moe" and world == 3:  # a world size the spec does not ship: a variant
+        variant = {"world_sizes": [3], "params": {**small["params"], "experts": 63}, "test": small["test"]}
+    else:
+        variant = small
+    monkeypatch.setattr(tsgen.runtime, "World", _FakeWorld)
+    monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu))
+    problems, lines = gpu.run_moe(world, iters=7, spec=f"specs/{spec}.yaml", burst=3, variant=variant)
+    assert problems == [], problems
+    if spec == "moe_fp8":
+        assert any("fp8: largest" in line for line in lines)
+    for broken in ("dispatch", "combine"):  # the driver sees a wrong count, a wrong output element
+        monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu, broken))
+        problems, _ = gpu.run_moe(world, iters=2, spec=f"specs/{spec}.yaml", variant=variant)
+        assert problems, broken
+
+
+def test_gpu_driver_overflow_and_negative_control_paths(monkeypatch):
+    import test_moe_gpu as gpu
+    import tsgen.runtime
+
+    monkeypatch.setattr(tsgen.runtime, "World", _FakeWorld)
+    monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu))
+    problems, _ = gpu.run_moe(2, cases=("skewed",), iters=3, variant={"params": {"recv_capacity": 200}}, combine=False)
+    assert problems == []
+    problems, _ = gpu.run_moe(4, cases=("skewed",), iters=3, variant={"params": {"recv_capacity": 200}}, combine=False)
+    assert problems == []
+    problems, _ = gpu.run_moe(2, spec=gpu.LL_SPEC, cases=("skewed",), iters=3, combine=False,
+                              variant={"params": {"slot_tokens": 16}})
+    assert problems == []
+    problems, _ = gpu.run_moe(2, cases=("random",), iters=2, combine=False, mutate=lambda t: t)
+    assert problems  # the fake's stand-in for a removed wait: a stale count

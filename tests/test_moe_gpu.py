@@ -137,8 +137,9 @@ def make_inputs(moe, world, case, call, seed=0):
     return tokens, inputs
 
 
-def check_ll_dispatch(moe, world, inputs, call, problems):
-    """Low-latency: every slot's rows and handles in this call's half; everything else poisoned."""
+def check_ll_dispatch(moe, world, inputs, call, problems, poisoned=True):
+    """Low-latency: every slot's rows and handles in this call's half; everything else poisoned (the
+    other half only when the call before this one was poisoned too: `poisoned`)."""
     ref = ll_dispatch_reference(inputs, world.size, moe.experts, moe.topk, moe.hidden, moe.slot)
     poison8, half = poison_byte(call), (moe.dispatches & 1)  # dispatch number `dispatches`: its half
     for d in world.ranks:
@@ -152,6 +153,7 @@ def check_ll_dispatch(moe, world, inputs, call, problems):
         for name, width, want in (("recv_x", moe.hidden, ref[d]["recv_x"]), ("recv_src", 1, ref[d]["recv_src"])):
             got = moe.get(name, d).reshape(2, moe.experts, moe.slot, width)
             written = np.zeros((2, moe.experts, moe.slot), dtype=bool)
+            written[1 - half] = not poisoned  # back-to-back calls: the previous one filled the other half
             for i in range(moe.experts):
                 n = min(int(ref[d]["counts"][i]), moe.slot)
                 written[half, i, :n] = True
@@ -164,18 +166,18 @@ def check_ll_dispatch(moe, world, inputs, call, problems):
     return ref
 
 
-def check_dispatch(moe, world, inputs, call, problems):
+def check_dispatch(moe, world, inputs, call, problems, poisoned=True):
     """Compare every rank's received rows, metadata, handles, counts; rows past them poisoned."""
     if moe.ll:
-        return check_ll_dispatch(moe, world, inputs, call, problems)
-    ref = dispatch_reference(inputs, world, moe.experts, moe.topk, moe.hidden, moe.recv)
+        return check_ll_dispatch(moe, world, inputs, call, problems, poisoned)
+    ref = dispatch_reference(inputs, world.size, moe.experts, moe.topk, moe.hidden, moe.recv)
     poison8 = poison_byte(call)
     for d in world.ranks:
         want_counts = counts_array(ref[d], max(moe.spec.world_sizes), moe.experts)
         got_counts = moe.get("recv_counts", d)
         if not np.array_equal(got_counts, want_counts):
-            problems.append(f"call {call}: rank {d} recv_counts {got_counts[:2 + world].tolist()} ... expected "
-                            f"{want_counts[:2 + world].tolist()} ...")
+            problems.append(f"call {call}: rank {d} recv_counts {got_counts[:2 + world.size].tolist()} ... expected "
+                            f"{want_counts[:2 + world.size].tolist()} ...")
             continue
         rows = min(int(want_counts[0]), moe.recv)
         if moe.fp8:
@@ -260,7 +262,7 @@ def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=N
                 for _ in range(burst):
                     moe.launch("pair", tokens)
                 world.synchronize()
-                ref = check_dispatch(moe, world, inputs, iters, problems)
+                ref = check_dispatch(moe, world, inputs, iters, problems, poisoned=burst == 1)
                 if moe.fp8:  # the identity expert of the pair launcher: the dequantized rows
                     want = expected_out(moe, world_size, inputs, [r["rows"] for r in ref])
                 else:

@@ -504,13 +504,13 @@ def fp8_quantize(rows_bf16: np.ndarray, hidden: int) -> tuple[np.ndarray, np.nda
     scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
     inv = (np.float32(E4M3_MAX) / amax).astype(np.float32)
     q = e4m3_encode((x * inv[:, :, None]).astype(np.float32))
-    return q.reshape(-1, hidden), scale.reshape(x.shape[0], -1)
+    return q.reshape(-1, hidden), scale.reshape(x.shape[0], hidden // 128)
 
 
 def fp8_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """e4m3 bytes and scales -> bf16 bits: (q * scale) in fp32, rounded to bf16 (dequantize's arithmetic)."""
     rows, hidden = q.shape
-    f = (e4m3_decode(q).astype(np.float32).reshape(rows, -1, 128) * scale[:, :, None]).astype(np.float32)
+    f = (e4m3_decode(q).astype(np.float32).reshape(rows, hidden // 128, 128) * scale[:, :, None]).astype(np.float32)
     return from_f64(f.reshape(-1), "bfloat16")
 
 
