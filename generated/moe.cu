@@ -2,7 +2,7 @@
 // spec sha256 5b3c83fa7f4d6802cfdaff7531e98f30c91d8ab9963477310aab0a35d14f073f
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op moe: MoE expert-parallel dispatch (tokens to the ranks of their top-k experts, grouped by source rank) and combine (rows back to their tokens, summed in fp32), normal mode, bf16
+// op moe: MoE expert-parallel dispatch (rows grouped by source rank, source order kept, with local expert ids, weights and handles) and combine (fp32 sums in token order), normal mode, bf16
 // kernels: moe_w2, moe_w4, moe_w8 (one per world size; grid 32 x 512 threads)
 // count unit: tokens
 //

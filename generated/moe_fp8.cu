@@ -2,7 +2,7 @@
 // spec sha256 6a54b7d0915c6fa112fda4aac433e9a7e6308ff6f994562a30cd5dfb18fee338
 // DO NOT EDIT: change the spec and run `tsgen build` again.
 //
-// op moe: MoE expert-parallel dispatch (tokens to the ranks of their top-k experts, grouped by source rank) and combine (rows back to their tokens, summed in fp32), normal mode, bf16
+// op moe: MoE expert-parallel dispatch (rows grouped by source rank, source order kept, with local expert ids, weights and handles) and combine (fp32 sums in token order), normal mode, fp8 dispatch (e4m3, a scale per token per 128 channels), bf16 combine
 // kernels: moe_fp8_w2, moe_fp8_w4, moe_fp8_w8 (one per world size; grid 32 x 512 threads)
 // count unit: tokens
 //

@@ -105,8 +105,8 @@ def low_latency(spec) -> bool:
 
 class MoeFamily(OpFamily):
     kind = "moe"
-    summary = ("MoE expert-parallel dispatch (tokens to the ranks of their top-k experts, grouped by source "
-               "rank) and combine (rows back to their tokens, summed in fp32), normal mode, bf16")
+    summary = ("MoE expert-parallel dispatch (tokens to the ranks of their top-k experts) and combine (rows back "
+               "to their tokens, summed in fp32): normal mode (bf16 or fp8 dispatch) and low-latency mode")
     Spec = MoeSpec
     template = "moe.cu.j2"
     count_unit = "tokens"
@@ -158,7 +158,10 @@ class MoeFamily(OpFamily):
         if low_latency(spec):
             return ("MoE expert-parallel dispatch and combine, low-latency mode: rows straight into "
                     "per-(local expert, source rank) slots, one kernel per direction, weighted combine, bf16")
-        return self.summary
+        payload = ("fp8 dispatch (e4m3, a scale per token per 128 channels), bf16 combine"
+                   if spec.params.payload == "fp8" else "bf16")
+        return ("MoE expert-parallel dispatch (rows grouped by source rank, source order kept, with local "
+                f"expert ids, weights and handles) and combine (fp32 sums in token order), normal mode, {payload}")
 
     def buffers(self, spec):
         p, wmax, recv = spec.params, max(spec.world_sizes), recv_rows(spec)
