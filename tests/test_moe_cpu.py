@@ -343,8 +343,15 @@ class _FakeWorld:
 
                 return contextlib.nullcontext()
 
+        @staticmethod
+        def asarray(a):
+            return np.array(a).view(_Arr)
+
     def __init__(self, size, share_gpus=None):
+        import contextlib
+
         self.size, self.ranks, self.devices = size, list(range(size)), {r: 0 for r in range(size)}
+        self.streams = {r: contextlib.nullcontext() for r in range(size)}
 
     def synchronize(self):
         pass

@@ -226,6 +226,53 @@ def check_combine(moe, world, inputs, ys, call, problems):
                             f"{want[s][i]:#x} ({bad.size} wrong)")
 
 
+def burst_pairs(moe, world, first_call, burst, problems):
+    """`burst` dispatch + combine pairs (the identity expert) back to back with no host sync: each
+    pair's inputs are copied in on the rank's stream just before it and its output copied out just
+    after, so every pair has its own routing and token counts and every pair's output is checked
+    (a wait that is missing shows even where the previous call left the same rows)."""
+    cp, size = world.cp, world.size
+    sets = [make_inputs(moe, size, "random", first_call + j) for j in range(burst)]
+    staged, history = {}, {}
+    for r in world.ranks:
+        with cp.cuda.Device(world.devices[r]):
+            staged[r] = []
+            for _, inputs in sets:
+                one = {}
+                for name in ("x", "topk_idx", "topk_weights"):
+                    a = moe.bufs.array(name, r)
+                    full = np.zeros(a.size, dtype=a.dtype)
+                    full[: inputs[name][r].size] = inputs[name][r].view(a.dtype)
+                    one[name] = cp.asarray(full)
+                staged[r].append(one)
+            history[r] = [cp.asarray(np.zeros(moe.bufs.array("out", r).size, np.uint16)) for _ in range(burst)]
+    world.synchronize()
+    for j, (tokens, _) in enumerate(sets):
+        for r in world.ranks:
+            with cp.cuda.Device(world.devices[r]), world.streams[r]:
+                for name, src in staged[r][j].items():
+                    moe.bufs.array(name, r)[...] = src
+        moe.launch("pair", tokens)
+        for r in world.ranks:
+            with cp.cuda.Device(world.devices[r]), world.streams[r]:
+                history[r][j][...] = moe.bufs.array("out", r)
+    world.synchronize()
+    for j, (tokens, inputs) in enumerate(sets):
+        if moe.ll:
+            ref = ll_dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.slot)
+            rows = [r["recv_x"] for r in ref]
+        else:
+            ref = dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.recv)
+            rows = [fp8_dequantize(*fp8_quantize(r["recv_x"], moe.hidden)) if moe.fp8 else r["recv_x"] for r in ref]
+        want = expected_out(moe, size, inputs, rows)
+        for s in world.ranks:
+            got = history[s][j].get()[: want[s].size]
+            diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
+            bad = np.flatnonzero(~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16"))))
+            if bad.size:
+                problems.append(f"back-to-back pair {j + 1} of {burst}: rank {s} out differs in {bad.size} elements")
+
+
 def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=None, combine=True, burst=0,
             spec=SPEC):
     """Problems found (empty: every check passed)."""
@@ -255,23 +302,8 @@ def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=N
                 moe.launch("combine", tokens)
                 world.synchronize()
                 check_combine(moe, world, inputs, ys, call, problems)
-            if burst:  # back-to-back dispatch + combine pairs (identity expert), no host sync between
-                tokens, inputs = make_inputs(moe, world_size, "random", iters)
-                moe.load(inputs, iters)
-                world.synchronize()
-                for _ in range(burst):
-                    moe.launch("pair", tokens)
-                world.synchronize()
-                ref = check_dispatch(moe, world, inputs, iters, problems, poisoned=burst == 1)
-                if moe.fp8:  # the identity expert of the pair launcher: the dequantized rows
-                    want = expected_out(moe, world_size, inputs, [r["rows"] for r in ref])
-                else:
-                    want = expected_out(moe, world_size, inputs, [r["recv_x"] for r in ref])
-                for s in world.ranks:
-                    got = moe.get("out", s)[: want[s].size]
-                    diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
-                    if (~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16")))).any():
-                        problems.append(f"after {burst} back-to-back pairs: rank {s} out differs")
+            if burst:
+                burst_pairs(moe, world, iters, burst, problems)
             if moe.fp8:
                 lines.append(f"fp8: largest |dequantized - x| / bound = {moe.fp8_worst:.3f} (bound: half an e4m3 "
                              "step at x, 2^-4 relative or 2^-10 x scale, plus a bf16 rounding)")
@@ -368,3 +400,29 @@ def test_moe_low_latency_negative_control_slot_wait_removed():
                               mutate=lambda text: text.replace(old, new))
     _record({"test": "negative_control_ll_slot_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
     assert problems, "low-latency dispatch without the slot wait passed:\n" + "\n".join(lines)
+
+
+# The other waits, each removed (satisfied at once) with rank skew: the same checks must fail.
+#   data: dispatch's block 0 waits for every source block's rows before the kernel ends (combine,
+#         the next kernel, reads the handles and rows)
+#   comb / ll_comb: combine waits for every rank's rows before it sums them
+MORE_CONTROLS = {
+    "data": (SPEC, "wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, epoch * (uint64_t)gridDim.x,",
+             "wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, 0ull,"),
+    "comb": (SPEC, "wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, epoch * (uint64_t)gridDim.x,",
+             "wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, 0ull,"),
+    "ll_comb": (LL_SPEC, "wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x,",
+                "wait_ge_acquire_sys(b.csig + tid, 0ull,"),
+}
+
+
+@pytest.mark.parametrize("wait", sorted(MORE_CONTROLS))
+def test_moe_negative_control_other_waits(wait):
+    """Pairs launched back to back (no host sync between dispatch and combine): without the wait
+    the output must come out wrong."""
+    need_gpus(4)
+    spec, old, new = MORE_CONTROLS[wait]
+    problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=SKEW_SEED, burst=20,
+                              mutate=lambda text: text.replace(old, new))
+    _record({"test": f"negative_control_{wait}_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
+    assert problems, f"without the {wait} wait the calls passed:\n" + "\n".join(lines)
