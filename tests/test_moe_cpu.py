@@ -334,6 +334,34 @@ class _Arr(np.ndarray):
         return np.asarray(self).copy()
 
 
+class _FakeStream:
+    """A stream whose capture records the pair launches made meanwhile (the fake launcher's calls)."""
+
+    capturing = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+    def begin_capture(self):
+        _FakeStream.capturing = []
+
+    def end_capture(self):
+        graph, _FakeStream.capturing = _FakeGraph(_FakeStream.capturing), None
+        return graph
+
+
+class _FakeGraph:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, stream):
+        for fn in self.calls:
+            fn()
+
+
 class _FakeWorld:
     class cp:
         class cuda:
@@ -351,7 +379,7 @@ class _FakeWorld:
         import contextlib
 
         self.size, self.ranks, self.devices = size, list(range(size)), {r: 0 for r in range(size)}
-        self.streams = {r: contextlib.nullcontext() for r in range(size)}
+        self.streams = {r: _FakeStream() for r in range(size)}
 
     def synchronize(self):
         pass
@@ -369,8 +397,10 @@ def _fake_moe_class(gpu, break_what=None):
 
     class FakeBufs:
         def __init__(self, family, spec, cap, world):
+            from tsgen.ops.base import CALLS
+
             self.data = [{b.name: np.zeros(b.elems(cap, world), np_dtype(b.dtype)).view(_Arr)
-                          for b in family.buffers(spec)} for _ in range(world)]
+                          for b in (CALLS,) + tuple(family.buffers(spec))} for _ in range(world)]
 
         def array(self, name, rank):
             return self.data[rank][name]
@@ -387,11 +417,27 @@ def _fake_moe_class(gpu, break_what=None):
             self.cap, self.hidden, self.topk, self.experts = p.capacity, p.hidden, p.topk, p.experts
             self.recv, self.ll, self.slot, self.fp8 = recv_rows(self.spec), low_latency(self.spec), slot_rows(self.spec), \
                 p.payload == "fp8"
-            self.fp8_worst, self.dispatches = 0.0, 0
+            self.fp8_worst, self.dispatches, self.device_calls = 0.0, 0, 0
             self.bufs = FakeBufs(get_family("moe"), self.spec, self.cap, world.size)
             rows = self.experts * self.slot if self.ll else self.recv
             self.y = {r: np.zeros(rows * self.hidden, np.uint16).view(_Arr) for r in world.ranks}
             self.mutated = mutate is not None
+
+        def _args(self, rank, tokens, extra=()):
+            return (rank, dict(tokens))
+
+        def pair_fn(self, rank, tokens):
+            """The pair launcher of one rank: under capture, recorded; the simulated pair runs
+            for every rank at once, so the last rank's launch carries it."""
+            if rank != self.world.ranks[-1]:
+                call = lambda: None  # noqa: E731
+            else:
+                call = lambda: self.launch("pair", tokens, count=False)  # noqa: E731
+            if _FakeStream.capturing is not None:
+                _FakeStream.capturing.append(call)
+            else:
+                call()
+            return 0
 
         def _inputs(self, tokens):
             a = self.bufs.array
@@ -399,14 +445,18 @@ def _fake_moe_class(gpu, break_what=None):
                     "topk_idx": [a("topk_idx", r)[: tokens[r] * self.topk].copy() for r in self.world.ranks],
                     "topk_weights": [a("topk_weights", r)[: tokens[r] * self.topk].copy() for r in self.world.ranks]}
 
-        def launch(self, which, tokens):
+        def launch(self, which, tokens, count=True):
             W, a, inputs = self.world.size, self.bufs.array, self._inputs(tokens)
             wmax = max(self.spec.world_sizes)
             if which in ("dispatch", "pair"):
-                self.dispatches += 1
+                self.device_calls += 1
+                for r in range(W):
+                    a("calls", r)[0] = self.device_calls
+                if count:
+                    self.dispatches += 1
+                half = self.device_calls & 1
                 if self.ll:
                     ref = ll_dispatch_reference(inputs, W, self.experts, self.topk, self.hidden, self.slot)
-                    half = self.dispatches & 1
                     for d in range(W):
                         a("recv_counts", d)[...] = ll_counts_array(ref[d], wmax, self.experts)
                         if self.mutated:  # a stale count: what the removed wait lets through
@@ -473,7 +523,8 @@ def test_gpu_driver_on_a_simulated_device(monkeypatch, spec, world):
         variant = small
     monkeypatch.setattr(tsgen.runtime, "World", _FakeWorld)
     monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu))
-    problems, lines = gpu.run_moe(world, iters=7, spec=f"specs/{spec}.yaml", burst=3, variant=variant)
+    problems, lines = gpu.run_moe(world, iters=7, spec=f"specs/{spec}.yaml", burst=3, variant=variant,
+                                  graph_replays=3)
     assert problems == [], problems
     if spec == "moe_fp8":
         assert any("fp8: largest" in line for line in lines)

@@ -226,6 +226,14 @@ def check_combine(moe, world, inputs, ys, call, problems):
                             f"{want[s][i]:#x} ({bad.size} wrong)")
 
 
+def identity_rows(moe, inputs, size):
+    """What the pair launcher's combine hands back per rank: the received rows (fp8: dequantized)."""
+    if moe.ll:
+        return [r["recv_x"] for r in ll_dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.slot)]
+    ref = dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.recv)
+    return [fp8_dequantize(*fp8_quantize(r["recv_x"], moe.hidden)) if moe.fp8 else r["recv_x"] for r in ref]
+
+
 def burst_pairs(moe, world, first_call, burst, problems):
     """`burst` dispatch + combine pairs (the identity expert) back to back with no host sync: each
     pair's inputs are copied in on the rank's stream just before it and its output copied out just
@@ -258,13 +266,7 @@ def burst_pairs(moe, world, first_call, burst, problems):
                 history[r][j][...] = moe.bufs.array("out", r)
     world.synchronize()
     for j, (tokens, inputs) in enumerate(sets):
-        if moe.ll:
-            ref = ll_dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.slot)
-            rows = [r["recv_x"] for r in ref]
-        else:
-            ref = dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.recv)
-            rows = [fp8_dequantize(*fp8_quantize(r["recv_x"], moe.hidden)) if moe.fp8 else r["recv_x"] for r in ref]
-        want = expected_out(moe, size, inputs, rows)
+        want = expected_out(moe, size, inputs, identity_rows(moe, inputs, size))
         for s in world.ranks:
             got = history[s][j].get()[: want[s].size]
             diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
@@ -273,8 +275,44 @@ def burst_pairs(moe, world, first_call, burst, problems):
                 problems.append(f"back-to-back pair {j + 1} of {burst}: rank {s} out differs in {bad.size} elements")
 
 
+def graph_pairs(moe, world, call, replays, problems):
+    """One dispatch + combine pair captured into a CUDA graph on every rank's stream, replayed
+    `replays` times with no host sync: the epochs come from the device call counters, so every
+    replay is a new call; the last one's output and counts are checked."""
+    cp, size = world.cp, world.size
+    tokens, inputs = make_inputs(moe, size, "random", call)
+    moe.load(inputs, call)
+    world.synchronize()
+    graphs = {}
+    for r in world.ranks:
+        with cp.cuda.Device(world.devices[r]):
+            stream = world.streams[r]
+            stream.begin_capture()
+            try:
+                err = moe.pair_fn(*moe._args(r, tokens))
+            finally:
+                graphs[r] = stream.end_capture()
+            assert err == 0, f"rank {r}: the pair launcher failed under capture with cudaError {err}"
+    for _ in range(replays):
+        for r in world.ranks:
+            with cp.cuda.Device(world.devices[r]):
+                graphs[r].launch(world.streams[r])
+        moe.dispatches += 1
+    world.synchronize()
+    check_dispatch(moe, world, inputs, call, problems, poisoned=replays == 1)
+    want = expected_out(moe, size, inputs, identity_rows(moe, inputs, size))
+    for s in world.ranks:
+        got = moe.get("out", s)[: want[s].size]
+        diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
+        if (~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16")))).any():
+            problems.append(f"after {replays} graph replays: rank {s} out differs")
+        calls = int(moe.bufs.array("calls", s)[0:1].get()[0])
+        if calls != moe.dispatches:
+            problems.append(f"rank {s}: dispatch call counter {calls}, expected {moe.dispatches}")
+
+
 def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=None, combine=True, burst=0,
-            spec=SPEC):
+            spec=SPEC, graph_replays=0):
     """Problems found (empty: every check passed)."""
     from tsgen.runtime import World
 
@@ -304,6 +342,8 @@ def run_moe(world_size, cases=CASES, iters=12, variant=None, skew=None, mutate=N
                 check_combine(moe, world, inputs, ys, call, problems)
             if burst:
                 burst_pairs(moe, world, iters, burst, problems)
+            if graph_replays:
+                graph_pairs(moe, world, iters + burst, graph_replays, problems)
             if moe.fp8:
                 lines.append(f"fp8: largest |dequantized - x| / bound = {moe.fp8_worst:.3f} (bound: half an e4m3 "
                              "step at x, 2^-4 relative or 2^-10 x scale, plus a bf16 rounding)")
@@ -359,6 +399,16 @@ def test_moe_low_latency_slot_overflow_is_reported(world):
     problems, lines = run_moe(world, spec=LL_SPEC, cases=("skewed",), iters=3, combine=False,
                               variant={"params": {"slot_tokens": 16}})
     _record({"test": "ll_overflow", "world": world, "pass": not problems, "problems": problems[:5]})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
+@pytest.mark.parametrize("spec", [SPEC, FP8_SPEC, LL_SPEC], ids=["bf16", "fp8", "low_latency"])
+def test_moe_cuda_graph_replays(spec):
+    """The pair captured into a CUDA graph per rank and replayed 10 times: outputs right, the
+    device call counter advanced once per replay."""
+    need_gpus(4)
+    problems, lines = run_moe(4, spec=spec, iters=1, graph_replays=10)
+    _record({"test": "graph_replays", "spec": spec, "world": 4, "pass": not problems, "problems": problems[:5]})
     assert not problems, "\n".join(lines + problems[:10])
 
 

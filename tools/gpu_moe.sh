@@ -6,7 +6,8 @@
 # back-to-back dispatch + combine pairs, receive overflow reported, the negative control with its
 # counts wait removed that must fail); fp8 dispatch (bytes and scales exact, the error against bf16
 # measured); low-latency mode (likewise, slot overflow, its negative control); negative controls
-# for dispatch's data wait and both combines' waits (back-to-back pairs); `tsgen test` of each
+# for dispatch's data wait and both combines' waits (back-to-back pairs); a pair captured into a
+# CUDA graph per rank and replayed; `tsgen test` of each
 # spec through the runtime's path at world 4; `tsgen bench` at world 4 (shared: tsgen alone, the
 # PyTorch baseline needs a GPU per rank). Logs and result rows (moe.jsonl) under $OUT; the fp8
 # error and the PASS/FAIL table print last. Under 4 minutes (BUDGET, default 230 s).
@@ -22,6 +23,7 @@ step "normal bf16, worlds 2 4 8 + control" 100 $T -k "dispatch_combine or receiv
 step "fp8 dispatch, worlds 2 4 8"         60 $T -k fp8
 step "low-latency, worlds 2 4 8 + control" 80 $T -k low_latency
 step "negative controls, other waits"     60 $T -k other_waits
+step "CUDA graph replays, 3 specs"        45 $T -k graph_replays
 for spec in moe moe_fp8 moe_ll; do
   step "tsgen test $spec world 4"         25 python3 -m tsgen test specs/$spec.yaml --gpus 4 --share-gpus
 done
