@@ -1467,15 +1467,15 @@ constexpr int WEIGHTED = 0;
 constexpr int SLOT = 256;
 constexpr int FP8 = 0;
 
-// Compile-time shape of world size WORLD (tsgen_moe.cuh says what each kernel does).
+// Compile-time shape of world size WORLD (tsgen_moe.cuh says what each kernel does), from the
+// constants above.
 template <int WORLD_>
 struct Config {
-  static constexpr int WORLD = WORLD_, WMAX = 8, EXPERTS = 64;
-  static constexpr int TOPK = 8, HIDDEN = 2048, CAP = 256;
-  static constexpr int RECV = 2048, THREADS = 512, UNROLL = 4;
-  static constexpr bool WEIGHTED = false;
-  static constexpr int SLOT = 256;  // low-latency rows per (local expert, source rank)
-  static constexpr bool FP8 = false;  // e4m3 payload, a scale per 128 channels
+  static constexpr int WORLD = WORLD_, WMAX = ::moe::WMAX, EXPERTS = ::moe::EXPERTS, TOPK = ::moe::TOPK;
+  static constexpr int HIDDEN = ::moe::HIDDEN, CAP = ::moe::CAP, THREADS = ::moe::THREADS, UNROLL = ::moe::UNROLL;
+  static constexpr int RECV = ::moe::RECV;  // normal mode: rows one rank can receive
+  static constexpr int SLOT = ::moe::SLOT;  // low-latency mode: rows per (local expert, source rank)
+  static constexpr bool WEIGHTED = ::moe::WEIGHTED != 0, FP8 = ::moe::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
 static __device__ __forceinline__ tsgen_moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig) {

@@ -1468,15 +1468,15 @@ constexpr int WEIGHTED = 0;
 constexpr int SLOT = 256;
 constexpr int FP8 = 1;
 
-// Compile-time shape of world size WORLD (tsgen_moe.cuh says what each kernel does).
+// Compile-time shape of world size WORLD (tsgen_moe.cuh says what each kernel does), from the
+// constants above.
 template <int WORLD_>
 struct Config {
-  static constexpr int WORLD = WORLD_, WMAX = 8, EXPERTS = 64;
-  static constexpr int TOPK = 8, HIDDEN = 2048, CAP = 256;
-  static constexpr int RECV = 2048, THREADS = 512, UNROLL = 4;
-  static constexpr bool WEIGHTED = false;
-  static constexpr int SLOT = 256;  // low-latency rows per (local expert, source rank)
-  static constexpr bool FP8 = true;  // e4m3 payload, a scale per 128 channels
+  static constexpr int WORLD = WORLD_, WMAX = ::moe_fp8::WMAX, EXPERTS = ::moe_fp8::EXPERTS, TOPK = ::moe_fp8::TOPK;
+  static constexpr int HIDDEN = ::moe_fp8::HIDDEN, CAP = ::moe_fp8::CAP, THREADS = ::moe_fp8::THREADS, UNROLL = ::moe_fp8::UNROLL;
+  static constexpr int RECV = ::moe_fp8::RECV;  // normal mode: rows one rank can receive
+  static constexpr int SLOT = ::moe_fp8::SLOT;  // low-latency mode: rows per (local expert, source rank)
+  static constexpr bool WEIGHTED = ::moe_fp8::WEIGHTED != 0, FP8 = ::moe_fp8::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
 static __device__ __forceinline__ tsgen_moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig) {

@@ -1466,15 +1466,15 @@ constexpr int WEIGHTED = 1;
 constexpr int SLOT = 128;
 constexpr int FP8 = 0;
 
-// Compile-time shape of world size WORLD (tsgen_moe.cuh says what each kernel does).
+// Compile-time shape of world size WORLD (tsgen_moe.cuh says what each kernel does), from the
+// constants above.
 template <int WORLD_>
 struct Config {
-  static constexpr int WORLD = WORLD_, WMAX = 8, EXPERTS = 64;
-  static constexpr int TOPK = 8, HIDDEN = 2048, CAP = 128;
-  static constexpr int RECV = 1024, THREADS = 512, UNROLL = 4;
-  static constexpr bool WEIGHTED = true;
-  static constexpr int SLOT = 128;  // low-latency rows per (local expert, source rank)
-  static constexpr bool FP8 = false;  // e4m3 payload, a scale per 128 channels
+  static constexpr int WORLD = WORLD_, WMAX = ::moe_ll::WMAX, EXPERTS = ::moe_ll::EXPERTS, TOPK = ::moe_ll::TOPK;
+  static constexpr int HIDDEN = ::moe_ll::HIDDEN, CAP = ::moe_ll::CAP, THREADS = ::moe_ll::THREADS, UNROLL = ::moe_ll::UNROLL;
+  static constexpr int RECV = ::moe_ll::RECV;  // normal mode: rows one rank can receive
+  static constexpr int SLOT = ::moe_ll::SLOT;  // low-latency mode: rows per (local expert, source rank)
+  static constexpr bool WEIGHTED = ::moe_ll::WEIGHTED != 0, FP8 = ::moe_ll::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
 static __device__ __forceinline__ tsgen_moe::LLBuffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig) {
