@@ -26,7 +26,8 @@ SMALL = {"gemm": {"params": {"n": 256, "k": 256}}, "allgather_gemm": {"params": 
          # size = sequence length S (64K rows of the collectives' sizes): a small head count
          "ulysses_pre_a2a": {"params": {"batch": 1, "heads": 2, "head_dim": 8}, "world_sizes": [2]},
          "ulysses_post_a2a": {"params": {"batch": 1, "heads": 2, "head_dim": 8}, "world_sizes": [2]}}
-SIZES = {"collective": "64K", "copy": "64K", "latency": "1000", "gemm": "128,200", "grid": "256"}
+SIZES = {"collective": "64K", "copy": "64K", "latency": "1000", "gemm": "128,200", "grid": "256",
+         "moe": "200"}  # by conventions kind, or by op where its count is bounded (moe: tokens <= capacity)
 FAST = dict(iters=3, reps=2, warmup=1)
 
 
@@ -43,7 +44,7 @@ def case_of(kind: str):
     path, model = spec_of(kind)
     conv = get_family(kind).bench
     world = min(model.world_sizes)
-    sizes = SIZES.get(conv.kind, str(128 * world))  # fused: M = 128 rows per rank
+    sizes = SIZES.get(kind) or SIZES.get(conv.kind, str(128 * world))  # fused: M = 128 rows per rank
     return path, world, sizes
 
 
@@ -66,9 +67,12 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
         return [B.Measured("torch all_gather + SDPA", s, Timing([40.0 * factor] * 2, 4, "eager"),
                            case=family.bench.case(family, spec, world, s)) for s in sizes]
 
+    def moe(names, family, spec, world, sizes, iters, reps, warmup):
+        return [B.Measured("torch all_to_all_single dispatch+combine", s, Timing([40.0 * factor] * 2, 4, "eager"))
+                for s in sizes]
+
     for name, fn in (("nccl", collectives), ("symm_mem", collectives), ("cublas+nccl", fused), ("torch_fused", fused),
-                     ("torch_sdpa_cp", cp_sdpa),
-                     ("torch_a2a", collectives)):
+                     ("torch_sdpa_cp", cp_sdpa), ("torch_a2a", collectives), ("torch_moe", moe)):
         monkeypatch.setitem(B.MULTIPROCESS, name, fn)
 
 

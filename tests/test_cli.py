@@ -16,7 +16,7 @@ from tsgen.ops import get_family
 KINDS = ["put_warp", "put_block", "get_warp", "get_block", "remote_st", "remote_ld",
          "signal_wait", "barrier_blocks", "barrier_all", "simple_shift",
          "allgather", "reduce_scatter", "all_to_all", "all_to_all_v", "all_reduce", "broadcast", "gemm", "allgather_gemm", "gemm_reduce_scatter",
-         "cannon", "summa", "attention", "ulysses_pre_a2a", "ulysses_post_a2a", "cp_attention"]
+         "cannon", "summa", "attention", "ulysses_pre_a2a", "ulysses_post_a2a", "cp_attention", "moe"]
 
 
 def tsgen(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

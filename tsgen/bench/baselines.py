@@ -9,6 +9,7 @@ One process per GPU (tsgen launch), after tsgen's timings:
   cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
   torch_a2a                 the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
   torch_sdpa_cp             cp_attention's: all_gather_into_tensor of K and V + SDPA (torch_ops.py)
+  torch_moe                 MoE dispatch + combine through all_to_all_single (tsgen/bench/moe_torch.py)
 
 An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
 a multi-process one rows of `Measured` (the same, from the workers' JSON).
@@ -149,8 +150,22 @@ def torch_a2a(names, family, spec, world: int, sizes: list[int], iters: int, rep
                      skipped=r.get("skipped")) for r in torch_a2a_rows(family, spec, world, sizes, iters, reps, warmup)]
 
 
+def moe_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    """MoE dispatch + combine's baseline: counts exchange, permute, all_to_all_single, unpermute
+    (tsgen/bench/moe_torch.py); size = tokens per rank."""
+    from .workers import launch_workers
+
+    p = spec.params
+    cfg = {"kind": "moe", "sizes": sizes, "experts": p.experts, "topk": p.topk, "hidden": p.hidden,
+           "iters": iters, "reps": reps, "warmup": warmup}
+    impl = "torch all_to_all_single dispatch+combine" + (" (bf16 rows)" if p.payload == "fp8" else "")
+    return [Measured(impl, r["tokens"], _timing(r), extra={"torch_version": r.get("torch_version")},
+                     skipped=r.get("skipped")) for r in launch_workers(cfg, world)]
+
+
 MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused,
-                "torch_sdpa_cp": cp_sdpa, "torch_a2a": torch_a2a}
+                "torch_sdpa_cp": cp_sdpa, "torch_a2a": torch_a2a,
+                "torch_moe": moe_a2a}
 
 
 def check_names(names) -> None:

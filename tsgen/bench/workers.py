@@ -27,7 +27,8 @@ from ..env import force_no_multicast
 
 WORKERS = {"collective": "tsgen.bench.nccl:worker", "fused": "tsgen.bench.torch_ops:fused_worker",
            "ulysses": "tsgen.bench.ulysses:worker",
-           "cp_attention": "tsgen.bench.torch_ops:cp_worker"}
+           "cp_attention": "tsgen.bench.torch_ops:cp_worker",
+           "moe": "tsgen.bench.moe_torch:moe_worker"}
 GRACE_S = 3.0  # after one rank failed, the others' NCCL calls would wait forever
 
 

@@ -7,9 +7,9 @@ reference) + one template under templates/ops/, listed in _MODULES.
 from __future__ import annotations
 
 from .base import OpFamily
-from . import all_to_all_v, attention, collectives, cp_attention, fused, gemm, grid_gemm, primitives, ulysses
+from . import all_to_all_v, attention, collectives, cp_attention, fused, gemm, grid_gemm, moe, primitives, ulysses
 
-_MODULES = [primitives, collectives, all_to_all_v, gemm, fused, grid_gemm, attention, ulysses, cp_attention]
+_MODULES = [primitives, collectives, all_to_all_v, gemm, fused, grid_gemm, attention, ulysses, cp_attention, moe]
 
 _FAMILIES: dict[str, OpFamily] = {}
 for _module in _MODULES:

@@ -1,0 +1,587 @@
+// tsgen_moe.cuh -- MoE expert-parallel dispatch and combine (normal mode, bf16).
+//
+// Hand-written; inlined into generated MoE sources after tsgen_copy.cuh.
+//
+// Experts are placed in contiguous runs: rank d holds experts [d * L, (d + 1) * L), L = E / W.
+// A token goes to rank d once when any of its top-k experts lives there ("its destination
+// ranks"; expert ids outside [0, E), e.g. -1, count as none).
+//
+// dispatch (one kernel, every block of every rank resident at once):
+//   1. layout: every block scans topk_idx of all tokens: tokens per destination rank (in all and
+//      before its own contiguous chunk of tokens); block 0 also counts (token, expert) pairs per
+//      expert and writes this rank's row of the counts matrix (tokens to each rank) and the
+//      per-expert counts of each destination's experts into that destination's `cnt`, then
+//      raises sig[COUNTS + rank] there to the epoch.
+//   2. every block waits for all ranks' rows: rank s's rows for rank d start at
+//      base(s, d) = sum_{j < s} counts[j][d], so d receives its rows grouped by source rank, and
+//      inside one source in source token order (position = tokens before it that go to d).
+//   3. every block pushes its tokens: one warp per token, each 16-byte vector of the row loaded
+//      once and stored to every destination rank; lanes write the metadata: per top-k slot the
+//      local expert id (-1 when that expert is not on the destination) and its weight (0 there),
+//      and the handle (source rank, source token). A row past the destination's receive
+//      capacity is not written: the overflow is reported (recv_counts[1], a printf), never silent.
+//   4. every block raises sig[DATA + rank] on every destination by one (release); block 0 waits
+//      for gridDim.x arrivals from every source and writes recv_counts.
+// combine (one kernel):
+//   1. every received row r goes back to its source s, into s's comb[token][this rank] (push);
+//      each block then raises sig[COMB + rank] on every rank by one.
+//   2. every block waits for every rank's arrivals, then sums each of its tokens' rows over
+//      the token's destination ranks in fp32 (each scaled by the sum of the token's top-k
+//      weights of experts on that rank when WEIGHTED), rounded once to bf16, original order.
+//
+// Back-to-back calls: signals count up with the call number (dispatch and combine each have
+// their own call counter); nothing is reset. Call order per rank: dispatch, (experts), combine,
+// dispatch, ...: a source writes its next counts and rows only after its combine has received
+// every rank's rows, i.e. after every rank's combine of the previous call has pushed (so read)
+// its receive buffers; counts are read before a rank's data arrivals are signalled.
+#ifndef TSGEN_MOE_CUH
+#define TSGEN_MOE_CUH
+
+#include <stdint.h>
+
+namespace tsgen_moe {
+
+// sig layout (uint64, WMAX each): counts rows arrived, data arrivals, combine arrivals
+enum { SIG_COUNTS = 0, SIG_DATA = 1, SIG_COMB = 2 };
+
+// recv_counts layout (int32): [0] rows received (may exceed the receive capacity), [1] flags,
+// [2, 2 + WMAX) rows from each source rank, [2 + WMAX, 2 + WMAX + E) (token, expert) pairs per
+// local expert (entries past the world's L experts are 0).
+enum { FLAG_RECV_OVERFLOW = 1, FLAG_SENT_DROPPED = 2 };
+
+struct Buffers {
+  const __nv_bfloat16* x;  // [tokens][HIDDEN]
+  const int32_t* topk_idx;  // [tokens][TOPK], -1 = none
+  const float* topk_weights;  // [tokens][TOPK]
+  __nv_bfloat16* out;       // [tokens][HIDDEN] combine's output
+  int32_t* recv_counts;     // see above
+  __nv_bfloat16* recv_x;    // [RECV][HIDDEN] (payload bf16)
+  uint8_t* recv_q;          // [RECV][HIDDEN] e4m3 (payload fp8)
+  float* recv_scale;        // [RECV][HIDDEN / 128] (payload fp8): channel c of row r is recv_q * recv_scale[r][c / 128]
+  int32_t* recv_idx;        // [RECV][TOPK] local expert id or -1
+  float* recv_w;            // [RECV][TOPK]
+  int32_t* handle;          // [RECV][2] (source rank, source token)
+  __nv_bfloat16* comb;      // [CAP][WMAX][HIDDEN] combine's inbox, slot = sending rank
+  __nv_bfloat16* recv_bf16;  // [RECV][HIDDEN] (payload fp8) dequantize's output
+  int32_t* cnt;             // [WMAX][WMAX] counts matrix, then [WMAX][EXPERTS] per-expert counts
+  uint64_t* sig;            // [3][WMAX]
+};
+
+// The destination-rank mask of token t (bit d: some top-k expert lives on rank d).
+template <class C>
+static __device__ __forceinline__ uint32_t route_mask(const int32_t* topk_idx, int t) {
+  constexpr int L = C::EXPERTS / C::WORLD;
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < C::TOPK; ++k) {
+    const int e = __ldg(topk_idx + (size_t)t * C::TOPK + k);
+    if (e >= 0 && e < C::EXPERTS) m |= 1u << (e / L);
+  }
+  return m;
+}
+
+static __device__ __forceinline__ uint32_t lanemask_lt() {
+  uint32_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// Contiguous token chunk of block b: [lo, hi).
+static __device__ __forceinline__ void token_chunk(int tokens, int b, int blocks, int* lo, int* hi) {
+  const int per = (tokens + blocks - 1) / blocks;
+  *lo = min(tokens, b * per);
+  *hi = min(tokens, *lo + per);
+}
+
+// One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, UNROLL in flight).
+template <class C>
+static __device__ __forceinline__ void copy_row(__nv_bfloat16* dst_, const __nv_bfloat16* src_, int lane) {
+  constexpr int VECS = C::HIDDEN / 8;
+  const uint4* src = reinterpret_cast<const uint4*>(src_);
+  uint4* dst = reinterpret_cast<uint4*>(dst_);
+  for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
+    uint4 v[C::UNROLL];
+#pragma unroll
+    for (int u = 0; u < C::UNROLL; ++u)
+      if (v0 + u * 32 < VECS) v[u] = ld_nc_na_global_v4(src + v0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < C::UNROLL; ++u)
+      if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
+  }
+}
+
+// FP8 (e4m3) payload: one fp32 scale per token per 128 channels, scale = max(amax, 1e-4) / 448
+// (448: e4m3's largest finite value), q = round-to-nearest-even, saturating, of x * (448 / amax).
+static __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+static __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// One warp quantizes the row at src (HIDDEN bf16, HIDDEN % 128 == 0) and stores the e4m3 bytes and
+// scales to every destination rank in mask `mm`, at row `pos[d]` of that rank's recv_q / recv_scale.
+template <class C>
+static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, uint32_t mm, const int* pos,
+                                                    uint8_t* recv_q, float* recv_scale, char* const* peers,
+                                                    int rank, int lane) {
+  constexpr int VECS = C::HIDDEN / 8, GROUPS = C::HIDDEN / 128;  // 16 lanes (vectors) per group
+  const uint4* src = reinterpret_cast<const uint4*>(src_);
+  for (int base = 0; base < VECS; base += 32) {
+    const int v0 = base + lane;
+    const bool on = v0 < VECS;  // HIDDEN = 128 x odd: the upper half-warp idles on the last pass
+    const uint4 v = on ? ld_nc_na_global_v4(src + v0) : make_uint4(0, 0, 0, 0);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    float f[8], amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = __bfloat1622float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+      amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    amax = fmaxf(amax, 1e-4f);
+    const float scale = amax / 448.f, inv = 448.f / amax;
+    uint2 q;
+    q.x = (uint32_t)e4m3x2(f[0] * inv, f[1] * inv) | (uint32_t)e4m3x2(f[2] * inv, f[3] * inv) << 16;
+    q.y = (uint32_t)e4m3x2(f[4] * inv, f[5] * inv) | (uint32_t)e4m3x2(f[6] * inv, f[7] * inv) << 16;
+    if (!on) continue;
+#pragma unroll
+    for (int d = 0; d < C::WORLD; ++d) {
+      if (!((mm >> d) & 1u)) continue;
+      uint2* dq = reinterpret_cast<uint2*>(tsgen_peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
+      dq[v0] = q;
+      if ((lane & 15) == 0) tsgen_peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + v0 / 16] = scale;
+    }
+  }
+}
+
+// recv_bf16[r] = recv_q[r] * recv_scale[r] (bf16) for the rows the last dispatch delivered: the fp8 rows
+// as bf16 (`tsgen test`'s identity expert).
+template <class C>
+static __device__ __forceinline__ void dequantize(const Buffers& b) {
+  constexpr int GROUPS = C::HIDDEN / 128, PAIRS = C::HIDDEN / 2;
+  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * PAIRS;
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(b.recv_q);
+  __nv_bfloat162* y = reinterpret_cast<__nv_bfloat162*>(b.recv_bf16);
+  for (size_t i = blockIdx.x * (size_t)C::THREADS + threadIdx.x; i < n; i += (size_t)gridDim.x * C::THREADS) {
+    const size_t r = i / PAIRS, c = (i % PAIRS) * 2;
+    const float s = b.recv_scale[r * GROUPS + c / 128];
+    const float2 f = e4m3x2_to_float2(q[i]);
+    y[i] = __floats2bfloat162_rn(f.x * s, f.y * s);
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void dispatch(char* const* peers, int rank, uint64_t epoch, int tokens,
+                                                const Buffers& b) {
+  constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK;
+  constexpr int NWARPS = C::THREADS / 32, VECS = C::HIDDEN / 8;  // 16-byte vectors per row
+  __shared__ int s_total[W], s_before[W], s_base[W], s_into[W], s_run[W];
+  __shared__ int s_ecount[E];
+  __shared__ int s_warp[NWARPS][W];
+  __shared__ int s_pos[C::THREADS][W];
+  __shared__ uint32_t s_mask[C::THREADS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int lo, hi;
+  token_chunk(tokens, blockIdx.x, gridDim.x, &lo, &hi);
+
+  // 1. layout
+  if (tid < W) s_total[tid] = s_before[tid] = 0;
+  if (blockIdx.x == 0)
+    for (int e = tid; e < E; e += C::THREADS) s_ecount[e] = 0;
+  __syncthreads();
+  int total[W], before[W];
+#pragma unroll
+  for (int d = 0; d < W; ++d) total[d] = before[d] = 0;
+  for (int t = tid; t < tokens; t += C::THREADS) {
+    const uint32_t m = route_mask<C>(b.topk_idx, t);
+#pragma unroll
+    for (int d = 0; d < W; ++d) {
+      total[d] += (m >> d) & 1u;
+      before[d] += t < lo ? (m >> d) & 1u : 0u;
+    }
+    if (blockIdx.x == 0)
+      for (int k = 0; k < K; ++k) {
+        const int e = b.topk_idx[(size_t)t * K + k];
+        if (e >= 0 && e < E) atomicAdd(&s_ecount[e], 1);
+      }
+  }
+#pragma unroll
+  for (int d = 0; d < W; ++d) {
+    const int tsum = __reduce_add_sync(0xffffffffu, total[d]), bsum = __reduce_add_sync(0xffffffffu, before[d]);
+    if (lane == 0) {
+      atomicAdd(&s_total[d], tsum);
+      atomicAdd(&s_before[d], bsum);
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {  // this rank's counts row and per-expert counts, into every destination
+    for (int i = tid; i < W * W; i += C::THREADS) {
+      const int d = i / W, j = i % W;
+      tsgen_peer_ptr(b.cnt, peers, rank, d)[rank * WMAX + j] = s_total[j];
+    }
+    for (int i = tid; i < E; i += C::THREADS) {
+      const int d = i / L, l = i % L;
+      tsgen_peer_ptr(b.cnt, peers, rank, d)[WMAX * WMAX + rank * E + l] = s_ecount[i];
+    }
+    __syncthreads();
+    if (tid < W)
+      st_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_COUNTS * WMAX + rank, epoch);
+  }
+
+  // 2. every rank's counts row
+  if (tid < W)
+    wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, epoch, tsgen_make_site("moe.counts", rank, rank, tid));
+  __syncthreads();
+  if (tid < W) {
+    int base = 0, into = 0;
+    for (int j = 0; j < W; ++j) {
+      const int n = b.cnt[j * WMAX + tid];
+      base += j < rank ? n : 0;
+      into += n;
+    }
+    s_base[tid] = base;  // where this rank's rows start on rank tid
+    s_into[tid] = into;  // rows rank tid receives in all
+    s_run[tid] = base + s_before[tid];
+  }
+  __syncthreads();
+
+  // 3. positions and rows, THREADS tokens a round
+  for (int round = lo; round < hi; round += C::THREADS) {
+    const int t = round + tid, n = min(C::THREADS, hi - round);
+    const uint32_t m = t < hi ? route_mask<C>(b.topk_idx, t) : 0u;
+    int pre[W];
+#pragma unroll
+    for (int d = 0; d < W; ++d) {
+      const uint32_t ballot = __ballot_sync(0xffffffffu, (m >> d) & 1u);
+      pre[d] = __popc(ballot & lanemask_lt());
+      if (lane == 0) s_warp[warp][d] = __popc(ballot);
+    }
+    __syncthreads();
+    if (tid < W) {  // exclusive scan over warps, carried across rounds
+      int acc = s_run[tid];
+      for (int w = 0; w < NWARPS; ++w) {
+        const int v = s_warp[w][tid];
+        s_warp[w][tid] = acc;
+        acc += v;
+      }
+      s_run[tid] = acc;
+    }
+    __syncthreads();
+    s_mask[tid] = m;
+#pragma unroll
+    for (int d = 0; d < W; ++d) s_pos[tid][d] = s_warp[warp][d] + pre[d];  // a row on rank d
+    __syncthreads();
+    for (int i = warp; i < n; i += NWARPS) {
+      const int tok = round + i;
+      uint32_t mm = s_mask[i];
+#pragma unroll
+      for (int d = 0; d < W; ++d)
+        if (((mm >> d) & 1u) && (unsigned)s_pos[i][d] >= (unsigned)C::RECV) mm &= ~(1u << d);  // past the capacity: dropped
+      if (mm == 0) continue;
+      if constexpr (C::FP8) {
+        push_row_fp8<C>(b.x + (size_t)tok * C::HIDDEN, mm, s_pos[i], b.recv_q, b.recv_scale, peers, rank, lane);
+      } else {
+      const uint4* src = reinterpret_cast<const uint4*>(b.x + (size_t)tok * C::HIDDEN);
+      for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
+        uint4 v[C::UNROLL];
+#pragma unroll
+        for (int u = 0; u < C::UNROLL; ++u)
+          if (v0 + u * 32 < VECS) v[u] = ld_nc_na_global_v4(src + v0 + u * 32);
+#pragma unroll
+        for (int d = 0; d < W; ++d) {
+          if (!((mm >> d) & 1u)) continue;
+          uint4* dst = reinterpret_cast<uint4*>(tsgen_peer_ptr(b.recv_x, peers, rank, d) +
+                                                (size_t)s_pos[i][d] * C::HIDDEN);
+#pragma unroll
+          for (int u = 0; u < C::UNROLL; ++u)
+            if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
+        }
+      }
+      }
+      const int e = lane < K ? b.topk_idx[(size_t)tok * K + lane] : -1;
+      const float w = lane < K ? b.topk_weights[(size_t)tok * K + lane] : 0.f;
+#pragma unroll
+      for (int d = 0; d < W; ++d) {
+        if (!((mm >> d) & 1u)) continue;
+        const size_t row = (size_t)s_pos[i][d];
+        const bool here = e >= 0 && e < E && e / L == d;
+        if (lane < K) {
+          tsgen_peer_ptr(b.recv_idx, peers, rank, d)[row * K + lane] = here ? e - d * L : -1;
+          tsgen_peer_ptr(b.recv_w, peers, rank, d)[row * K + lane] = here ? w : 0.f;
+        } else if (lane >= 30) {
+          tsgen_peer_ptr(b.handle, peers, rank, d)[row * 2 + (lane - 30)] = lane == 30 ? rank : tok;
+        }
+      }
+    }
+    __syncthreads();  // s_pos, s_mask and s_warp are reused by the next round
+  }
+
+  // 4. arrivals
+  __syncthreads();
+  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_DATA * WMAX + rank, 1ull);
+  if (blockIdx.x != 0) return;
+  if (tid < W)
+    wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, epoch * (uint64_t)gridDim.x,
+                        tsgen_make_site("moe.data", rank, rank, tid));
+  __syncthreads();
+  const int received = s_into[rank];
+  int dropped = 0;
+#pragma unroll
+  for (int d = 0; d < W; ++d) dropped |= s_total[d] > 0 && s_base[d] + s_total[d] > C::RECV;
+  if (tid == 0) {
+    b.recv_counts[0] = received;
+    b.recv_counts[1] = (received > C::RECV ? FLAG_RECV_OVERFLOW : 0) | (dropped ? FLAG_SENT_DROPPED : 0);
+    if (received > C::RECV)
+      printf("tsgen: moe_dispatch: rank %d receives %d rows, more than its receive capacity %d "
+             "(params.recv_capacity); the rows past it were dropped (recv_counts[1] flags it)\n",
+             rank, received, C::RECV);
+  }
+  for (int j = tid; j < WMAX; j += C::THREADS) b.recv_counts[2 + j] = j < W ? b.cnt[j * WMAX + rank] : 0;
+  for (int l = tid; l < E; l += C::THREADS) {
+    int sum = 0;
+    if (l < L)
+      for (int j = 0; j < W; ++j) sum += b.cnt[WMAX * WMAX + j * E + l];
+    b.recv_counts[2 + WMAX + l] = sum;
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void combine(char* const* peers, int rank, uint64_t epoch, int tokens,
+                                               const Buffers& b, const __nv_bfloat16* y) {
+  constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK;
+  constexpr int VECS = C::HIDDEN / 8;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int gwarp = (blockIdx.x * C::THREADS + tid) >> 5, nwarps = gridDim.x * (C::THREADS / 32);
+
+  // 1. rows home
+  const int rows = min(b.recv_counts[0], C::RECV);
+  for (int r = gwarp; r < rows; r += nwarps) {
+    const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
+    if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
+    copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
+                y + (size_t)r * C::HIDDEN, lane);
+  }
+  __syncthreads();
+  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_COMB * WMAX + rank, 1ull);
+  if (tid < W)
+    wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, epoch * (uint64_t)gridDim.x,
+                        tsgen_make_site("moe.comb", rank, rank, tid));
+  __syncthreads();
+
+  // 2. sums, one warp per token
+  for (int t = gwarp; t < tokens; t += nwarps) {
+    const uint32_t m = route_mask<C>(b.topk_idx, t);
+    float scale[W];
+#pragma unroll
+    for (int d = 0; d < W; ++d) scale[d] = C::WEIGHTED ? 0.f : 1.f;
+    if (C::WEIGHTED)
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int e = __ldg(b.topk_idx + (size_t)t * K + k);
+        const float w = __ldg(b.topk_weights + (size_t)t * K + k);
+#pragma unroll
+        for (int d = 0; d < W; ++d) scale[d] += (e >= 0 && e < E && e / L == d) ? w : 0.f;
+      }
+    uint4* dst = reinterpret_cast<uint4*>(b.out + (size_t)t * C::HIDDEN);
+    const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * W * C::HIDDEN);
+    for (int v0 = lane; v0 < VECS; v0 += 32) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+      for (int d = 0; d < W; ++d) {
+        if (!((m >> d) & 1u)) continue;
+        const uint4 v = ld_weak_global_v4(slots + (size_t)d * VECS + v0);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          acc[2 * i] = fmaf(f.x, scale[d], acc[2 * i]);
+          acc[2 * i + 1] = fmaf(f.y, scale[d], acc[2 * i + 1]);
+        }
+      }
+      uint4 o;
+      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      st_weak_global_v4(dst + v0, o);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Low-latency mode (decode): rows go straight into per-(local expert, source rank) slots of
+// SLOT rows each, one kernel per direction, no counts exchange before the rows.
+//
+// ll_dispatch: block b handles experts b, b + gridDim.x, ...; for expert e (rank d = e / L, local
+//   l = e % L) it walks the (token, top-k slot) pairs of this rank in order and sends each pair
+//   whose expert is e as a row into d's slot [parity][l][rank][i], i = the pair's place among
+//   this rank's pairs for e (so a slot holds its source's rows in token order), with the handle
+//   token * 32 + k; then raises d's lsig[l * W + rank] to (epoch << 32) | pairs (release): the
+//   count travels with the signal. Pairs past SLOT are dropped and reported. Block 0 waits for
+//   every (l, s) signal of this call and writes recv_counts. parity = epoch & 1: rows of call n
+//   and n + 1 never share a slot, so a rank may dispatch again before its peers are done
+//   reading the previous call's rows.
+// ll_combine: the rows of the last dispatch (its parity from the dispatch call counter) go back to its source as comb[token][k]; each block then
+//   raises the source's csig[rank] by one; a source waits for every rank's arrivals and writes
+//   out[t] = sum over valid k of topk_weights[t][k] * comb[t][k] (fp32, k order), bf16.
+// ---------------------------------------------------------------------------
+struct LLBuffers {
+  const __nv_bfloat16* x;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  __nv_bfloat16* out;
+  int32_t* recv_counts;   // [0] rows, [1] flags, [2 + WMAX + l * W + s] rows from source s for local expert l
+  __nv_bfloat16* recv_x;  // [2][L][W][SLOT][HIDDEN] (L * W = EXPERTS)
+  int32_t* recv_src;      // [2][L][W][SLOT] token * 32 + k
+  __nv_bfloat16* comb;    // [CAP][TOPK][HIDDEN]
+  uint64_t* lsig;         // [EXPERTS] (epoch << 32) | rows, by (l, s)
+  uint64_t* csig;         // [WMAX] combine arrivals
+};
+
+template <class C>
+static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank, uint64_t epoch, int tokens,
+                                                   const LLBuffers& b) {
+  constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK, SLOT = C::SLOT;
+  constexpr int NWARPS = C::THREADS / 32;
+  __shared__ int s_warp[NWARPS];
+  __shared__ int s_run;
+  __shared__ int s_pair[C::THREADS * K];  // this round's pairs for the expert: token * 32 + k
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int par = (int)(epoch & 1ull);
+  for (int e = blockIdx.x; e < E; e += gridDim.x) {
+    const int d = e / L, l = e % L;
+    const size_t slot = ((size_t)par * E + (size_t)l * W + rank) * SLOT;  // first row of our slot on d
+    __nv_bfloat16* rx = tsgen_peer_ptr(b.recv_x, peers, rank, d) + slot * C::HIDDEN;
+    int32_t* rs = tsgen_peer_ptr(b.recv_src, peers, rank, d) + slot;
+    if (tid == 0) s_run = 0;
+    __syncthreads();
+    for (int round = 0; round < tokens; round += C::THREADS) {
+      const int t = round + tid;
+      int mine = 0;
+      if (t < tokens)
+#pragma unroll
+        for (int k = 0; k < K; ++k) mine += __ldg(b.topk_idx + (size_t)t * K + k) == e;
+      int incl = mine;  // inclusive scan over the warp
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+      }
+      if (lane == 31) s_warp[warp] = incl;
+      __syncthreads();
+      int before = 0, all = 0;
+      for (int w = 0; w < NWARPS; ++w) {
+        before += w < warp ? s_warp[w] : 0;
+        all += s_warp[w];
+      }
+      int at = before + incl - mine;  // this thread's first pair within the round
+      if (mine)
+        for (int k = 0; k < K; ++k)
+          if (__ldg(b.topk_idx + (size_t)t * K + k) == e) s_pair[at++] = t * 32 + k;
+      const int run = s_run;
+      __syncthreads();
+      for (int j = warp; j < all; j += NWARPS) {
+        const int i = run + j, p = s_pair[j];
+        if (i >= SLOT) break;  // dropped: the count says so
+        copy_row<C>(rx + (size_t)i * C::HIDDEN, b.x + (size_t)(p >> 5) * C::HIDDEN, lane);
+        if (lane == 0) rs[i] = p;
+      }
+      __syncthreads();
+      if (tid == 0) s_run = run + all;
+      __syncthreads();
+    }
+    if (tid == 0)  // the rows (ordered before by __syncthreads) and the count, released together
+      st_release_sys_global_u64(tsgen_peer_ptr(b.lsig, peers, rank, d) + l * W + rank,
+                                epoch << 32 | (uint64_t)(uint32_t)s_run);
+  }
+  if (blockIdx.x != 0) return;
+  __shared__ int s_total, s_over;
+  if (tid == 0) s_total = s_over = 0;
+  __syncthreads();
+  for (int i = tid; i < E; i += C::THREADS) {  // i = l * W + s
+    const uint64_t v = wait_ge_acquire_sys(b.lsig + i, epoch << 32, tsgen_make_site("moe.ll_rows", rank, rank, i));
+    const int n = (int)(uint32_t)v;
+    b.recv_counts[2 + WMAX + i] = n;
+    atomicAdd(&s_total, n);
+    if (n > SLOT) atomicOr(&s_over, 1);
+  }
+  for (int j = tid; j < WMAX; j += C::THREADS) b.recv_counts[2 + j] = 0;
+  __syncthreads();
+  if (tid == 0) {
+    b.recv_counts[0] = s_total;
+    b.recv_counts[1] = s_over ? FLAG_RECV_OVERFLOW : 0;
+    if (s_over)
+      printf("tsgen: moe_dispatch (low_latency): rank %d got more rows for one (local expert, source rank) "
+             "than params.slot_tokens = %d; the rows past it were dropped (recv_counts[1] flags it)\n", rank, SLOT);
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, uint64_t epoch, int tokens,
+                                                  const LLBuffers& b, const __nv_bfloat16* y, uint64_t dispatched) {
+  constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, K = C::TOPK, SLOT = C::SLOT;
+  constexpr int NWARPS = C::THREADS / 32, VECS = C::HIDDEN / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int par = (int)(dispatched & 1ull);  // the half the last dispatch (call `dispatched`) filled
+  if (y == nullptr) y = b.recv_x + (size_t)par * E * SLOT * C::HIDDEN;
+  // 1. rows home: block b takes (l, s) pairs b, b + gridDim.x, ...; y is laid out as one parity
+  //    of recv_x: [L][W][SLOT][HIDDEN]
+  for (int i = blockIdx.x; i < E; i += gridDim.x) {
+    const int s = i % W, n = min(b.recv_counts[2 + WMAX + i], SLOT);
+    const int32_t* src = b.recv_src + ((size_t)par * E + i) * SLOT;
+    for (int r = warp; r < n; r += NWARPS) {
+      const int p = src[r], t = p >> 5, k = p & 31;
+      if ((unsigned)t >= (unsigned)C::CAP || k >= K) continue;  // not a handle dispatch wrote
+      copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * K + k) * C::HIDDEN,
+                  y + ((size_t)i * SLOT + r) * C::HIDDEN, lane);
+    }
+  }
+  __syncthreads();
+  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.csig, peers, rank, tid) + rank, 1ull);
+  if (tid < W)
+    wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, tsgen_make_site("moe.ll_comb", rank, rank, tid));
+  __syncthreads();
+  // 2. weighted sums, one warp per token
+  const int gwarp = blockIdx.x * NWARPS + warp, nwarps = gridDim.x * NWARPS;
+  for (int t = gwarp; t < tokens; t += nwarps) {
+    uint4* dst = reinterpret_cast<uint4*>(b.out + (size_t)t * C::HIDDEN);
+    const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * K * C::HIDDEN);
+    for (int v0 = lane; v0 < VECS; v0 += 32) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int k = 0; k < K; ++k) {
+        const int e = __ldg(b.topk_idx + (size_t)t * K + k);
+        if (e < 0 || e >= E) continue;
+        const float w = __ldg(b.topk_weights + (size_t)t * K + k);
+        const uint4 v = ld_weak_global_v4(slots + (size_t)k * VECS + v0);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          acc[2 * i] = fmaf(f.x, w, acc[2 * i]);
+          acc[2 * i + 1] = fmaf(f.y, w, acc[2 * i + 1]);
+        }
+      }
+      uint4 o;
+      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      st_weak_global_v4(dst + v0, o);
+    }
+  }
+}
+
+}  // namespace tsgen_moe
+
+#endif  // TSGEN_MOE_CUH

@@ -1,0 +1,551 @@
+"""MoE dispatch / combine on the CPU: the NumPy references against brute-force loops, the
+routing layout's arithmetic, spec errors, and the rendered source's shape."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import spec_problems
+from tsgen.ops.collectives import from_f64, to_f64
+from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, e4m3_decode, e4m3_encode,
+                           fp8_dequantize, fp8_error_bound, fp8_quantize, layout, ll_combine_reference,
+                           ll_counts_array, ll_dispatch_reference, routing)
+from tsgen.spec import load_spec
+
+
+def _inputs(case, world, experts, topk, hidden, tokens, seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": [from_f64(rng.standard_normal(tokens[r] * hidden), "bfloat16") for r in range(world)],
+        "topk_idx": [routing(case, world, experts, topk, tokens[r], rng, r) for r in range(world)],
+        "topk_weights": [rng.random(tokens[r] * topk, dtype=np.float32) for r in range(world)],
+    }
+
+
+def _brute_dispatch(inputs, world, experts, topk, hidden):
+    """Token by token, rank by rank: what each rank receives, in (source, token) order."""
+    local = experts // world
+    got = [{"x": [], "idx": [], "w": [], "handle": [], "per_expert": [0] * local} for _ in range(world)]
+    for s in range(world):
+        idx = inputs["topk_idx"][s].reshape(-1, topk)
+        w = inputs["topk_weights"][s].reshape(-1, topk)
+        x = inputs["x"][s].reshape(-1, hidden)
+        for t in range(idx.shape[0]):
+            for d in range(world):
+                mine = [0 <= e < experts and e // local == d for e in idx[t]]
+                if not any(mine):
+                    continue
+                got[d]["x"].append(x[t])
+                got[d]["idx"].append([e - d * local if m else -1 for e, m in zip(idx[t], mine)])
+                got[d]["w"].append([wk if m else 0.0 for wk, m in zip(w[t], mine)])
+                got[d]["handle"].append([s, t])
+                for e, m in zip(idx[t], mine):
+                    if m:
+                        got[d]["per_expert"][e - d * local] += 1
+    return got
+
+
+def _brute_combine(inputs, ys, world, experts, topk, hidden, weighted):
+    local = experts // world
+    rows_seen = [0] * world  # next row of each rank, walked in the same (source, token) order
+    outs = []
+    for s in range(world):
+        idx = inputs["topk_idx"][s].reshape(-1, topk)
+        w = inputs["topk_weights"][s].reshape(-1, topk)
+        out = np.zeros((idx.shape[0], hidden), dtype=np.float32)
+        for t in range(idx.shape[0]):
+            for d in range(world):
+                mine = [0 <= e < experts and e // local == d for e in idx[t]]
+                if not any(mine):
+                    continue
+                row = to_f64(ys[d].reshape(-1, hidden)[rows_seen[d]], "bfloat16").astype(np.float32)
+                rows_seen[d] += 1
+                scale = np.float32(sum(float(wk) for wk, m in zip(w[t], mine) if m)) if weighted else np.float32(1)
+                out[t] += row * scale
+        outs.append(out)
+    return outs
+
+
+CASES = [(case, world) for case in ROUTINGS for world in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("case,world", CASES, ids=lambda x: str(x))
+def test_dispatch_reference_matches_brute_force(case, world):
+    experts, topk, hidden = 12, 4, 8
+    tokens = [5, 0, 1, 3][:world]
+    inputs = _inputs(case, world, experts, topk, hidden, tokens, seed=world)
+    ref = dispatch_reference(inputs, world, experts, topk, hidden, recv=1000)
+    brute = _brute_dispatch(inputs, world, experts, topk, hidden)
+    for d in range(world):
+        n = len(brute[d]["x"])
+        assert ref[d]["recv_x"].shape == (n, hidden)
+        if n:
+            assert np.array_equal(ref[d]["recv_x"], np.array(brute[d]["x"]))
+            assert np.array_equal(ref[d]["recv_idx"], np.array(brute[d]["idx"]))
+            assert np.array_equal(ref[d]["recv_w"], np.array(brute[d]["w"], dtype=np.float32))
+            assert np.array_equal(ref[d]["handle"], np.array(brute[d]["handle"]))
+        assert ref[d]["per_source"].sum() == n
+        assert list(ref[d]["per_expert"]) == brute[d]["per_expert"]
+        assert ref[d]["flags"] == 0
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("case,world", CASES, ids=lambda x: str(x))
+def test_combine_reference_matches_brute_force(case, world, weighted):
+    experts, topk, hidden = 12, 4, 8
+    tokens = [5, 0, 1, 3][:world]
+    inputs = _inputs(case, world, experts, topk, hidden, tokens, seed=world + 10)
+    ref = dispatch_reference(inputs, world, experts, topk, hidden, recv=1000)
+    rng = np.random.default_rng(3)
+    ys = [from_f64(rng.standard_normal(r["recv_x"].size), "bfloat16") for r in ref]
+    got = combine_reference(inputs, ys, world, experts, topk, hidden, weighted)
+    brute = _brute_combine(inputs, ys, world, experts, topk, hidden, weighted)
+    for s in range(world):
+        want = to_f64(from_f64(brute[s].reshape(-1), "bfloat16"), "bfloat16")
+        assert np.allclose(to_f64(got[s], "bfloat16"), want, rtol=2.0**-7, atol=0), (s, case)
+
+
+@pytest.mark.parametrize("case,world", CASES, ids=lambda x: str(x))
+def test_low_latency_references_match_brute_force(case, world):
+    """Slots by (local expert, source rank), pairs in (token, k) order; combine weights each pair."""
+    experts, topk, hidden, slot = 12, 4, 8, 6
+    tokens = [5, 0, 1, 3][:world]
+    inputs = _inputs(case, world, experts, topk, hidden, tokens, seed=world + 20)
+    ref = ll_dispatch_reference(inputs, world, experts, topk, hidden, slot)
+    local = experts // world
+    ys = []
+    for d in range(world):
+        rows = {}
+        for s in range(world):
+            idx = inputs["topk_idx"][s].reshape(-1, topk)
+            for t in range(idx.shape[0]):
+                for k in range(topk):
+                    e = int(idx[t, k])
+                    if 0 <= e < experts and e // local == d:
+                        rows.setdefault((e % local) * world + s, []).append((t, k))
+        for i in range(experts):
+            got = rows.get(i, [])
+            assert ref[d]["counts"][i] == len(got)
+            assert ref[d]["recv_src"][i, :len(got)].tolist() == [t * 32 + k for t, k in got]
+            for j, (t, _) in enumerate(got):
+                assert np.array_equal(ref[d]["recv_x"][i, j], inputs["x"][i % world].reshape(-1, hidden)[t])
+        assert ll_counts_array(ref[d], 8, experts)[0] == sum(len(v) for v in rows.values())
+        ys.append(ref[d]["recv_x"].reshape(-1))
+    out = ll_combine_reference(inputs, ys, world, experts, topk, hidden, slot)
+    for s in range(world):
+        idx = inputs["topk_idx"][s].reshape(-1, topk)
+        w = inputs["topk_weights"][s].reshape(-1, topk)
+        x = to_f64(inputs["x"][s].reshape(-1, hidden), "bfloat16")
+        want = np.array([sum(float(w[t, k]) for k in range(topk) if 0 <= idx[t, k] < experts) * x[t]
+                         for t in range(idx.shape[0])]).reshape(-1)
+        assert np.allclose(to_f64(out[s], "bfloat16"), want, rtol=2.0**-7, atol=1e-30)
+
+
+def test_low_latency_slot_overflow_flagged():
+    inputs = {"x": [from_f64(np.ones(5 * 8), "bfloat16")] * 2,
+              "topk_idx": [np.zeros(5, np.int32), np.zeros(5, np.int32)],
+              "topk_weights": [np.ones(5, np.float32)] * 2}
+    ref = ll_dispatch_reference(inputs, 2, 4, 1, 8, slot=4)
+    assert ref[0]["flags"] == 1 and ref[0]["counts"].tolist() == [5, 5, 0, 0] and ref[1]["flags"] == 0
+
+
+def test_layout_arithmetic():
+    """8 experts on 2 ranks (0-3 on rank 0, 4-7 on rank 1), top-3: a token goes once per rank."""
+    idx = np.array([[0, 1, 5],     # ranks 0 and 1 (two experts on rank 0: once)
+                    [-1, -1, -1],  # nowhere
+                    [4, 7, -1],    # rank 1 only
+                    [2, 9, -5]],   # rank 0; 9 and -5 are no experts
+                   dtype=np.int32)
+    lay = layout(idx.reshape(-1), world=2, experts=8, topk=3)
+    assert lay["mask"].tolist() == [[True, True], [False, False], [False, True], [True, False]]
+    assert lay["per_rank"].tolist() == [2, 2]
+    assert lay["pos"].tolist() == [[0, 0], [-1, -1], [-1, 1], [1, -1]]
+    assert lay["per_expert"].tolist() == [1, 1, 1, 0, 1, 1, 0, 1]
+
+
+def test_receive_offsets_group_by_source():
+    """Rank d receives source 0's rows first, then source 1's, each in token order; counts_array
+    lays out total, flags, per source, per local expert."""
+    world, experts, topk, hidden = 2, 4, 1, 8
+    inputs = {"x": [from_f64(np.arange(3 * hidden, dtype=np.float64), "bfloat16"),
+                    from_f64(100 + np.arange(2 * hidden, dtype=np.float64), "bfloat16")],
+              "topk_idx": [np.array([3, 0, 2], dtype=np.int32), np.array([2, 1], dtype=np.int32)],
+              "topk_weights": [np.ones(3, np.float32), np.ones(2, np.float32)]}
+    ref = dispatch_reference(inputs, world, experts, topk, hidden, recv=3)
+    assert ref[1]["handle"].tolist() == [[0, 0], [0, 2], [1, 0]]
+    assert ref[0]["handle"].tolist() == [[0, 1], [1, 1]]
+    assert counts_array(ref[1], wmax=4, experts=experts).tolist() == [3, 0, 2, 1, 0, 0, 2, 1, 0, 0]
+    tight = dispatch_reference(inputs, world, experts, topk, hidden, recv=2)
+    # rank 1 overflows and its own row (last in source order) is the one dropped; rank 0 lost none
+    assert tight[1]["flags"] == 1 | 2 and tight[0]["flags"] == 0
+
+
+MOE = """name: m
+op: moe
+world_sizes: [2, 4]
+params:
+  experts: {experts}
+  hidden: {hidden}
+  topk: 4
+  capacity: 64
+  payload: {payload}
+  mode: {mode}
+  weighted: {weighted}
+{extra}test:
+  count: {count}
+"""
+
+
+@pytest.mark.parametrize("fields,expect", [
+    ({"experts": 6}, "params.experts: 6 experts do not divide over world size 4"),
+    ({"hidden": 100}, "params.hidden: 100 is not a multiple of 8"),
+    ({"hidden": 1000, "payload": "fp8"}, "params.hidden: 1000 is not a multiple of 128"),
+    ({"count": 65}, "test.count: 65 tokens per rank, more than params.capacity 64"),
+    ({"mode": "low_latency", "extra": "  recv_capacity: 100\n"},
+     "params.recv_capacity: 100 rows is too small for the low-latency slots: 8 (local expert, source rank) slots "
+     "of 64 rows (params.slot_tokens) need 512"),
+    ({"mode": "low_latency", "weighted": "false"}, "params.weighted: low_latency combine always applies"),
+    ({"extra": "  slot_tokens: 8\n"}, "params.slot_tokens: only the low_latency mode has slots"),
+    ({"mode": "low_latency", "payload": "fp8"}, "params.payload: fp8 is built for the normal mode only"),
+])
+def test_spec_errors(tmp_path, fields, expect):
+    values = {"experts": 8, "hidden": 256, "payload": "bf16", "count": 64, "mode": "normal", "weighted": "true",
+              "extra": ""} | fields
+    problems = spec_problems(tmp_path, MOE.format(**values))
+    assert any(expect in p for p in problems), problems
+
+
+@pytest.mark.parametrize("spec", ["moe", "moe_ll", "moe_fp8"])
+def test_shipped_spec_loads_and_renders(tmp_path, spec):
+    from conftest import rendered_source
+
+    loaded = load_spec(f"specs/{spec}.yaml")
+    text = rendered_source(loaded, tmp_path).read_text()
+    for w in loaded.model.world_sizes:
+        for part in ("dispatch", "combine"):
+            assert f'extern "C" __global__ void __launch_bounds__(512, 1) {spec}_w{w}_{part}(' in text
+            assert f'extern "C" cudaError_t {spec}_w{w}_{part}_launch(' in text
+        assert f'extern "C" cudaError_t {spec}_w{w}_launch(' in text
+    assert ("tsgen_moe::ll_dispatch<" in text) == (spec == "moe_ll")
+    assert ("_dequantize<<<" in text) == (spec == "moe_fp8")
+
+
+def test_e4m3_encoding():
+    """Known codes, ties to even, saturation, subnormals; every finite code decodes and encodes back."""
+    cases = [(1.0, 0x38), (448.0, 0x7E), (500.0, 0x7E), (-1.0, 0xB8), (2.0**-9, 0x01), (2.0**-10, 0x00),
+             (3 * 2.0**-10, 0x02), (1.0625, 0x38), (1.1875, 0x3A), (2.0**-6, 0x08), (0.0, 0x00), (-0.0, 0x80),
+             (240.0, 0x77), (232.0, 0x76)]
+    got = e4m3_encode(np.array([v for v, _ in cases], dtype=np.float32))
+    assert got.tolist() == [c for _, c in cases]
+    codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)  # 0x7F / 0xFF: NaN
+    assert np.array_equal(e4m3_encode(e4m3_decode(codes).astype(np.float32)), codes)
+
+
+def test_fp8_quantization_error_within_bound():
+    """Random rows, a row of zeros and a row with one large channel: the dequantized values stay within
+    fp8_error_bound of the bf16 input; the measured worst relative error of normal-range values ~2^-4."""
+    rng = np.random.default_rng(0)
+    hidden = 256
+    x = rng.standard_normal((6, hidden)) * np.array([1, 1e-3, 1e3, 0, 1, 1])[:, None]
+    x[5, 7] = 300.0
+    bits = from_f64(x.reshape(-1), "bfloat16")
+    q, scale = fp8_quantize(bits, hidden)
+    assert q.shape == (6, hidden) and scale.shape == (6, 2) and scale.dtype == np.float32
+    got = to_f64(fp8_dequantize(q, scale), "bfloat16")
+    xs = to_f64(bits, "bfloat16")
+    err = np.abs(got - xs)
+    assert (err <= fp8_error_bound(bits, hidden)).all()
+    assert (got[3 * hidden:4 * hidden] == 0).all()  # zeros stay zeros (scale from the 1e-4 floor)
+    big = np.abs(xs) >= 2.0**-6 * np.repeat(scale.reshape(-1), 128)  # normal-range e4m3 values
+    assert (err[big] / np.abs(xs[big])).max() <= 2.0**-4 + 2.0**-7
+
+
+def test_traffic_per_row_and_minimum():
+    """Normal mode: a row per (token, other rank) each way, 8 K + 8 bytes of metadata with the
+    dispatched row; low-latency: a row per (token, expert on another rank); fp8: 1 byte per channel
+    plus a 4-byte scale per 128."""
+    from tsgen.ops.moe import row_bytes, traffic
+
+    idx = [np.array([[0, 1], [2, 3], [-1, 3]], dtype=np.int32).reshape(-1),  # rank 0: experts 0-1 local
+           np.array([[0, 2]], dtype=np.int32).reshape(-1)]
+    inputs = {"topk_idx": idx}
+    from tsgen.spec import spec_variant
+
+    base = load_spec("specs/moe.yaml")
+    small = {"params": {"experts": 4, "topk": 2, "hidden": 128}, "world_sizes": [2], "test": {"count": 3}}
+    normal = spec_variant(base, small).model
+    t = traffic(normal, 2, inputs)
+    # rank 0: tokens 1 and 2 go to rank 1 (2 rows); rank 1: its token goes to rank 0 (1 row)
+    assert t["dispatch"] == [2 * (256 + 8 * 2 + 8), 1 * (256 + 24)]
+    assert t["combine"] == [1 * 256, 2 * 256] and t["min_dispatch"] == [2 * 256, 256]
+    ll = spec_variant(base, {**small, "params": {**small["params"], "mode": "low_latency", "weighted": True}}).model
+    t = traffic(ll, 2, inputs)
+    assert t["dispatch"] == [3 * (256 + 4), 1 * 260]  # rank 0 pairs on rank 1: (1,2) (1,3) (2,3)
+    fp8 = spec_variant(base, {**small, "params": {**small["params"], "payload": "fp8", "hidden": 128}}).model
+    assert row_bytes(fp8)["dispatch"] == 128 + 4 + 24 and row_bytes(fp8)["min_dispatch"] == 132
+
+
+def test_dispatch_position_arithmetic_matches_layout():
+    """tsgen_moe.cuh's dispatch arithmetic, step by step in Python: each block's tokens-before count,
+    the base from the counts matrix, rounds of THREADS tokens with per-warp ballots and the scan
+    over warps carried between rounds, give every row the place the reference layout gives it."""
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        world = int(rng.choice([2, 3, 4, 8]))
+        experts, threads, blocks = world * int(rng.integers(1, 4)), int(rng.choice([32, 64])), int(rng.integers(1, 6))
+        topk = int(rng.integers(1, min(experts, 4) + 1))
+        case = str(rng.choice(["random", "skewed", "no_expert", "same_rank"]))
+        tokens = [int(rng.integers(0, 150)) for _ in range(world)]
+        lays = [layout(routing(case, world, experts, topk, tokens[r], rng, r), world, experts, topk)
+                for r in range(world)]
+        counts = np.array([lay["per_rank"] for lay in lays])  # counts[s][d]
+        for s in range(world):
+            masks = lays[s]["mask"]
+            per = (tokens[s] + blocks - 1) // blocks
+            for b in range(blocks):
+                lo = min(tokens[s], b * per)
+                hi = min(tokens[s], lo + per)
+                run = counts[:s].sum(axis=0) + masks[:lo].sum(axis=0)  # base + tokens before the chunk
+                for rnd in range(lo, hi, threads):
+                    m = np.zeros((threads, world), dtype=bool)
+                    m[: min(threads, hi - rnd)] = masks[rnd:hi][:threads]
+                    warp_sums = m.reshape(threads // 32, 32, world).sum(axis=1)
+                    warp_base = run + np.cumsum(warp_sums, axis=0) - warp_sums  # exclusive scan over warps
+                    run = run + warp_sums.sum(axis=0)
+                    for i in range(min(threads, hi - rnd)):
+                        w, lane = divmod(i, 32)
+                        pre = m[w * 32:w * 32 + lane].sum(axis=0)  # popc(ballot & lanemask_lt)
+                        for d in np.flatnonzero(m[i]):
+                            assert warp_base[w, d] + pre[d] == counts[:s, d].sum() + lays[s]["pos"][rnd + i, d]
+
+
+# ---------------------------------------------------------------------------
+# The GPU tests' driver (tests/test_moe_gpu.py) on a simulated device: the kernels' effects come
+# from the references, so every check, poison and bookkeeping path of the driver runs on CPU.
+# ---------------------------------------------------------------------------
+
+
+class _Arr(np.ndarray):
+    def set(self, a):
+        self[...] = a
+
+    def get(self):
+        return np.asarray(self).copy()
+
+
+class _FakeStream:
+    """A stream whose capture records the pair launches made meanwhile (the fake launcher's calls)."""
+
+    capturing = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+    def begin_capture(self):
+        _FakeStream.capturing = []
+
+    def end_capture(self):
+        graph, _FakeStream.capturing = _FakeGraph(_FakeStream.capturing), None
+        return graph
+
+
+class _FakeGraph:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, stream):
+        for fn in self.calls:
+            fn()
+
+
+class _FakeWorld:
+    class cp:
+        class cuda:
+            @staticmethod
+            def Device(i):
+                import contextlib
+
+                return contextlib.nullcontext()
+
+        @staticmethod
+        def asarray(a):
+            return np.array(a).view(_Arr)
+
+    def __init__(self, size, share_gpus=None):
+        import contextlib
+
+        self.size, self.ranks, self.devices = size, list(range(size)), {r: 0 for r in range(size)}
+        self.streams = {r: _FakeStream() for r in range(size)}
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+
+def _fake_moe_class(gpu, break_what=None):
+    from tsgen.ops.moe import low_latency, recv_rows, slot_rows
+    from tsgen.runtime.world import np_dtype
+
+    class FakeBufs:
+        def __init__(self, family, spec, cap, world):
+            from tsgen.ops.base import CALLS
+
+            self.data = [{b.name: np.zeros(b.elems(cap, world), np_dtype(b.dtype)).view(_Arr)
+                          for b in (CALLS,) + tuple(family.buffers(spec))} for _ in range(world)]
+
+        def array(self, name, rank):
+            return self.data[rank][name]
+
+        def free(self):
+            pass
+
+    class FakeMoe(gpu.Moe):
+        def __init__(self, world, loaded, skew=None, mutate=None, echo=print):
+            from tsgen.ops import get_family
+
+            self.world, self.spec = world, loaded.model
+            p = self.spec.params
+            self.cap, self.hidden, self.topk, self.experts = p.capacity, p.hidden, p.topk, p.experts
+            self.recv, self.ll, self.slot, self.fp8 = recv_rows(self.spec), low_latency(self.spec), slot_rows(self.spec), \
+                p.payload == "fp8"
+            self.fp8_worst, self.dispatches, self.device_calls = 0.0, 0, 0
+            self.bufs = FakeBufs(get_family("moe"), self.spec, self.cap, world.size)
+            rows = self.experts * self.slot if self.ll else self.recv
+            self.y = {r: np.zeros(rows * self.hidden, np.uint16).view(_Arr) for r in world.ranks}
+            self.mutated = mutate is not None
+
+        def _args(self, rank, tokens, extra=()):
+            return (rank, dict(tokens))
+
+        def pair_fn(self, rank, tokens):
+            """The pair launcher of one rank: under capture, recorded; the simulated pair runs
+            for every rank at once, so the last rank's launch carries it."""
+            if rank != self.world.ranks[-1]:
+                call = lambda: None  # noqa: E731
+            else:
+                call = lambda: self.launch("pair", tokens, count=False)  # noqa: E731
+            if _FakeStream.capturing is not None:
+                _FakeStream.capturing.append(call)
+            else:
+                call()
+            return 0
+
+        def _inputs(self, tokens):
+            a = self.bufs.array
+            return {"x": [a("x", r)[: tokens[r] * self.hidden].copy() for r in self.world.ranks],
+                    "topk_idx": [a("topk_idx", r)[: tokens[r] * self.topk].copy() for r in self.world.ranks],
+                    "topk_weights": [a("topk_weights", r)[: tokens[r] * self.topk].copy() for r in self.world.ranks]}
+
+        def launch(self, which, tokens, count=True):
+            W, a, inputs = self.world.size, self.bufs.array, self._inputs(tokens)
+            wmax = max(self.spec.world_sizes)
+            if which in ("dispatch", "pair"):
+                self.device_calls += 1
+                for r in range(W):
+                    a("calls", r)[0] = self.device_calls
+                if count:
+                    self.dispatches += 1
+                half = self.device_calls & 1
+                if self.ll:
+                    ref = ll_dispatch_reference(inputs, W, self.experts, self.topk, self.hidden, self.slot)
+                    for d in range(W):
+                        a("recv_counts", d)[...] = ll_counts_array(ref[d], wmax, self.experts)
+                        if self.mutated:  # a stale count: what the removed wait lets through
+                            a("recv_counts", d)[2 + wmax] += 1
+                        rx = a("recv_x", d).reshape(2, self.experts, self.slot, self.hidden)
+                        rs = a("recv_src", d).reshape(2, self.experts, self.slot)
+                        for i in range(self.experts):
+                            n = min(int(ref[d]["counts"][i]), self.slot)
+                            rx[half, i, :n] = ref[d]["recv_x"][i, :n]
+                            rs[half, i, :n] = ref[d]["recv_src"][i, :n]
+                    rows = [rx_half(a("recv_x", d), half, self) for d in range(W)]
+                else:
+                    ref = dispatch_reference(inputs, W, self.experts, self.topk, self.hidden, self.recv)
+                    rows = []
+                    for d in range(W):
+                        a("recv_counts", d)[...] = counts_array(ref[d], wmax, self.experts)
+                        n = min(len(ref[d]["handle"]), self.recv)
+                        if self.mutated:
+                            a("recv_counts", d)[0] += 1
+                        payload = ref[d]["recv_x"][:n]
+                        if self.fp8:
+                            q, sc = fp8_quantize(payload, self.hidden)
+                            a("recv_q", d)[: q.size] = q.reshape(-1)
+                            a("recv_scale", d)[: sc.size] = sc.reshape(-1)
+                            rows.append(fp8_dequantize(q, sc))
+                        else:
+                            a("recv_x", d)[: payload.size] = payload.reshape(-1)
+                            rows.append(payload.reshape(-1))
+                        for name, key in (("recv_idx", "recv_idx"), ("recv_w", "recv_w"), ("handle", "handle")):
+                            v = ref[d][key][:n].reshape(-1)
+                            a(name, d)[: v.size] = v
+                if break_what == "dispatch":
+                    a("recv_counts", 0)[0] += 1
+                if which == "dispatch":
+                    return
+                ys = rows
+            else:
+                ys = [np.asarray(self.y[d]).copy() for d in range(W)]
+            if self.ll:
+                want = ll_combine_reference(inputs, ys, W, self.experts, self.topk, self.hidden, self.slot)
+            else:
+                want = combine_reference(inputs, ys, W, self.experts, self.topk, self.hidden,
+                                         self.spec.params.weighted)
+            for s in range(W):
+                a("out", s)[: want[s].size] = want[s]
+            if break_what == "combine":
+                a("out", 0)[0] ^= 1
+
+    def rx_half(arr, half, moe):
+        return np.asarray(arr).reshape(2, -1)[half].copy()
+
+    return FakeMoe
+
+
+@pytest.mark.parametrize("spec,world", [("moe", 2), ("moe", 3), ("moe_fp8", 2), ("moe_ll", 2), ("moe_ll", 4)])
+def test_gpu_driver_on_a_simulated_device(monkeypatch, spec, world):
+    import test_moe_gpu as gpu
+    import tsgen.runtime
+
+    small = {"params": {"hidden": 256, "capacity": 40}, "test": {"count": 39}}  # fast references
+    if spec == "moe" and world == 3:  # a world size the spec does not ship: a variant
+        variant = {"world_sizes": [3], "params": {**small["params"], "experts": 63}, "test": small["test"]}
+    else:
+        variant = small
+    monkeypatch.setattr(tsgen.runtime, "World", _FakeWorld)
+    monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu))
+    problems, lines = gpu.run_moe(world, iters=7, spec=f"specs/{spec}.yaml", burst=3, variant=variant,
+                                  graph_replays=3)
+    assert problems == [], problems
+    if spec == "moe_fp8":
+        assert any("fp8: largest" in line for line in lines)
+    for broken in ("dispatch", "combine"):  # the driver sees a wrong count, a wrong output element
+        monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu, broken))
+        problems, _ = gpu.run_moe(world, iters=2, spec=f"specs/{spec}.yaml", variant=variant)
+        assert problems, broken
+
+
+def test_gpu_driver_overflow_and_negative_control_paths(monkeypatch):
+    import test_moe_gpu as gpu
+    import tsgen.runtime
+
+    monkeypatch.setattr(tsgen.runtime, "World", _FakeWorld)
+    monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu))
+    problems, _ = gpu.run_moe(2, cases=("skewed",), iters=3, variant={"params": {"recv_capacity": 200}}, combine=False)
+    assert problems == []
+    problems, _ = gpu.run_moe(4, cases=("skewed",), iters=3, variant={"params": {"recv_capacity": 200}}, combine=False)
+    assert problems == []
+    problems, _ = gpu.run_moe(2, spec=gpu.LL_SPEC, cases=("skewed",), iters=3, combine=False,
+                              variant={"params": {"slot_tokens": 16}})
+    assert problems == []
+    problems, _ = gpu.run_moe(2, cases=("random",), iters=2, combine=False, mutate=lambda t: t)
+    assert problems  # the fake's stand-in for a removed wait: a stale count
