@@ -17,7 +17,7 @@ export TSGEN_SHARE_GPUS=1
 LOG="$OUT/moe" BUDGET=${BUDGET:-230}
 source "$(dirname "$0")/steps.sh"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
-T="python3 -m pytest -q -p no:cacheprovider -rs tests/test_moe_gpu.py"
+T="python3 -m pytest -q -n 3 -p no:cacheprovider -rs tests/test_moe_gpu.py"  # xdist: a trapped context ends only its worker
 step "compile moe, moe_fp8, moe_ll"       90 python3 -m tsgen build specs/moe.yaml specs/moe_fp8.yaml specs/moe_ll.yaml --compile
 step "normal bf16, worlds 2 4 8 + control" 100 $T -k "dispatch_combine or receive_overflow or counts_wait"
 step "fp8 dispatch, worlds 2 4 8"         60 $T -k fp8
