@@ -24,7 +24,9 @@ def gpu_count() -> int:
 if os.environ.get("TSGEN_SHARE_GPUS") == "1":
     # test processes (pytest -n N) compile in parallel and take turns on the shared GPU (harness.gpu_turn)
     os.environ.setdefault("TSGEN_GPU_LOCK", f"/tmp/tsgen-gpu-{os.getuid()}.lock")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before any context: see runtime.World
+    from tsgen.env import shared_gpu_env
+
+    shared_gpu_env()  # before any CUDA call: queues and eager module loading (tsgen/env.py)
 
 
 def sharing() -> bool:

@@ -57,7 +57,7 @@ class Moe:
         self.world = world
         self.module = world.load(manifest)
         lib = ctypes.CDLL(str(self.module.binary))
-        name = self.module.kernel["name"]
+        name = self.module.kernel.name
         self.dispatch_fn = getattr(lib, f"{name}_dispatch_launch")
         self.combine_fn = getattr(lib, f"{name}_combine_launch")
         self.pair_fn = getattr(lib, f"{name}_launch")
@@ -79,13 +79,13 @@ class Moe:
                 self.y[r] = cp.zeros(y_rows * self.hidden, dtype=np.uint16)
 
     def _args(self, rank, tokens, extra=()):
-        args = self.module.kernel["args"]
+        args = self.module.kernel.args
         values = self.bufs.arg_values(args, rank)
         out = []
         for a, v in zip(args, values):
-            if a["role"] == "rank":
+            if a.role == "rank":
                 out.append(ctypes.c_int(v))
-            elif a["role"] == "count":
+            elif a.role == "count":
                 out.append(ctypes.c_uint64(tokens[rank]))
             else:
                 out.append(ctypes.c_void_p(v))

@@ -278,3 +278,11 @@ def test_copy_engine_collectives_are_refused_on_a_shared_gpu():
     alone = type("OwnGpus", (), {"shared": False})()
     loaded = load_spec(ROOT / "specs" / "allgather_ce.yaml")
     assert shared_gpu_variant(loaded, alone, print) is loaded
+
+
+def test_shared_gpu_environment_queues_and_eager_loading_without_overriding_the_caller():
+    from tsgen.env import shared_gpu_env
+
+    env = shared_gpu_env({})
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"}
+    assert shared_gpu_env({"CUDA_MODULE_LOADING": "LAZY"})["CUDA_MODULE_LOADING"] == "LAZY"

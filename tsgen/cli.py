@@ -16,7 +16,8 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .env import force_no_multicast
+from .env import force_no_multicast, shared_gpu_env
+from .runtime.placement import share_from_env
 from .errors import SpecError, TsgenError
 
 
@@ -182,6 +183,8 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout, share_gpu
     the summary, and every rank exits 1 if any rank saw a wrong element."""
     from .harness import leave_now, probe_timeout as run_probe, run_test
 
+    if share_gpus or (share_gpus is None and share_from_env()):
+        shared_gpu_env()  # before any CUDA call (tsgen/env.py says why)
     if backend == "single" and gpus is None:
         raise click.UsageError("--gpus N is required with --backend single")
     if probe_timeout and backend != "single":

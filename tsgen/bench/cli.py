@@ -10,6 +10,9 @@ from pathlib import Path
 
 import click
 
+from ..env import shared_gpu_env
+from ..runtime.placement import share_from_env
+
 from ..errors import CheckFailed, RuntimeSetupError
 
 TIMING = ("tsgen: one World across all sizes; per size, buffer sets rotated so that they exceed 2x the L2; warm-up, "
@@ -100,6 +103,8 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
         entries, title = [Entry(spec, gpus, sizes, None, {}, tuple(patterns) or None)], f"tsgen bench {spec}"
     if sizes and suite:
         entries = [Entry(e.spec, e.gpus, sizes, e.label, e.variant, e.patterns) for e in entries]
+    if share_gpus or (share_gpus is None and share_from_env()):
+        shared_gpu_env()  # before any CUDA call (tsgen/env.py says why)
     total = sum(_steps(e) for e in entries)
     log = lambda line: click.echo(line, err=True)  # noqa: E731 - the table goes to stdout at the end
     with click.progressbar(length=total, label="tsgen bench", file=sys.stderr, show_pos=True) as bar:

@@ -20,10 +20,8 @@ from typing import Mapping
 from ..errors import RuntimeSetupError
 
 SHARE_ENV = "TSGEN_SHARE_GPUS"
-# CUDA_DEVICE_MAX_CONNECTIONS for processes whose ranks share a GPU (the most the driver takes):
-# streams beyond the device's hardware queues are folded onto them, so one rank's spinning
-# kernel could otherwise hold up the work of another rank that it waits for.
-SHARED_CONNECTIONS = 32
+# The environment of processes whose ranks share a GPU (hardware queues, eager module loading):
+# tsgen/env.py, SHARED_GPU.
 
 
 def share_from_env(env: Mapping[str, str] = os.environ) -> bool:

@@ -20,11 +20,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..env import force_no_multicast
+from ..env import force_no_multicast, shared_gpu_env
 from ..errors import RuntimeSetupError
 from ..manifest import ALIGN, Arg, KernelEntry, Manifest, Slot, layout, np_dtype  # noqa: F401 (re-exported)
 from .backends import Backend, cupy_or_error, make_backend
-from .placement import SHARED_CONNECTIONS, ranks_per_gpu, residency_problem, share_from_env
+from .placement import ranks_per_gpu, residency_problem, share_from_env
 
 # C types of the scalar kernel arguments by role (every other argument is an address)
 _ARG_RANGES = {"rank": ("int", -(1 << 31), (1 << 31) - 1), "count": ("uint64_t", 0, (1 << 64) - 1)}
@@ -333,12 +333,8 @@ class World:
         force_no_multicast()  # before any CUDA library (NCCL, NVSHMEM, torch) is loaded
         if share_gpus is None:
             share_gpus = share_from_env()
-        if share_gpus:
-            # Ranks sharing a GPU share its hardware work queues (8 by default); a spinning wait
-            # kernel at the head of one blocks every stream mapped behind it, and with several
-            # ranks' streams on one device that can be the very work it waits for. 32 queues
-            # (the most) before the first context is made; placement.SHARED_CONNECTIONS.
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(SHARED_CONNECTIONS))
+        if share_gpus:  # before the first context (tsgen/env.py says why)
+            shared_gpu_env()
         self.cp = cupy_or_error()
         if backend is None or isinstance(backend, str):
             backend = make_backend(backend or "single", size, self.cp, share_gpus=share_gpus)
