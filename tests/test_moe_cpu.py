@@ -503,7 +503,7 @@ def _fake_moe_class(gpu, break_what=None):
             for s in range(W):
                 a("out", s)[: want[s].size] = want[s]
             if break_what == "combine":
-                a("out", 0)[0] ^= 1
+                a("out", 0)[0] ^= 0x4000  # an exponent bit: far past the one-unit tolerance, also for 0
 
     def rx_half(arr, half, moe):
         return np.asarray(arr).reshape(2, -1)[half].copy()
@@ -549,3 +549,16 @@ def test_gpu_driver_overflow_and_negative_control_paths(monkeypatch):
     assert problems == []
     problems, _ = gpu.run_moe(2, cases=("random",), iters=2, combine=False, mutate=lambda t: t)
     assert problems  # the fake's stand-in for a removed wait: a stale count
+
+
+def test_combine_tolerance_is_one_bf16_unit():
+    """fp32 and float64 sums that round to neighbouring bf16 values pass; two units apart fail
+    (on one H100: 0x4100 = 8.0 against a reference of 0x4101 = 8.0625)."""
+    from tsgen.ops.collectives import to_f64
+    from tsgen.ops.moe import out_tolerance
+
+    ref = np.array([0x4101, 0xBFDA, 0x3F80], np.uint16)
+    for delta, ok in ((1, True), (-1, True), (2, False)):
+        got = (ref.astype(np.int32) + delta).astype(np.uint16)
+        diff = np.abs(to_f64(got, "bfloat16") - to_f64(ref, "bfloat16"))
+        assert (diff <= out_tolerance(ref)).all() == ok, delta

@@ -19,7 +19,7 @@ import pytest
 from conftest import need_gpus
 from tsgen.harness import _mutated, materialize, poison_byte, shared_gpu_variant
 from tsgen.ops.collectives import from_f64, to_f64
-from tsgen.ops.moe import (combine_reference, counts_array, dispatch_reference, fp8_dequantize, fp8_error_bound,
+from tsgen.ops.moe import (combine_reference, counts_array, out_tolerance, dispatch_reference, fp8_dequantize, fp8_error_bound,
                            fp8_quantize, ll_combine_reference, ll_counts_array, ll_dispatch_reference, low_latency,
                            recv_rows, routing, slot_rows)
 from tsgen.spec import load_spec, spec_variant
@@ -217,7 +217,7 @@ def check_combine(moe, world, inputs, ys, call, problems):
         got = moe.get("out", s)[: want[s].size]
         if moe.spec.params.weighted:
             diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
-            bad = np.flatnonzero(~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16"))))
+            bad = np.flatnonzero(~(diff <= out_tolerance(want[s])))
         else:
             bad = np.flatnonzero(got != want[s])
         if bad.size:
@@ -270,7 +270,7 @@ def burst_pairs(moe, world, first_call, burst, problems):
         for s in world.ranks:
             got = history[s][j].get()[: want[s].size]
             diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
-            bad = np.flatnonzero(~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16"))))
+            bad = np.flatnonzero(~(diff <= out_tolerance(want[s])))
             if bad.size:
                 problems.append(f"back-to-back pair {j + 1} of {burst}: rank {s} out differs in {bad.size} elements")
 
@@ -304,7 +304,7 @@ def graph_pairs(moe, world, call, replays, problems):
     for s in world.ranks:
         got = moe.get("out", s)[: want[s].size]
         diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
-        if (~(diff <= 2.0**-8 * np.abs(to_f64(want[s], "bfloat16")))).any():
+        if (~(diff <= out_tolerance(want[s]))).any():
             problems.append(f"after {replays} graph replays: rank {s} out differs")
         calls = int(moe.bufs.array("calls", s)[0:1].get()[0])
         if calls != moe.dispatches:

@@ -238,16 +238,24 @@ class MoeFamily(OpFamily):
         return {"out": outs, "recv_counts": [counts_array(d, wmax, p.experts) for d in disp]}
 
     def tolerance(self, spec, world, count, inputs):
-        """recv_counts exact; out within a bf16 rounding (2^-8 relative) of the fp32 sum, plus the
-        fp32 rounding of the sum of up to world terms (weighted)."""
+        """recv_counts exact; out within one bf16 unit of the reference (out_tolerance)."""
         ref = self.reference(spec, world, count, inputs)
-        tol_out = [2.0**-8 * np.abs(to_f64(o, "bfloat16")) + 1e-30 for o in ref["out"]]
+        tol_out = [out_tolerance(o) for o in ref["out"]]
         return {"out": tol_out, "recv_counts": [np.zeros(c.size) for c in ref["recv_counts"]]}
 
     def bytes_moved(self, spec, world, count):
         """Bytes the bottleneck rank sends to other ranks per call (dispatch + combine) with the
         bench's routing (MoeBench.case)."""
         return int(self.bench.case(self, spec, world, count).bw_bytes)
+
+
+def out_tolerance(ref_bits: np.ndarray) -> np.ndarray:
+    """How far combine's bf16 `out` may be from the reference's (bits, uint16): one bf16 unit in
+    the last place. The kernel sums in fp32 in its own order, the reference in float64, and each
+    rounds once to bf16; where the exact sum lies near the midpoint of two bf16 values the two
+    sums round to neighbours, one unit apart: up to 2^-7 of the value (measured on one H100:
+    8.0 against 8.0625 in the low-latency and weighted combines), more than the 2^-8 of half a unit."""
+    return 2.0**-7 * np.abs(to_f64(ref_bits, "bfloat16")) + 1e-30
 
 
 # ---------------------------------------------------------------------------
