@@ -127,9 +127,20 @@ def test_poison_byte_changes_every_call():
     values = [poison_byte(c) for c in range(1000)]
     assert all(0 <= v <= 0xFF for v in values)
     assert all(a != b for a, b in zip(values, values[1:]))
-    assert values[0] == 0xA5
-    assert _poison_value(np.dtype("uint32"), 0) == 0xA5A5A5A5
+    assert values[0] == 0x7D
+    assert _poison_value(np.dtype("uint32"), 0) == 0x7D7D7D7D
     assert _poison_value(np.dtype("uint16"), 1) == poison_byte(1) * 0x0101
+
+
+def test_poison_is_never_a_value_a_float_output_holds_by_right():
+    """Every poison, as float16: NaN; as bfloat16 and float32: NaN or beyond 1e36."""
+    from tsgen.ops.collectives import to_f64
+
+    for call in range(16):
+        for dtype, bits in (("float16", np.uint16), ("bfloat16", np.uint16), ("float32", np.uint32)):
+            a = np.array([_poison_value(np.dtype(bits), call)], bits)
+            v = to_f64(a if dtype == "bfloat16" else a.view(dtype), dtype)[0]  # bf16 travels as its bits
+            assert np.isnan(v) or (dtype != "float16" and abs(v) > 1e36), (call, dtype, v)
 
 
 def test_as_bits_is_an_exact_same_size_view():

@@ -44,7 +44,7 @@ from .timing import CupyClock, Timing, time_calls
 # bench and its checks still run) but carry no ratio, no baseline, and go into no README table.
 SHARED_NOTE = "shared GPU: not comparable"
 CONTROLS = ("skip-launch", "other-stream")
-POISON_CALL = 3  # outputs hold harness.poison_byte(3) = 0x56 bytes between warm-up and timing
+POISON_CALL = 3  # outputs hold harness.poison_byte(3) = 0xFF bytes between warm-up and timing
 MAX_REL_ERR = 1e-2  # GEMMs' sampled rows: bf16 operands land between 1e-3 and 1e-2
 MAX_SETS = 32  # buffer sets one size rotates over
 
