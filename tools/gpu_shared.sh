@@ -3,7 +3,9 @@
 # (TSGEN_SHARE_GPUS=1), the spec variants that fit are derived per test, test processes
 # compile in parallel and take turns on the GPU. Logs and result rows under $OUT.
 #   bash tools/gpu_shared.sh [PYTEST_ARGS...]     e.g. -k negative_control
-# JOBS (default: the cores less 2): pytest-xdist workers; PER_TEST (default 180): seconds before a test fails;
+# JOBS (default: the cores less 2, at most one per 8 GiB of GPU memory: with eager module loading
+# every worker's context holds all its libraries' kernels, and 15 workers on an 80 GB H100 ran one
+# out of memory): pytest-xdist workers; PER_TEST (default 180): seconds before a test fails;
 # MPS=1: the ipc backend's tests too, under an MPS daemon (see below); FIRST: test files collected
 # (and so handed to the workers) before the rest of tests/.
 set -uo pipefail
@@ -14,7 +16,9 @@ export TSGEN_SHARE_GPUS=1
   nvcc --version | tail -n 2 | head -n 1; date -u +%FT%TZ; } \
   | tee "$OUT/device.txt"
 start=$(date +%s)
-python3 -m pytest -q -m gpu ${FIRST:-} tests/ -n "${JOBS:-$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))}" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+cores=$(( $(nproc) > 4 ? $(nproc) - 2 : 2 )); by_memory=$(( ${mib:-16384} / 8192 > 1 ? ${mib:-16384} / 8192 : 1 ))
+python3 -m pytest -q -m gpu ${FIRST:-} tests/ -n "${JOBS:-$(( cores < by_memory ? cores : by_memory ))}" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
   --durations=10 -rs "$@" 2>&1 | tee "$OUT/pytest_shared.txt"
 code=${PIPESTATUS[0]}
 echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$OUT/device.txt"
