@@ -40,6 +40,9 @@ class NvshmemTransport:
     """Families whose spec has `params.transport`: the nvshmem choice links libnvshmem_device
     and inlines tsgen_nvshmem.cuh (templates branch on `nvshmem`)."""
 
+    def transport(self, spec: Any) -> str:
+        return spec.params.transport
+
     def device_libs(self, spec: Any) -> tuple[str, ...]:
         return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
 
