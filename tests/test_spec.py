@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, SPECS, run_cli
 from tsgen.errors import SpecError, ToolchainError
-from tsgen.ops import family_names
+from tsgen.ops import family_names, get_family
 from tsgen.spec import load_spec, spec_variant
 
 HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
@@ -25,7 +25,7 @@ def test_shipped_spec_loads(path):
     assert spec.name == path.stem
     assert spec.model.op in family_names()
     assert list(spec.model.world_sizes) == sorted(spec.model.world_sizes)
-    least = 1 if spec.model.op in ("gemm", "attention") else 2  # a gemm or an attention runs on one GPU
+    least = get_family(spec.model.op).min_world  # 1: a gemm or an attention runs on one GPU
     assert all(least <= w <= 8 for w in spec.model.world_sizes)
 
 
