@@ -18,7 +18,8 @@ _FAMILIES: dict[str, OpFamily] = {}
 for _module in _MODULES:
     for _family in _module.FAMILIES:
         assert _family.kind not in _FAMILIES, f"op kind {_family.kind} defined twice"
-        assert _family.category in CATEGORIES, f"op kind {_family.kind}: category {_family.category!r}"
+        assert getattr(_family, "category", None) in CATEGORIES, \
+            f"op kind {_family.kind}: category {getattr(_family, 'category', None)!r} is not one of {CATEGORIES}"
         assert _family.gpu_sweep in GPU_SWEEPS, f"op kind {_family.kind}: gpu_sweep {_family.gpu_sweep!r}"
         _FAMILIES[_family.kind] = _family
 

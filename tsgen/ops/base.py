@@ -107,7 +107,7 @@ class Selection:
 
     kind: ClassVar[str]
     summary: ClassVar[str]
-    category: ClassVar[str] = "primitive"  # one of CATEGORIES
+    category: ClassVar[str]  # one of CATEGORIES: every family states it (the registry checks)
     gpu_sweep: ClassVar[str | None] = "specs"  # one of GPU_SWEEPS
     # world sizes the GPU sweep also runs as a variant of a spec that does not ship them
     # (ops of any world size: 8; ops whose shapes fix the world size: none)
