@@ -12,11 +12,11 @@
 # Logs under $OUT/logs, a short table last.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-export TSGEN_SHARE_GPUS=1
-LOG=$OUT/logs BUDGET=${BUDGET:-230}
+LOG=$OUT/logs BUDGET=${BUDGET:-230} TSGEN_SHARE_GPUS=1
+export TSGEN_SHARE_GPUS
 source "$(dirname "$0")/steps.sh"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  nvcc --version | tail -n 2 | head -n 1; date -u +%FT%TZ; } | tee "$OUT/device.txt"
+step "device" 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u +%FT%TZ"
+cp "$LOG/device.log" "$OUT/device.txt" 2>/dev/null; cat "$OUT/device.txt" 2>/dev/null
 
 step "GPU test ids (515 expected)" 60 bash -c \
   "python3 -m pytest --collect-only -q -m gpu tests/ -p no:cacheprovider | sort > '$OUT/gpu_ids.txt'; grep -q '^515/' '$OUT/gpu_ids.txt'"
