@@ -22,11 +22,12 @@ from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_p
                                  zigzag)
 from tsgen.ops.collectives import to_f64
 from tsgen.render import render
+from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
 
 SPEC = ROOT / "specs" / "attention_hd128.yaml"
-SHIPPED = ["attention_hd128", "attention_hd128_causal_gqa", "attention_hd64_causal", "attention_sp"]
+SHIPPED = [p.stem for p in shipped_specs(op="attention")]
 ATT = "name: a\nop: attention\nworld_sizes: [1]\n"
 
 

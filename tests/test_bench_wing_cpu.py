@@ -10,13 +10,14 @@ import pytest
 
 import tsgen.bench.baselines as B
 from bench_fakes import install
-from conftest import ROOT, run_cli
+from conftest import run_cli
 from tsgen.bench.ceilings import Device, ceilings_for, floor, guard
 from tsgen.bench.runner import SHARED_NOTE, add_ratios, bench_spec
 from tsgen.bench.timing import MIN_CALL_US, Timing, time_calls
 from tsgen.errors import RuntimeSetupError
 from tsgen.ops import families, get_family
 from tsgen.ops.conventions import BenchCase
+from tsgen.shipped import shipped
 from tsgen.spec import load_spec, spec_variant
 
 # GEMMs shrunk so the NumPy references stay fast (N and K are compile-time)
@@ -32,11 +33,10 @@ FAST = dict(iters=3, reps=2, warmup=1)
 
 
 def spec_of(kind: str):
-    """The first shipped spec of op `kind` (p2p transport, no multicast)."""
-    for path in sorted((ROOT / "specs").glob("*.yaml")):
-        m = load_spec(path).model
-        if m.op == kind and not any(x in path.stem for x in ("nvshmem", "multimem")):
-            return path, m
+    """The first shipped spec of op `kind` that runs in one process (no NVSHMEM, no multicast)."""
+    for loaded in shipped(op=kind, multimem=False):
+        if get_family(kind).transport(loaded.model) != "nvshmem":
+            return loaded.path, loaded.model
     raise AssertionError(f"no shipped spec of op {kind}")
 
 
@@ -325,7 +325,7 @@ def test_text_table_columns():
     assert markdown_table(rows).count("\n|---") == 1 and "| tsgen ag | 64K |" in markdown_table(rows)
 
 
-@pytest.mark.parametrize("kind", ["gemm", "allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"])
+@pytest.mark.parametrize("kind", [k for k in SMALL if get_family(k).bench.check == "rows"])  # the GEMMs
 def test_sampled_rows_check_agrees_with_the_reference(kind):
     """check_rows (what the bench compares after timing) against the family's full NumPy
     reference: the right outputs pass, one corrupted sampled row fails."""

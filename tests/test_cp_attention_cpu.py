@@ -19,10 +19,11 @@ from tsgen.ops import get_family
 from tsgen.ops.collectives import to_f64
 from tsgen.ops.cp_attention import first_remote_chunk, kv_chunk, positions, segments
 from tsgen.render import render
+from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, find_nvcc, gencode_flags
 
-SHIPPED = ["cp_attention", "cp_attention_zigzag_causal", "cp_attention_zigzag_causal_sm"]
+SHIPPED = [p.stem for p in shipped_specs(op="cp_attention")]
 CP = "name: a\nop: cp_attention\nworld_sizes: [2, 4]\n"
 needs_nvcc = compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
 

@@ -16,16 +16,18 @@ from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import to_f64
 from tsgen.render import render
+from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
-SPECS = [ROOT / "specs" / "allgather_gemm.yaml", ROOT / "specs" / "allgather_gemm_plain.yaml"]
+SPECS = shipped_specs(op="allgather_gemm")
+BASE = ROOT / "specs" / "allgather_gemm.yaml"
 
 
 def variant(name, **changes):
     """The shipped spec with some fields changed (nested dicts merge), named NAME: a spec
     variant (tsgen.spec.spec_variant), validated as a spec file is."""
-    return spec_variant(load_spec(SPECS[0]), {**changes, "name": name})
+    return spec_variant(load_spec(BASE), {**changes, "name": name})
 
 
 @pytest.mark.parametrize("changes,expected", [
@@ -42,13 +44,14 @@ def test_bad_spec(tmp_path, changes, expected):
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
 def test_render_and_manifest(path):
-    r = render(load_spec(path), base=ROOT)
+    loaded = load_spec(path)
+    r = render(loaded, base=ROOT)
     m = json.loads(r.manifest)
     assert m["host_launch"] and m["world_sizes"] == [2, 3, 4]
     k = m["kernels"][0]
     assert [a["role"] for a in k["launcher_args"]][:5] == ["peers", "peers_host", "rank", "calls", "count"]
     assert [b["name"] for b in m["buffers"]] == ["calls", "a", "b", "c", "a_full", "sig"]
-    overlapped = "plain" not in path.stem
+    overlapped = loaded.model.params.overlap != "none"
     assert ("cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy)" in r.source) == overlapped
     assert ("GatherHook<allgather_gemm::OVERLAP>" in r.source) or not overlapped
     assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
@@ -57,7 +60,7 @@ def test_render_and_manifest(path):
 
 def test_reference_tiny():
     fam = get_family("allgather_gemm")
-    spec = spec_variant(load_spec(SPECS[0]), {"params": {"n": 256, "k": 64}}).model
+    spec = spec_variant(load_spec(BASE), {"params": {"n": 256, "k": 64}}).model
     inputs = fam.make_inputs(spec, 3, 5, np.random.default_rng(0), pattern=False)
     ref = fam.reference(spec, 3, 5, inputs)["c"]
     for r in range(3):
@@ -87,7 +90,7 @@ def test_compiles_without_spills(tmp_path, path, mode):
 
 @needs_sass
 def test_sass(tmp_path):
-    r = render(load_spec(SPECS[0]), base=ROOT)
+    r = render(load_spec(BASE), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
     sass = dump_sass(compile_source(src).output)

@@ -16,12 +16,12 @@ from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.render import render
+from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
-SPECS = [ROOT / "specs" / "gemm_reduce_scatter.yaml", ROOT / "specs" / "gemm_reduce_scatter_plain.yaml",
-         ROOT / "specs" / "gemm_reduce_scatter_push.yaml", ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml",
-         ROOT / "specs" / "gemm_reduce_scatter_odd_world.yaml", ROOT / "specs" / "gemm_reduce_scatter_push_add.yaml"]
+SPECS = shipped_specs(op="gemm_reduce_scatter")  # OVERLAP names each one's overlap mode
+BASE = ROOT / "specs" / "gemm_reduce_scatter.yaml"
 OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "gemm_reduce_scatter_push": "push",
            "gemm_reduce_scatter_push_interleaved": "push", "gemm_reduce_scatter_odd_world": "push",
            "gemm_reduce_scatter_push_add": "push add"}
@@ -30,7 +30,7 @@ OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "
 def variant(name, **changes):
     """The shipped spec with some fields changed (nested dicts merge), named NAME: a spec
     variant (tsgen.spec.spec_variant), validated as a spec file is."""
-    return spec_variant(load_spec(SPECS[0]), {**changes, "name": name})
+    return spec_variant(load_spec(BASE), {**changes, "name": name})
 
 
 @pytest.mark.parametrize("changes,expected", [
@@ -107,7 +107,7 @@ def test_render_and_manifest(path):
 
 def test_reference_tiny():
     fam = get_family("gemm_reduce_scatter")
-    spec = spec_variant(load_spec(SPECS[0]), {"params": {"n": 256, "k": 256}}).model
+    spec = spec_variant(load_spec(BASE), {"params": {"n": 256, "k": 256}}).model
     world, count = 4, 5
     inputs = fam.make_inputs(spec, world, count, np.random.default_rng(0), pattern=False)
     assert inputs["a"][0].size == world * count * 64 and inputs["b"][0].size == 256 * 256
@@ -128,7 +128,7 @@ def test_reference_tiny():
 def test_reference_pattern_exact():
     """Small integers: every product and sum is exact, so the reference is exactly A . B."""
     fam = get_family("gemm_reduce_scatter")
-    spec = load_spec(SPECS[1]).model
+    spec = load_spec(ROOT / "specs" / "gemm_reduce_scatter_plain.yaml").model
     # not a spec variant: n = 64 is below tile.n, too small a shape for a valid spec (the
     # reference alone does not care), so no spec_variant can make it
     spec = spec.model_copy(update={"params": spec.params.model_copy(update={"n": 64, "k": 128})})
@@ -160,7 +160,8 @@ def test_compiles_without_spills(tmp_path, path, mode):
 
 
 @needs_sass
-@pytest.mark.parametrize("path", [SPECS[0], SPECS[2], SPECS[5]], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [BASE] + [ROOT / "specs" / f"gemm_reduce_scatter_{v}.yaml" for v in ("push", "push_add")],
+                         ids=lambda p: p.stem)
 def test_sass(tmp_path, path):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"

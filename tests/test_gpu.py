@@ -8,7 +8,6 @@ GPUs (the spec variant that fits is derived and printed): one GPU runs it all.
 World size 8 runs each spec as a variant built for 8 ranks.
 """
 
-import functools
 import json
 import os
 import subprocess
@@ -17,70 +16,50 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SPECS, need_gpus
+from conftest import need_gpus
 
 from tsgen.harness import run_test
+from tsgen.ops import get_family
+from tsgen.shipped import shipped, shipped_specs
 
 pytestmark = pytest.mark.gpu
 
 
-@functools.lru_cache(maxsize=None)
-def _data(spec_path):
-    """The spec's YAML, read once (the lists below ask several questions of each spec)."""
-    import yaml
-
-    return yaml.safe_load(spec_path.read_text())
-
-
-def _op(spec_path):
-    return _data(spec_path)["op"]
-
-
-def _is_collective(spec_path):
-    return _op(spec_path) in COLLECTIVE_OPS
-
-
-def _is_multimem(spec_path):
-    return "multimem" in spec_path.read_text()
-
-
-def _is_nvshmem(spec_path):
-    """Built for the NVSHMEM transport: runs only under `--backend nvshmem` (one process per
-    GPU, tools/gpu_nvshmem.sh); here, the single-process runtime must refuse it."""
-    return (_data(spec_path).get("params") or {}).get("transport") == "nvshmem"
-
-
-COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_to_all_v", "all_reduce", "broadcast"}
-COMPUTE_OPS = {"gemm", "attention", "cp_attention"}  # tests/test_gemm_gpu.py, tools/gpu_attention.py,
-# tests/test_cp_attention_gpu.py (variants with few heads: its reference is attention over the whole sequence)
-PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in COMPUTE_OPS and not _is_nvshmem(s)]
-
-
-def _worlds(spec_path):
-    return _data(spec_path).get("world_sizes") or [2, 3, 4]
-
-
-FUSED_OPS = {"allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"}  # at their shipped world sizes
+def _loaded(spec_path):
+    """The shipped spec's model and family (tsgen.shipped loads every spec once)."""
+    loaded = next(s for s in shipped() if s.path == spec_path)
+    return loaded.model, get_family(loaded.model.op)
 
 
 def _cases(specs):
-    """(spec, world) at each shipped world size of 2, 3, 4, and at 8 (a variant) for ops of any world size."""
-    return [(s, w) for s in specs for w in (2, 3, 4, 8)
-            if w in _worlds(s) or (w == 8 and _op(s) not in FUSED_OPS and max(_worlds(s)) > 1)]
+    """(spec, world) at each shipped world size of 2, 3, 4, and at 8 (a variant) for ops of any
+    world size (the family's `variant_worlds`)."""
+    out = []
+    for s in specs:
+        spec, family = _loaded(s)
+        out += [(s, w) for w in (2, 3, 4, 8) if w in spec.world_sizes or w in family.variant_worlds]
+    return out
 
 
 def _skip_copy_engine_when_shared(spec_path, world):
     """The runtime refuses copy-engine collectives on a shared GPU (harness.shared_gpu_variant)."""
     from conftest import gpu_count, sharing
 
-    transport = (_data(spec_path).get("params") or {}).get("transport")
-    if transport == "copy_engine" and sharing() and gpu_count() < world:
+    spec, family = _loaded(Path(spec_path).resolve())
+    if family.transport(spec) == "copy_engine" and sharing() and gpu_count() < world:
         pytest.skip("copy-engine transport: refused on a shared GPU (stalls measured); runs on separate GPUs")
 
 
 def _variant(spec_path, world):
     """Spec fields to change so the spec runs at `world` (world size 8 is not shipped)."""
-    return None if world in _worlds(spec_path) else {"world_sizes": [world]}
+    return None if world in _loaded(spec_path)[0].world_sizes else {"world_sizes": [world]}
+
+
+# The families say which sweep runs their specs (OpFamily.gpu_sweep): the others have GPU test
+# files of their own (gemm: tests/test_gemm_gpu.py; cp_attention: tests/test_cp_attention_gpu.py).
+# The nvshmem transport runs only under `--backend nvshmem` (one process per GPU,
+# tools/gpu_nvshmem.sh); here the single-process runtime must refuse it.
+PRIMITIVE_SPECS = [s for s in shipped_specs(gpu_sweep="specs") if s not in shipped_specs(transport="nvshmem")]
 
 
 # each spec at the world sizes it is built for (cannon / summa: 4 = a 2 x 2 grid; the
@@ -158,9 +137,9 @@ def test_negative_control_fails(spec, skew):
 # Collectives
 # ---------------------------------------------------------------------------
 
-COLLECTIVE_SPECS = [s for s in SPECS if _is_collective(s) and not _is_multimem(s) and not _is_nvshmem(s)]
-MULTIMEM_SPECS = [s for s in SPECS if _is_multimem(s)]
-NVSHMEM_SPECS = [s for s in SPECS if _is_nvshmem(s)]
+NVSHMEM_SPECS = shipped_specs(transport="nvshmem")
+MULTIMEM_SPECS = shipped_specs(multimem=True)
+COLLECTIVE_SPECS = [s for s in shipped_specs(gpu_sweep="collective", multimem=False) if s not in NVSHMEM_SPECS]
 
 
 @pytest.mark.parametrize("spec", NVSHMEM_SPECS, ids=lambda p: p.stem)
@@ -232,7 +211,7 @@ def test_collective_negative_control_wrong_chunk_offset():
     assert not ok, "broken plan passed:\n" + "\n".join(lines)
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if _op(s) == "attention"], ids=lambda p: p.stem)
+@pytest.mark.parametrize("spec", shipped_specs(gpu_sweep="one_gpu"), ids=lambda p: p.stem)
 def test_attention_through_the_harness(spec):
     """The attention op through `tsgen test`'s path on one GPU (tools/gpu_attention.py runs the
     full case list: lengths, offsets, zig-zag, GQA, waits, and the bench)."""

@@ -18,12 +18,12 @@ from test_gemm_cpu import needs_nvcc, needs_sass
 from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import to_f64
-from tsgen.ops.grid_gemm import A, B, schedule, walk
+from tsgen.ops.grid_gemm import FAMILIES, A, B, schedule, walk
 from tsgen.render import render
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
-OPS = ["cannon", "summa"]
+OPS = [f.kind for f in FAMILIES]  # cannon, summa
 SPECS = [ROOT / "specs" / f"{op}.yaml" for op in OPS]
 
 

@@ -18,10 +18,13 @@ import pytest
 from conftest import ROOT, compile_test, missing_tool, run_cli
 from tsgen import toolchain
 from tsgen.errors import SpecError, ToolchainError
+from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec
 from tsgen.toolchain import compile_source, find_cuobjdump, find_device_lib, find_nvcc
 
-NVSHMEM_COLLECTIVES = ["allgather_nvshmem", "all_to_all_nvshmem"]
+# the shipped specs of the NVSHMEM transport (tsgen.shipped), and of them the collectives'
+NVSHMEM_SPECS = [p.stem for p in shipped_specs(transport="nvshmem")]
+NVSHMEM_COLLECTIVES = [p.stem for p in shipped_specs(transport="nvshmem", category="collective")]
 # primitive -> the NVSHMEM device calls its kernel body must make (and no peer pointer)
 NVSHMEM_PRIMITIVES = {
     "put_warp_nvshmem": ("nvshmemx_putmem_nbi_warp(", "nvshmem_quiet()", "tsgen_nvshmem_check_pe("),
@@ -30,7 +33,6 @@ NVSHMEM_PRIMITIVES = {
                              "NVSHMEM_SIGNAL_ADD", "nvshmem_quiet()"),
     "barrier_all_nvshmem": ("tsgen_nvshmem_barrier_all(", "nvshmemx_getmem_block("),
 }
-NVSHMEM_SPECS = NVSHMEM_COLLECTIVES + list(NVSHMEM_PRIMITIVES)
 # the library's transport path of each kernel's main call, seen in the linked cubin
 LINKED_PATH = {name: b"nvshmemi_transfer_put_signal_dispatch" for name in NVSHMEM_COLLECTIVES} | {
     "put_warp_nvshmem": b"nvshmemi_transfer_rma_nbi", "get_block_nvshmem": b"nvshmemi_transfer_rma_nbi",
@@ -89,9 +91,15 @@ def test_nvshmem_primitives_render_nvshmem_calls(name):
     assert "#ifdef TSGEN_PLAN_CUH" in text and "Inlined from templates/include/tsgen_plan.cuh" not in text
 
 
+def test_every_nvshmem_spec_is_checked():
+    assert sorted(NVSHMEM_COLLECTIVES + list(NVSHMEM_PRIMITIVES)) == sorted(NVSHMEM_SPECS)
+    assert set(LINKED_PATH) == set(NVSHMEM_SPECS)
+
+
 def test_p2p_specs_do_not_change():
-    """Only nvshmem specs carry device_libs; the p2p sources inline no NVSHMEM header."""
-    for name in ("allgather", "all_to_all", "put_warp", "get_block", "simple_shift", "barrier_all"):
+    """Only nvshmem specs carry device_libs; the p2p sources (NAME of each NAME_nvshmem) inline no
+    NVSHMEM header."""
+    for name in (n.removesuffix("_nvshmem") for n in NVSHMEM_SPECS):
         manifest = json.loads((ROOT / "generated" / f"{name}.json").read_text())
         assert "device_libs" not in manifest
         assert "nvshmem" not in (ROOT / "generated" / f"{name}.cu").read_text()

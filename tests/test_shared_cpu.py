@@ -14,6 +14,7 @@ from conftest import ROOT, SPECS
 from tsgen.errors import RuntimeSetupError, SpecError
 from tsgen.ops import get_family
 from tsgen.render import render
+from tsgen.shipped import shipped_specs
 from tsgen.runtime.placement import (fit_blocks, mps_active, place_ranks, ranks_per_gpu, residency_problem,
                                      share_from_env)
 from tsgen.spec import describe_variant, load_spec, spec_variant
@@ -81,9 +82,7 @@ def test_mps_detection():
 # fitted variants of every shipped spec
 # ---------------------------------------------------------------------------
 
-RUNNABLE = [p for p in SPECS if not get_family(load_spec(p).model.op).is_multimem(load_spec(p).model)
-            and getattr(load_spec(p).model.params, "transport", None) != "nvshmem"]
-FUSED = {"allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"}
+RUNNABLE = [p for p in shipped_specs(multimem=False) if p not in shipped_specs(transport="nvshmem")]
 
 
 def _worlds(loaded):
@@ -103,7 +102,7 @@ def _worlds(loaded):
 
 
 def _reserve(spec):
-    return getattr(spec.params, "reserve_sms", 0) if spec.op in FUSED else 0
+    return get_family(spec.op).reserved_sms(spec)
 
 
 @pytest.mark.parametrize("sms", [132, 114])

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, SPECS, run_cli
 from tsgen.errors import SpecError, ToolchainError
-from tsgen.ops import family_names
+from tsgen.ops import family_names, get_family
 from tsgen.spec import load_spec, spec_variant
 
 HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
@@ -25,7 +25,7 @@ def test_shipped_spec_loads(path):
     assert spec.name == path.stem
     assert spec.model.op in family_names()
     assert list(spec.model.world_sizes) == sorted(spec.model.world_sizes)
-    least = 1 if spec.model.op in ("gemm", "attention") else 2  # a gemm or an attention runs on one GPU
+    least = get_family(spec.model.op).min_world  # 1: a gemm or an attention runs on one GPU
     assert all(least <= w <= 8 for w in spec.model.world_sizes)
 
 
@@ -383,3 +383,27 @@ def test_variant_problems_read_like_the_loaders():
         f"{loaded.path}:1:1: bogus: unknown key (in the variant bogus = 1, launch.threads = 33)",
         f"{loaded.path}:1:1: launch.threads: Input should be a multiple of 32 (in the variant bogus = 1, launch.threads = 33)",
     ]
+
+
+def test_every_family_has_one_category_and_sweep():
+    """tsgen.ops.families selects by the attributes each family states once (tsgen/ops/base.py)."""
+    from tsgen.ops import families
+    from tsgen.ops.base import CATEGORIES, GPU_SWEEPS
+
+    by_category = [f.kind for c in CATEGORIES for f in families(category=c)]
+    assert sorted(by_category) == family_names()
+    assert sorted(f.kind for s in GPU_SWEEPS for f in families(gpu_sweep=s)) == family_names()
+    assert [f.kind for f in families(gpu_sweep=None)] == ["cp_attention", "gemm"]
+    with pytest.raises(ValueError, match="category 'collectives': one of primitive, collective"):
+        families(category="collectives")
+
+
+def test_shipped_specs_select_by_family_attributes():
+    from tsgen.shipped import shipped, shipped_specs
+
+    assert shipped_specs() == SPECS
+    assert [p.stem for p in shipped_specs(multimem=True)] == ["all_reduce_multimem", "allgather_multimem"]
+    for loaded in shipped(transport="copy_engine"):
+        assert loaded.model.params.transport == "copy_engine"
+    assert shipped_specs(category="collective", op="gemm") == []
+    assert {load_spec(p).model.op for p in shipped_specs(category="compute")} == {"gemm", "attention"}

@@ -36,7 +36,7 @@ def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -
     if not world.shared:
         return loaded
     family = get_family(loaded.model.op)
-    if getattr(family, "copy_engine", lambda spec: False)(loaded.model):
+    if family.transport(loaded.model) == "copy_engine":
         # measured 2026-11-23 on one H100: allgather_ce with 2 ranks on the GPU timed out at
         # its first call in one run of 6 calls and passed in others (a rank's wait for the
         # other's entry signal never ended while its launcher thread sat in the CUDA runtime)

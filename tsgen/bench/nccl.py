@@ -44,6 +44,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from ..ops import get_family
 from ..ops.collectives.bench import ITEMSIZE as DTYPES
 from ..ops.collectives.bench import NCCL_CALLS, nccl_counts
 from ..ops.collectives.bench import busbw_factor as _busbw_factor
@@ -160,12 +161,12 @@ def symm_mem_op_name(algo: str) -> str:
 
 
 def resolve_backends(op: str, backends: Iterable[str] | None = None) -> list[str]:
-    """Expand and check backend names. None means nccl plus, for all_reduce,
-    both symm_mem algorithms. "symm_mem" expands to symm_mem_one_shot and
+    """Expand and check backend names. None means the op family's baselines (bench.baselines:
+    nccl, plus, for all_reduce, symm_mem: both its algorithms). "symm_mem" expands to symm_mem_one_shot and
     symm_mem_two_shot. Multimem names raise MulticastForbiddenError."""
     op = normalize_op(op)
     if backends is None:
-        backends = ("nccl", "symm_mem") if op == "all_reduce" else ("nccl",)
+        backends = get_family(op).bench.baselines
     if isinstance(backends, str):
         backends = [b for b in backends.split(",") if b.strip()]
     out: list[str] = []
@@ -188,7 +189,7 @@ def resolve_backends(op: str, backends: Iterable[str] | None = None) -> list[str
 
 def skip_reason(backend: str, op: str) -> str | None:
     """Why a backend has no rows for an op, known before running (else None)."""
-    if backend.startswith("symm_mem_") and normalize_op(op) != "all_reduce":
+    if backend.startswith("symm_mem_") and "symm_mem" not in get_family(normalize_op(op)).bench.baselines:
         return "symm_mem baselines cover all_reduce only"
     return None
 

@@ -62,6 +62,9 @@ class AllToAllVFamily(OpFamily):
                "count = capacity per pair")
     Spec = AllToAllVSpec
     template = "all_to_all_v.cu.j2"
+    category = "collective"
+    gpu_sweep = "collective"
+    variant_worlds = (2, 3, 4, 8)
     blocks_wait = True
     bench = AllToAllVBench()
 

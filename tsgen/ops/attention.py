@@ -123,6 +123,10 @@ class AttentionFamily(OpFamily):
     kind = "attention"
     Spec = AttentionSpec
     template = "attention.cu.j2"
+    category = "compute"
+    gpu_sweep = "one_gpu"  # and tools/gpu_attention.py: the full case list
+    variant_worlds = ()
+    min_world = 1
     count_unit = "rows"  # sequence positions (q_len = kv_len) through <kernel>_launch
     host_launch = True  # TMA descriptors are encoded on the host
     summary = (

@@ -2,7 +2,23 @@
 
 An op family is small and declarative: a spec model (its `params`), a
 template, the symmetric buffers its kernels use, a NumPy reference, and the
-bytes it moves. Every kernel of every family has the same leading arguments
+bytes it moves. `OpFamily` is the union of five groups of hooks, one class each:
+
+    Selection      what it is: kind, summary, category, gpu_sweep, variant_worlds,
+                   min_world, transport(), is_multimem(), reserved_sms(); tests, bench
+                   and tools select ops by these (tsgen.ops.families,
+                   tsgen.shipped.shipped_specs), never by lists of op kinds
+    SchemaHooks    the spec: Spec, check(), summary_of(), shared_fit()
+    LoweringHooks  spec -> module: template, count_unit, blocks_wait, host_launch,
+                   template_for(), launched_from_host(), device_libs(), template_vars(),
+                   comm_plans(), check_plans(), lower(), buffers(), constants(), abi()
+    OracleHooks    what it computes: make_inputs(), reference(), tolerance(),
+                   poison_survives()
+    BenchHooks     how it is timed: bench (tsgen/ops/conventions.py), bytes_moved()
+
+A family overrides hooks of any group; every hook is reached on the family itself.
+
+The module ABI: every kernel of every family has the same leading arguments
 
     (char* const* peers, int rank, uint64_t* calls, uint64_t count, <buffers>)
 
@@ -76,12 +92,69 @@ class ModuleAbi:
     constants: dict[str, int] = field(default_factory=dict)  # compile-time, per module
 
 
-class OpFamily:
-    """Subclasses set the class attributes and override the methods below."""
+CATEGORIES = ("primitive", "collective", "compute", "fused", "sequence", "moe")
+# Generic GPU sweeps of tests/test_gpu.py (a family names the one that runs its shipped specs):
+#   "specs":      each spec through the harness at its world sizes among 2, 3, 4 (and variant_worlds)
+#   "collective": each spec at its test count at world sizes 2, 3, 4, 8 (variants where not shipped)
+#   "one_gpu":    each spec through the harness on one GPU
+#   None:         none; the family's own GPU test file covers it
+GPU_SWEEPS = ("specs", "collective", "one_gpu", None)
+
+
+class Selection:
+    """What the family is: tests, bench and tools select ops by these attributes (through
+    tsgen.ops.families and tsgen.shipped.shipped_specs), never by lists of op kinds."""
 
     kind: ClassVar[str]
     summary: ClassVar[str]
+    category: ClassVar[str]  # one of CATEGORIES: every family states it (the registry checks)
+    gpu_sweep: ClassVar[str | None] = "specs"  # one of GPU_SWEEPS
+    # world sizes the GPU sweep also runs as a variant of a spec that does not ship them
+    # (ops of any world size: 8; ops whose shapes fix the world size: none)
+    variant_worlds: ClassVar[tuple[int, ...]] = (8,)
+    min_world: ClassVar[int] = 2  # 1: the op runs on one GPU
+
+    def transport(self, spec: Any) -> str:
+        """How ranks' data moves: "p2p" (loads and stores through peer pointers, the default),
+        "copy_engine" or "nvshmem" where the spec chooses (params.transport)."""
+        return "p2p"
+
+    def is_multimem(self, spec: Any) -> bool:
+        """True for NVLink-multicast variants (compiled only; the runtime refuses them)."""
+        return False
+
+    def reserved_sms(self, spec: Any) -> int:
+        """SMs each rank leaves free beside its grid (params.reserve_sms of the fused GEMMs)."""
+        return 0
+
+
+class SchemaHooks:
+    """The spec: its model, the checks beyond field types, its banner line, its variants."""
+
     Spec: ClassVar[type[SpecBase]]
+
+    def check(self, spec: Any) -> list[tuple[tuple, str]]:
+        """Cross-field problems as (field path, message); [] when the spec is fine."""
+        return []
+
+    def summary_of(self, spec: Any) -> str:
+        """The banner's one-line summary of this spec's variant (default: the family's)."""
+        return self.summary
+
+    def shared_fit(self, spec: Any, colocated: int, sms: int) -> dict[str, Any]:
+        """Spec fields to change (nested, for spec.spec_variant) so that `colocated` ranks'
+        grids are all resident at once on one GPU of `sms` SMs; {} when the spec fits as it is.
+        The bound is one block per SM, whatever the kernel's occupancy. Pure."""
+        if colocated == 1:
+            return {}
+        blocks = fit_blocks(spec.launch.blocks, colocated, sms)
+        return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+
+
+class LoweringHooks:
+    """From a checked spec to what is rendered and launched: comm plans, the module ABI
+    (buffers, kernels, constants), the template and its names, how the runtime launches it."""
+
     template: ClassVar[str]  # file under templates/ops/
     count_unit: ClassVar[str] = "elements"  # or "bytes"
     # True when blocks wait on other blocks (barriers, signals from the same
@@ -92,18 +165,6 @@ class OpFamily:
     # whose call is more than one kernel (copy-engine transfers between kernels, or
     # TMA descriptors encoded on the host). The launcher takes `launcher_args`.
     host_launch: ClassVar[bool] = False
-    # How `tsgen bench` times it: sizes, FLOPs and bytes per call, baselines, checks
-    # (tsgen/ops/conventions.py); families override it next to their reference.
-    bench: ClassVar[BenchConventions] = BenchConventions()
-
-    # -- validation beyond field types -------------------------------------
-    def check(self, spec: Any) -> list[tuple[tuple, str]]:
-        """Cross-field problems as (field path, message); [] when the spec is fine."""
-        return []
-
-    def summary_of(self, spec: Any) -> str:
-        """The banner's one-line summary of this spec's variant (default: the family's)."""
-        return self.summary
 
     def template_for(self, spec: Any) -> str:
         """Template file under templates/ops/ for this spec."""
@@ -119,26 +180,11 @@ class OpFamily:
         NVSHMEM transport. Recorded in the manifest as `device_libs` when not empty."""
         return ()
 
-    def is_multimem(self, spec: Any) -> bool:
-        """True for NVLink-multicast variants (compiled only; the runtime refuses them)."""
-        return False
-
-    def tolerance(self, spec: Any, world: int, count: int, inputs: dict) -> dict | None:
-        """Allowed absolute error per output element; None: bit-exact."""
-        return None
-
-    def poison_survives(self, spec: Any) -> bool:
-        """Whether an output element the kernel never writes still holds the harness's poison
-        after a call: then an element equal to the poison where the reference differs is
-        counted unwritten, even inside the tolerance. False where the launch overwrites every
-        output element before its kernels do their work (a missed element shows as a value)."""
-        return True
-
     def template_vars(self, spec: Any) -> dict[str, Any]:
         """Extra names the op's template uses (beyond spec, the module ABI, constants)."""
         return {}
 
-    # -- lowering (tsgen.lowering: once per loaded spec) ----------------------------
+    # tsgen.lowering calls these once per loaded spec
     def comm_plans(self, spec: Any) -> dict[int, Any]:
         """World size -> the comm plan (tsgen.plan.ir.CommPlan) the kernels run, for families
         whose kernels run one; {} otherwise. Built once per loaded spec, after `check` passed
@@ -155,17 +201,7 @@ class OpFamily:
         plans again; the default is abi(spec) and template_vars(spec)."""
         return self.abi(spec), self.template_vars(spec)
 
-    # -- shared-GPU worlds -------------------------------------------------------
-    def shared_fit(self, spec: Any, colocated: int, sms: int) -> dict[str, Any]:
-        """Spec fields to change (nested, for spec.spec_variant) so that `colocated` ranks'
-        grids are all resident at once on one GPU of `sms` SMs; {} when the spec fits as it is.
-        The bound is one block per SM, whatever the kernel's occupancy. Pure."""
-        if colocated == 1:
-            return {}
-        blocks = fit_blocks(spec.launch.blocks, colocated, sms)
-        return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
-
-    # -- module ABI: buffers, kernel arguments, constants ---------------------
+    # the module ABI: buffers, kernel arguments, constants
     def buffers(self, spec: Any) -> tuple[Buffer, ...]:
         raise NotImplementedError
 
@@ -182,7 +218,11 @@ class OpFamily:
         constants.update(self.constants(spec))
         return one_kernel_abi(self, spec, smem=0, constants=constants)
 
-    # -- reference ----------------------------------------------------------
+
+class OracleHooks:
+    """What the op computes, as the harness checks it: inputs, NumPy reference, tolerance,
+    and whether an unwritten output still shows the poison."""
+
     def make_inputs(
         self, spec: Any, world: int, count: int, rng: np.random.Generator, pattern: bool
     ) -> dict[str, list[np.ndarray]]:
@@ -200,9 +240,33 @@ class OpFamily:
     ) -> dict[str, list[np.ndarray]]:
         raise NotImplementedError
 
+    def tolerance(self, spec: Any, world: int, count: int, inputs: dict) -> dict | None:
+        """Allowed absolute error per output element; None: bit-exact."""
+        return None
+
+    def poison_survives(self, spec: Any) -> bool:
+        """Whether an output element the kernel never writes still holds the harness's poison
+        after a call: then an element equal to the poison where the reference differs is
+        counted unwritten, even inside the tolerance. False where the launch overwrites every
+        output element before its kernels do their work (a missed element shows as a value)."""
+        return True
+
+
+class BenchHooks:
+    """How `tsgen bench` times it: sizes, FLOPs and bytes per call, baselines, checks
+    (tsgen/ops/conventions.py); families override `bench` next to their reference."""
+
+    bench: ClassVar[BenchConventions] = BenchConventions()
+
     def bytes_moved(self, spec: Any, world: int, count: int) -> int:
         """Bytes each rank sends over the fabric per call (for GB/s)."""
         return 0
+
+
+class OpFamily(Selection, SchemaHooks, LoweringHooks, OracleHooks, BenchHooks):
+    """One op kind: subclasses set the class attributes and override the hooks of the groups
+    above (module docstring). Every hook keeps its name on the family: callers need not know
+    which group declares it."""
 
 
 def fill(dtype: str, n: int, rng: np.random.Generator, pattern: bool, rank: int) -> np.ndarray:

@@ -198,6 +198,8 @@ class CpAttentionFamily(OpFamily):
     kind = "cp_attention"
     Spec = CpAttentionSpec
     template = "cp_attention.cu.j2"
+    category = "sequence"
+    gpu_sweep = None  # tests/test_cp_attention_gpu.py (few heads: its reference is attention over the whole sequence)
     count_unit = "rows"  # S / P positions per rank
     host_launch = True
     bench = CpAttentionBench()

@@ -100,11 +100,16 @@ class AllgatherGemmFamily(OpFamily):
     kind = "allgather_gemm"
     Spec = AllgatherGemmSpec
     template = "allgather_gemm.cu.j2"
+    category = "fused"
+    variant_worlds = ()  # shapes split over the shipped world sizes only
     count_unit = "rows"  # M_local
     host_launch = True
     bench = FusedBench()
     summary = ("C_r = allgather(A) . B_r: A row-sharded, B and C column-sharded; the gather on the copy "
                "engine, overlapped with a TMA + wgmma GEMM whose tiles wait per source rank")
+
+    def reserved_sms(self, spec):
+        return spec.params.reserve_sms
 
     def check(self, spec):
         problems = GemmFamily().check(spec)

@@ -140,6 +140,10 @@ class GemmFamily(OpFamily):
     kind = "gemm"
     Spec = GemmSpec
     template = "gemm.cu.j2"
+    category = "compute"
+    gpu_sweep = None  # tests/test_gemm_gpu.py
+    variant_worlds = ()
+    min_world = 1
     count_unit = "rows"  # M
     host_launch = True  # TMA descriptors are encoded on the host
     bench = GemmBench()

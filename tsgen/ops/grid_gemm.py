@@ -174,11 +174,16 @@ class CannonFamily(OpFamily):
     kind = "cannon"
     Spec = CannonSpec
     template = "grid_gemm.cu.j2"
+    category = "fused"
+    variant_worlds = ()  # shapes split over the shipped world sizes only
     count_unit = "rows"  # M/q: the rows of each block
     host_launch = True
     bench = GridBench()
     summary = ("C = A . B block-distributed on a sqrt(P) x sqrt(P) grid: Cannon's skew and neighbour shifts on "
                "the copy engine, overlapped with one TMA + wgmma GEMM over K whose producer waits per K panel")
+
+    def reserved_sms(self, spec):
+        return spec.params.reserve_sms
 
     def check(self, spec):
         p = spec.params

@@ -108,6 +108,7 @@ class MoeFamily(OpFamily):
     summary = ("MoE expert-parallel dispatch (tokens to the ranks of their top-k experts) and combine (rows back "
                "to their tokens, summed in fp32): normal mode (bf16 or fp8 dispatch) and low-latency mode")
     Spec = MoeSpec
+    category = "moe"
     template = "moe.cu.j2"
     count_unit = "tokens"
     blocks_wait = True

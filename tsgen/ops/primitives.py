@@ -40,6 +40,9 @@ class NvshmemTransport:
     """Families whose spec has `params.transport`: the nvshmem choice links libnvshmem_device
     and inlines tsgen_nvshmem.cuh (templates branch on `nvshmem`)."""
 
+    def transport(self, spec: Any) -> str:
+        return spec.params.transport
+
     def device_libs(self, spec: Any) -> tuple[str, ...]:
         return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
 
@@ -109,6 +112,7 @@ class CopyBench(BenchConventions):
 class CopyFamily(NvshmemTransport, OpFamily):
     """Copy `count` bytes between ranks, split into per-warp or per-block chunks."""
 
+    category = "primitive"
     template = "copy.cu.j2"
     count_unit = "bytes"
     bench = CopyBench()
@@ -179,6 +183,7 @@ class RemoteLdSpec(SpecBase):
 
 
 class RemoteAccessFamily(OpFamily):
+    category = "primitive"
     template = "remote_access.cu.j2"
 
     def __init__(self, kind: str):
@@ -261,6 +266,7 @@ SIGNAL_VALUES = {
 
 
 class SignalWaitFamily(OpFamily):
+    category = "primitive"
     kind = "signal_wait"
     Spec = SignalWaitSpec
     template = "signal_wait.cu.j2"
@@ -323,6 +329,7 @@ class BarrierAllParams(ShiftParams, StaggerParams, TransportParams):
 
 
 class BarrierBlocksFamily(OpFamily):
+    category = "primitive"
     kind = "barrier_blocks"
     Spec = BarrierBlocksSpec
     template = "barrier_blocks.cu.j2"
@@ -355,6 +362,7 @@ class BarrierAllSpec(SpecBase):
 
 
 class BarrierAllFamily(NvshmemTransport, OpFamily):
+    category = "primitive"
     kind = "barrier_all"
     Spec = BarrierAllSpec
     template = "barrier_all.cu.j2"
@@ -396,6 +404,7 @@ class SimpleShiftSpec(SpecBase):
 
 
 class SimpleShiftFamily(NvshmemTransport, OpFamily):
+    category = "primitive"
     kind = "simple_shift"
     Spec = SimpleShiftSpec
     template = "simple_shift.cu.j2"

@@ -224,6 +224,7 @@ class UlyssesBench(BenchConventions):
 
 class _UlyssesFamily(OpFamily):
     template = "ulysses.cu.j2"
+    category = "sequence"
     count_unit = "rows"  # tokens per rank, S / P
     blocks_wait = True
     bench = UlyssesBench()

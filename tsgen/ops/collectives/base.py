@@ -89,6 +89,9 @@ class CollectiveFamily(OpFamily):
     """Shared machinery; subclasses build steps and the numeric reference."""
 
     template = "collective.cu.j2"
+    category = "collective"
+    gpu_sweep = "collective"
+    variant_worlds = (2, 3, 4, 8)
     blocks_wait = True
     reduces = False
     bench = CollectiveBench()  # nccl-tests conventions, NCCL baseline (bench.py)
@@ -120,6 +123,9 @@ class CollectiveFamily(OpFamily):
         buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
         return schedule(w, None if self.copy_engine(spec) else spec.launch.blocks, steps, buffers=buffers,
                         signals=self.signal_sizes(spec, w), expected=expected)
+
+    def transport(self, spec: Any) -> str:
+        return spec.params.transport
 
     def launched_from_host(self, spec: Any) -> bool:
         return self.copy_engine(spec)
