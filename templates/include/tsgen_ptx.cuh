@@ -4,6 +4,18 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Namespaces: everything the tsgen_*.cuh headers declare is in namespace
+// tsgen, so a file that vendors a generated source gets one name of ours at
+// file scope (besides the TSGEN_ macros and op codes). The core -- signals,
+// waits and barriers (tsgen_sync.cuh), copies (tsgen_copy.cuh), the plan
+// interpreter (tsgen_plan.cuh) -- is tsgen:: itself; every other header
+// nests its own, named after it: tsgen::ptx (this file), tsgen::gemm
+// (tsgen_gemm.cuh), ... Inside namespace tsgen the PTX helpers are in scope
+// by their bare names (`using namespace ptx` below); an op's namespace in a
+// generated source reaches them as ptx::... (a namespace alias) and the
+// rest as tsgen::... . The `extern "C"` kernels and launchers of a generated
+// source are outside every namespace (their names are the module's ABI).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -106,6 +118,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -555,5 +570,10 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U32
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
+
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
 
 #endif  // TSGEN_PTX_CUH
