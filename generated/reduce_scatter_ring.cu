@@ -45,17 +45,9 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
-// Namespaces: everything the tsgen_*.cuh headers declare is in namespace
-// tsgen, so a file that vendors a generated source gets one name of ours at
-// file scope (besides the TSGEN_ macros and op codes). The core -- signals,
-// waits and barriers (tsgen_sync.cuh), copies (tsgen_copy.cuh), the plan
-// interpreter (tsgen_plan.cuh) -- is tsgen:: itself; every other header
-// nests its own, named after it: tsgen::ptx (this file), tsgen::gemm
-// (tsgen_gemm.cuh), ... Inside namespace tsgen the PTX helpers are in scope
-// by their bare names (`using namespace ptx` below); an op's namespace in a
-// generated source reaches them as ptx::... (a namespace alias) and the
-// rest as tsgen::... . The `extern "C"` kernels and launchers of a generated
-// source are outside every namespace (their names are the module's ABI).
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
 //
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
