@@ -9,7 +9,10 @@ names of static functions is left out).
     python tools/compare_text.py compare before.json after.json
 
 `compare` lists the kernels whose .text differs, appeared or disappeared; exit 1 if any
-differs in more than the slot numbers of the global-address table (see sass_digests).
+differs in more than the slot numbers of the global-address table (see sass_digests). A
+section that disappeared and one that appeared in the same module with the same code (bytes,
+or SASS up to slot numbers) count as renamed, not different: a helper that is not inlined
+(the timeout trap) takes its C++ name, namespace included, into its section's name.
 Used to show that a change to templates or headers leaves the kernels unchanged."""
 from __future__ import annotations
 
@@ -52,21 +55,22 @@ def device_elves(binary: Path) -> list[bytes]:
         return [p.read_bytes() for p in sorted(Path(d).iterdir())]
 
 
-_SLOT = re.compile(r"c\[0x4\]\[(0x[0-9a-f]+)\]")
+_SLOT = re.compile(r"c\[0x4\]\[(0x[0-9a-f]+|RZ)\]")  # RZ: slot 0x0
 
 
 def sass_digests(binary: Path) -> dict[str, str]:
     """`.text.<function>` -> sha256 of its SASS with the encodings left out and the slots of
     the global-address table (c[0x4][...]) renumbered in order of first use: two kernels that
     differ only in where the linker put the addresses of the globals they read compare equal
-    (a global added or dropped elsewhere in the module renumbers them)."""
+    (a global added or dropped elsewhere in the module renumbers them). Trailing blanks are
+    dropped: cuobjdump pads each instruction to a column, so a shorter slot number pads more."""
     text = subprocess.run([str(find_cuobjdump()), "-sass", str(binary)], check=True, capture_output=True,
                           text=True).stdout
     out = {}
     for part in text.split("Function : ")[1:]:
         name, body = part.split("\n", 1)
         slots: dict[str, str] = {}
-        lines = [_SLOT.sub(lambda m: "c[0x4][slot%d]" % slots.setdefault(m.group(1), len(slots)), line.split("/* 0x")[0])
+        lines = [_SLOT.sub(lambda m: "c[0x4][slot%d]" % slots.setdefault(m.group(1), len(slots)), line.split("/* 0x")[0].rstrip())
                  for line in body.splitlines() if line.strip() and not line.strip().startswith("/* 0x")]
         key = re.sub(r"_INTERNAL_[0-9a-f]+_", "_INTERNAL_", ".text." + name.strip())
         out[key] = hashlib.sha256("\n".join(lines).encode()).hexdigest()
@@ -90,23 +94,36 @@ def dump(folder: Path) -> dict[str, dict[str, dict[str, str]]]:
 def compare(before: dict, after: dict) -> int:
     """Print each section that is not byte-identical; exit status 1 if any differs in more
     than the numbering of its global-address slots (see sass_digests)."""
-    bad = slots = n = 0
+    bad = slots = renamed = n = 0
     for mod in sorted(set(before) | set(after)):
         b, a = before.get(mod, {}), after.get(mod, {})
-        for sec in sorted(set(b) | set(a)):
+        gone = sorted(set(b) - set(a))
+        new = sorted(set(a) - set(b))
+        for old in list(gone):  # the same code under a new name
+            same = [s for s in new if a[s]["bytes"] == b[old]["bytes"] or (a[s]["sass"] and a[s]["sass"] == b[old]["sass"])]
+            if same:
+                gone.remove(old)
+                new.remove(same[0])
+                n += 1
+                renamed += 1
+                kind = "same bytes" if a[same[0]]["bytes"] == b[old]["bytes"] else "same SASS but for c[0x4] slot numbers"
+                print(f"{mod}: {old} renamed {same[0]} ({kind})")
+        for sec in gone + new:
             n += 1
-            if sec not in b or sec not in a:
-                bad += 1
-                print(f"{mod}: {sec} {'added' if sec not in b else 'removed'}")
-            elif b[sec]["bytes"] != a[sec]["bytes"]:
+            bad += 1
+            print(f"{mod}: {sec} {'added' if sec in new else 'removed'}")
+        for sec in sorted(set(b) & set(a)):
+            n += 1
+            if b[sec]["bytes"] != a[sec]["bytes"]:
                 if b[sec]["sass"] and b[sec]["sass"] == a[sec]["sass"]:
                     slots += 1
                     print(f"{mod}: {sec} differs only in its c[0x4] global-address slot numbers")
                 else:
                     bad += 1
                     print(f"{mod}: {sec} differs")
-    print(f"{n} .text sections in {len(set(before) | set(after))} modules compared: {n - bad - slots} byte-identical, "
-          f"{slots} identical but for c[0x4] slot numbers, {bad} different")
+    print(f"{n} .text sections in {len(set(before) | set(after))} modules compared: "
+          f"{n - bad - slots - renamed} byte-identical, {slots} identical but for c[0x4] slot numbers, "
+          f"{renamed} renamed with the same code, {bad} different")
     return 1 if bad else 0
 
 
