@@ -1360,9 +1360,8 @@ static __device__ __noinline__ __attribute__((noreturn)) void remote_reduce_trap
 // returns at once but runs the transport's consistency step (over IB/IBGDA,
 // data that arrived before the signal is made visible to this GPU's loads),
 // which a plain acquire load cannot do for NIC writes.
-static __device__ __forceinline__ void wait_ge(uint64_t* sig, uint64_t expected,
-                                               site site) {
-  wait_ge_acquire_sys(sig, expected, site);
+static __device__ __forceinline__ void wait_ge(uint64_t* sig, uint64_t expected, site at) {
+  wait_ge_acquire_sys(sig, expected, at);
   nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, expected);
 }
 
