@@ -37,6 +37,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -139,6 +143,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -589,6 +596,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -614,17 +626,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -634,12 +648,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -649,7 +663,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -658,7 +672,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -678,7 +692,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -687,11 +701,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -704,8 +718,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -714,15 +728,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -730,33 +744,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -782,9 +798,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -806,8 +824,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -817,29 +835,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -872,9 +892,11 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
+namespace tsgen {
+
 // Part of a data buffer: unit `unit` of `count` elements, piece `piece` of
 // `pieces` (piece boundaries are multiples of 16 bytes within the unit).
-struct tsgen_slice {
+struct slice {
   int8_t rank;      // whose memory
   uint8_t buf;      // index into the kernel's buffer table
   uint8_t read_only;  // source not written while the kernel runs: ld.global.nc
@@ -883,61 +905,61 @@ struct tsgen_slice {
   uint16_t piece;
 };
 
-struct tsgen_wait {
+struct step_wait {
   uint8_t buf;       // signal buffer (this rank's memory)
   uint8_t pad;
   uint16_t index;
   uint32_t per_call; // adds the counter receives per call
 };
 
-struct tsgen_signal {
+struct step_signal {
   int8_t rank;  // whose memory holds the counter
   uint8_t buf;
   uint16_t index;
 };
 
-struct tsgen_step {
+struct step {
   uint8_t op, nsrc, nwait, nsignal, nalso;
-  tsgen_slice dst;
-  tsgen_slice src[TSGEN_MAX_SRCS];
-  tsgen_slice also[TSGEN_MAX_ALSO];  // (reduce) more destinations, written with dst's values
-  tsgen_wait wait[TSGEN_MAX_WAITS];
-  tsgen_signal signal[TSGEN_MAX_SIGNALS];
+  slice dst;
+  slice src[TSGEN_MAX_SRCS];
+  slice also[TSGEN_MAX_ALSO];  // (reduce) more destinations, written with dst's values
+  step_wait wait[TSGEN_MAX_WAITS];
+  step_signal signal[TSGEN_MAX_SIGNALS];
 };
 
 // Loop over sources, unrolled to the table limit so that arrays indexed by j
 // stay in registers (a run-time index would move them to local memory).
 #define TSGEN_FOR_SRC(j, n) _Pragma("unroll") for (int j = 0; j < TSGEN_MAX_SRCS; ++j) if (j < (n))
 
-struct tsgen_share {
+struct share {
   uint16_t step, share, shares;
 };
 
 // A share table as the source writes it, run-length encoded: a run stands for the n entries
-// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. share_table<N> holds the
 // expanded table, computed at compile time (the device sees the plain entries).
-struct tsgen_share_run {
+struct share_run {
   uint16_t step, share, shares, n;
   int16_t dstep, dshare;
 };
 template <int N>
-struct tsgen_share_table {
-  tsgen_share v[N];
+struct share_table {
+  share v[N];
 };
 template <int N, int R>
-static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
-  tsgen_share_table<N> t{};
+static __host__ __device__ constexpr share_table<N> expand_shares(const share_run (&runs)[R]) {
+  share_table<N> t{};
   int k = 0;
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < runs[i].n; ++j)
-      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+      t.v[k++] = share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
                              runs[i].shares};
   return t;
 }
 
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
-static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
+static __host__ __device__ __forceinline__ void share_range(const slice& s, uint64_t count,
                                                          int share, int shares, uint64_t* lo,
                                                          uint64_t* hi) {
   constexpr uint64_t VEC = 16 / sizeof(T);
@@ -954,34 +976,34 @@ static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_sl
 }
 
 template <typename T>
-static __device__ __forceinline__ T* tsgen_slice_ptr(const tsgen_slice& s, char* const* bufs,
-                                                     char* const* peers, int rank) {
+static __device__ __forceinline__ T* slice_ptr(const slice& s, char* const* bufs,
+                                               char* const* peers, int rank) {
   T* local = (T*)bufs[s.buf];
-  return s.rank == rank ? local : tsgen_peer_ptr(local, peers, rank, s.rank);
+  return s.rank == rank ? local : peer_ptr(local, peers, rank, s.rank);
 }
 
 // Copy n elements; fast path when both ends share their alignment mod 16.
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_copy_elems(T* dst, const T* src, uint64_t n,
-                                                        bool read_only, uint32_t tid,
-                                                        uint32_t nthreads) {
+static __device__ __forceinline__ void copy_elems(T* dst, const T* src, uint64_t n,
+                                                  bool read_only, uint32_t tid,
+                                                  uint32_t nthreads) {
   const uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
   if (((d ^ s) & 15) == 0) {
     uint64_t head = ((16 - (d & 15)) & 15) / sizeof(T);
     head = head < n ? head : n;
     for (uint64_t i = tid; i < head; i += nthreads) dst[i] = src[i];
     if (read_only)
-      tsgen_copy<UNROLL, true>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
+      copy<UNROLL, true>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
     else
-      tsgen_copy<UNROLL, false>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
+      copy<UNROLL, false>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
   } else {
     for (uint64_t i = tid; i < n; i += nthreads) dst[i] = src[i];  // slow path: misaligned
   }
 }
 
 // fp32 (int32) accumulation of 16-byte vectors of T.
-template <typename T> struct tsgen_vec_math;
-template <> struct tsgen_vec_math<float> {
+template <typename T> struct vec_math;
+template <> struct vec_math<float> {
   typedef float acc_t;
   static constexpr int N = 4;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -995,7 +1017,7 @@ template <> struct tsgen_vec_math<float> {
   static __device__ __forceinline__ acc_t load1(const float* p) { return *p; }
   static __device__ __forceinline__ float store1(acc_t a) { return a; }
 };
-template <> struct tsgen_vec_math<int32_t> {
+template <> struct vec_math<int32_t> {
   typedef int32_t acc_t;
   static constexpr int N = 4;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -1007,7 +1029,7 @@ template <> struct tsgen_vec_math<int32_t> {
   static __device__ __forceinline__ acc_t load1(const int32_t* p) { return *p; }
   static __device__ __forceinline__ int32_t store1(acc_t a) { return a; }
 };
-template <> struct tsgen_vec_math<__nv_bfloat16> {
+template <> struct vec_math<__nv_bfloat16> {
   typedef float acc_t;
   static constexpr int N = 8;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -1031,7 +1053,7 @@ template <> struct tsgen_vec_math<__nv_bfloat16> {
   static __device__ __forceinline__ acc_t load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
   static __device__ __forceinline__ __nv_bfloat16 store1(acc_t a) { return __float2bfloat16_rn(a); }
 };
-template <> struct tsgen_vec_math<__half> {
+template <> struct vec_math<__half> {
   typedef float acc_t;
   static constexpr int N = 8;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -1063,9 +1085,9 @@ template <> struct tsgen_vec_math<__half> {
 // flight per thread); NSRC = 0: nsrc sources known at run time, one source's
 // loads in flight at a time (a load behind `j < nsrc` cannot be hoisted).
 template <typename T, int UNROLL, int NSRC>
-static __device__ __forceinline__ void tsgen_reduce_n(T* dst, T* const* srcs, int nsrc, uint64_t n, uint32_t tid,
-                                                      uint32_t nthreads) {
-  typedef tsgen_vec_math<T> M;
+static __device__ __forceinline__ void reduce_n(T* dst, T* const* srcs, int nsrc, uint64_t n, uint32_t tid,
+                                                uint32_t nthreads) {
+  typedef vec_math<T> M;
   typedef typename M::acc_t acc_t;
   uintptr_t any = (uintptr_t)dst;
   TSGEN_FOR_SRC(j, nsrc) any |= (uintptr_t)srcs[j];
@@ -1120,20 +1142,20 @@ static __device__ __forceinline__ void tsgen_reduce_n(T* dst, T* const* srcs, in
 // 64 registers ptxas may give it, and spills. Straight-line code knows nsrc at compile time
 // (every source in flight, whatever the count), so there only its case is compiled in.
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs, int nsrc, uint64_t n,
-                                                          uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void reduce_elems(T* dst, T* const* srcs, int nsrc, uint64_t n,
+                                                    uint32_t tid, uint32_t nthreads) {
   if (nsrc == 2) {
-    tsgen_reduce_n<T, UNROLL, 2>(dst, srcs, 2, n, tid, nthreads);
+    reduce_n<T, UNROLL, 2>(dst, srcs, 2, n, tid, nthreads);
   } else {
-    tsgen_reduce_n<T, UNROLL, 0>(dst, srcs, nsrc, n, tid, nthreads);
+    reduce_n<T, UNROLL, 0>(dst, srcs, nsrc, n, tid, nthreads);
   }
 }
 
 // to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
 // destinations; `to` points to shared memory).
 template <typename T>
-static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
-                                                        uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                  uint32_t tid, uint32_t nthreads) {
   uintptr_t any = (uintptr_t)src;
   for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
   const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
@@ -1152,10 +1174,10 @@ static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, c
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
 // this rank's input, written before the kernel in stream order, and its last call's reads
 // of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
-static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
-                                                         char* const* peers) {
+static __device__ __forceinline__ void open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                   char* const* peers) {
   if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
-    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+    red_add_relaxed_sys_global_u64(peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
 }
 
 // This thread's entry of one of a step's lists (waits, signals, extra destinations; thread
@@ -1163,7 +1185,7 @@ static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, cha
 // step is a compile-time constant (straight-line plans), so is every entry, and nothing
 // is read from the tables.
 template <typename E, int MAX>
-static __device__ __forceinline__ E tsgen_entry(const E (&list)[MAX], int n) {
+static __device__ __forceinline__ E entry(const E (&list)[MAX], int n) {
   E e = list[0];
 #pragma unroll
   for (int j = 1; j < MAX; ++j)
@@ -1182,74 +1204,76 @@ static __device__ __forceinline__ E tsgen_entry(const E (&list)[MAX], int n) {
 // loads of every source are issued together: the interpreter, which tests j < nsrc at
 // run time, has one source's in flight at a time, in fewer registers).
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_run_share(const tsgen_step& st, int share, int shares, int rank,
-                                                       uint64_t epoch, uint64_t count, char* const* bufs,
-                                                       char* const* peers, const char* const* names) {
+static __device__ __forceinline__ void run_share(const step& st, int share, int shares, int rank,
+                                                 uint64_t epoch, uint64_t count, char* const* bufs,
+                                                 char* const* peers, const char* const* names) {
   if (threadIdx.x < st.nwait) {  // one thread per counter
-    const tsgen_wait w = tsgen_entry(st.wait, st.nwait);
+    const step_wait w = entry(st.wait, st.nwait);
     wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                        tsgen_make_site(names[w.buf], rank, rank, w.index));
+                        make_site(names[w.buf], rank, rank, w.index));
   }
   __syncthreads();
   if (st.op != TSGEN_OP_NONE) {
     uint64_t lo, hi;
-    tsgen_share_range<T>(st.dst, count, share, shares, &lo, &hi);
-    T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+    share_range<T>(st.dst, count, share, shares, &lo, &hi);
+    T* dst = slice_ptr<T>(st.dst, bufs, peers, rank);
     const int nalso = st.nalso;
     __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
     if (nalso) {  // the same for the whole block
       if (threadIdx.x < (unsigned)nalso) {
-        const tsgen_slice a = tsgen_entry(st.also, nalso);
+        const slice a = entry(st.also, nalso);
         uint64_t alo, ahi;
-        tsgen_share_range<T>(a, count, share, shares, &alo, &ahi);
-        more[threadIdx.x] = tsgen_slice_ptr<T>(a, bufs, peers, rank) + alo;
+        share_range<T>(a, count, share, shares, &alo, &ahi);
+        more[threadIdx.x] = slice_ptr<T>(a, bufs, peers, rank) + alo;
       }
       __syncthreads();
     }
     if (hi > lo) {
       if (st.op == TSGEN_OP_COPY) {
         uint64_t slo, shi;
-        tsgen_share_range<T>(st.src[0], count, share, shares, &slo, &shi);
-        const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
-        tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
-                                    threadIdx.x, blockDim.x);
+        share_range<T>(st.src[0], count, share, shares, &slo, &shi);
+        const T* src = slice_ptr<T>(st.src[0], bufs, peers, rank);
+        copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
+                              threadIdx.x, blockDim.x);
       } else {
         T* srcs[TSGEN_MAX_SRCS];
         TSGEN_FOR_SRC(j, st.nsrc) {
           uint64_t slo, shi;
-          tsgen_share_range<T>(st.src[j], count, share, shares, &slo, &shi);
-          srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+          share_range<T>(st.src[j], count, share, shares, &slo, &shi);
+          srcs[j] = slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
         }
-        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                                            blockDim.x);
+        reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                                      blockDim.x);
         if (nalso) {  // the sums, as this block wrote them, to the extra destinations
           __syncthreads();
-          tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
         }
       }
     }
   }
   __syncthreads();
   if (threadIdx.x < st.nsignal) {  // one thread per counter
-    const tsgen_signal s = tsgen_entry(st.signal, st.nsignal);
+    const step_signal s = entry(st.signal, st.nsignal);
     uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-    red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank), 1ull);
+    red_add_release_sys_global_u64(s.rank == rank ? c : peer_ptr(c, peers, rank, s.rank), 1ull);
   }
 }
 
 // Execute this block's shares of the plan: shares[first..last) of this rank's tables.
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
-                                                      const tsgen_share* shares, int first,
-                                                      int last, int rank, uint64_t epoch,
-                                                      uint64_t count, char* const* bufs,
-                                                      char* const* peers,
-                                                      const char* const* names) {
+static __device__ __forceinline__ void run_plan(const step* steps,
+                                                const share* shares, int first,
+                                                int last, int rank, uint64_t epoch,
+                                                uint64_t count, char* const* bufs,
+                                                char* const* peers,
+                                                const char* const* names) {
   for (int k = first; k < last; ++k) {
-    const tsgen_share sh = shares[k];
-    tsgen_run_share<T, UNROLL>(steps[sh.step], sh.share, sh.shares, rank, epoch, count, bufs, peers, names);
+    const share sh = shares[k];
+    run_share<T, UNROLL>(steps[sh.step], sh.share, sh.shares, rank, epoch, count, bufs, peers, names);
   }
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_PLAN_CUH
 
@@ -1257,6 +1281,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
 // allgather: allgather_inplace
 // ---------------------------------------------------------------------------
 namespace allgather_inplace {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 64;
@@ -1278,16 +1303,16 @@ template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)entry, (char*)arrive };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                            plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                            rank, epoch, count, bufs, peers, buffer_names);
+  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                             rank, epoch, count, bufs, peers, buffer_names);
 }
 
 // ---------------------------------------------------------------------------
 // Plan for world size 2: 6 steps, 34 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
-static __device__ const tsgen_step steps_w2[] = {
+static __device__ const tsgen::step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
     {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 2, 0}}},
     // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:dst@0; signal r1:arrive[0]; 16 blocks
@@ -1308,7 +1333,7 @@ static __device__ const int step_base_w2[2] = { 0, 3 };
 // Plan for world size 3: 12 steps, 99 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
-static __device__ const tsgen_step steps_w3[] = {
+static __device__ const tsgen::step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
     {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 2, 0}, {2, 2, 0}}},
     // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:dst@0; signal r1:arrive[0]; 16 blocks
@@ -1341,7 +1366,7 @@ static __device__ const int step_base_w3[3] = { 0, 4, 8 };
 // Plan for world size 4: 20 steps, 196 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
-static __device__ const tsgen_step steps_w4[] = {
+static __device__ const tsgen::step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
     {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 2, 0}, {2, 2, 0}, {3, 2, 0}}},
     // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:dst@0; signal r1:arrive[0]; 16 blocks
@@ -1390,7 +1415,7 @@ static __device__ const int step_base_w4[4] = { 0, 5, 10, 15 };
 // Plan for world size 8: 72 steps, 904 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
-static __device__ const tsgen_step steps_w8[] = {
+static __device__ const tsgen::step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
     {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 2, 0}, {2, 2, 0}, {3, 2, 0}, {4, 2, 0}, {5, 2, 0}, {6, 2, 0}, {7, 2, 0}}},
     // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:dst@0; signal r1:arrive[0]; 16 blocks
@@ -1539,7 +1564,7 @@ static __device__ const tsgen_step steps_w8[] = {
 static __device__ const int step_base_w8[8] = { 0, 9, 18, 27, 36, 45, 54, 63 };
 // Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
 // entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
-static constexpr tsgen_share_run share_runs_w8[] = {
+static constexpr tsgen::share_run share_runs_w8[] = {
     // rank 0: shares 0..112
     {4, 15, 16, 2, -3, -15}, {5, 0, 16, 2, -4, 1}, {5, 1, 16, 2, -4, 1}, {5, 2, 16, 2, -4, 1},
     {5, 3, 16, 2, -4, 1}, {5, 4, 16, 2, -4, 1}, {5, 5, 16, 2, -4, 1}, {5, 6, 16, 2, -4, 1},
@@ -1653,8 +1678,8 @@ static constexpr tsgen_share_run share_runs_w8[] = {
     {7, 11, 16, 2, -4, 1}, {7, 12, 16, 2, -4, 1}, {7, 13, 16, 2, -4, 1}, {7, 14, 16, 2, -4, 1},
     {7, 15, 16, 2, -3, -15}, {8, 0, 1, 1, 0, 0}, {4, 1, 16, 14, 0, 1},
 };
-static __device__ const tsgen_share_table<904> shares_w8 =
-    tsgen_expand_shares<904>(share_runs_w8);
+static __device__ const tsgen::share_table<904> shares_w8 =
+    tsgen::expand_shares<904>(share_runs_w8);
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
     { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113 },
@@ -1668,7 +1693,7 @@ static __device__ const uint16_t first_w8[8][65] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
+  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -1679,7 +1704,7 @@ template <> struct plan<2> {
       case 1: mask = 0x1u, index = 1; break;
       default: break;
     }
-    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+    tsgen::open_signal(mask, bufs[2], index, rank, peers);
   }
   // The plan as straight-line code: this rank's and this block's shares, each step a
   // constant entry of steps_w2 (no step, share or block table is read at run time).
@@ -1693,22 +1718,22 @@ template <> struct plan<2> {
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 0 step 1: put to rank 1
-          tsgen_run_share<T, UNROLL>(steps_w2[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 17) {  // block 17
           // rank 0 step 2: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w2[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w2[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       case 1:
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 1 step 1: put to rank 0
-          tsgen_run_share<T, UNROLL>(steps_w2[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 17) {  // block 17
           // rank 1 step 2: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w2[5], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w2[5], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       default:
@@ -1717,7 +1742,7 @@ template <> struct plan<2> {
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
+  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -1729,7 +1754,7 @@ template <> struct plan<3> {
       case 2: mask = 0x3u, index = 2; break;
       default: break;
     }
-    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+    tsgen::open_signal(mask, bufs[2], index, rank, peers);
   }
   // The plan as straight-line code: this rank's and this block's shares, each step a
   // constant entry of steps_w3 (no step, share or block table is read at run time).
@@ -1743,48 +1768,48 @@ template <> struct plan<3> {
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 0 step 1: put to rank 1
-          tsgen_run_share<T, UNROLL>(steps_w3[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
           const int i = b - 17;
           // rank 0 step 2: put to rank 2
-          tsgen_run_share<T, UNROLL>(steps_w3[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 33) {  // block 33
           // rank 0 step 3: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w3[3], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[3], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       case 1:
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 1 step 1: put to rank 2
-          tsgen_run_share<T, UNROLL>(steps_w3[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
           const int i = b - 17;
           // rank 1 step 2: put to rank 0
-          tsgen_run_share<T, UNROLL>(steps_w3[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 33) {  // block 33
           // rank 1 step 3: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w3[7], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[7], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       case 2:
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 2 step 1: put to rank 0
-          tsgen_run_share<T, UNROLL>(steps_w3[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
           const int i = b - 17;
           // rank 2 step 2: put to rank 1
-          tsgen_run_share<T, UNROLL>(steps_w3[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 33) {  // block 33
           // rank 2 step 3: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w3[11], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w3[11], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       default:
@@ -1793,7 +1818,7 @@ template <> struct plan<3> {
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
+  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
   static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
@@ -1806,7 +1831,7 @@ template <> struct plan<4> {
       case 3: mask = 0x7u, index = 3; break;
       default: break;
     }
-    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+    tsgen::open_signal(mask, bufs[2], index, rank, peers);
   }
   // The plan as straight-line code: this rank's and this block's shares, each step a
   // constant entry of steps_w4 (no step, share or block table is read at run time).
@@ -1820,84 +1845,84 @@ template <> struct plan<4> {
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 0 step 1: put to rank 1
-          tsgen_run_share<T, UNROLL>(steps_w4[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
           const int i = b - 17;
           // rank 0 step 2: put to rank 2
-          tsgen_run_share<T, UNROLL>(steps_w4[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
           const int i = b - 33;
           // rank 0 step 3: put to rank 3
-          tsgen_run_share<T, UNROLL>(steps_w4[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 49) {  // block 49
           // rank 0 step 4: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w4[4], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[4], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       case 1:
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 1 step 1: put to rank 2
-          tsgen_run_share<T, UNROLL>(steps_w4[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
           const int i = b - 17;
           // rank 1 step 2: put to rank 3
-          tsgen_run_share<T, UNROLL>(steps_w4[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
           const int i = b - 33;
           // rank 1 step 3: put to rank 0
-          tsgen_run_share<T, UNROLL>(steps_w4[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 49) {  // block 49
           // rank 1 step 4: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w4[9], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[9], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       case 2:
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 2 step 1: put to rank 3
-          tsgen_run_share<T, UNROLL>(steps_w4[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
           const int i = b - 17;
           // rank 2 step 2: put to rank 0
-          tsgen_run_share<T, UNROLL>(steps_w4[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
           const int i = b - 33;
           // rank 2 step 3: put to rank 1
-          tsgen_run_share<T, UNROLL>(steps_w4[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 49) {  // block 49
           // rank 2 step 4: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w4[14], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[14], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       case 3:
         if (b >= 1 && b < 17) {  // blocks 1..16
           const int i = b - 1;
           // rank 3 step 1: put to rank 0
-          tsgen_run_share<T, UNROLL>(steps_w4[16], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[16], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
           const int i = b - 17;
           // rank 3 step 2: put to rank 1
-          tsgen_run_share<T, UNROLL>(steps_w4[17], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[17], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
           const int i = b - 33;
           // rank 3 step 3: put to rank 2
-          tsgen_run_share<T, UNROLL>(steps_w4[18], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[18], i, 16, rank, epoch, count, bufs, peers, buffer_names);
         }
         if (b == 49) {  // block 49
           // rank 3 step 4: wait for every peer's data
-          tsgen_run_share<T, UNROLL>(steps_w4[19], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          tsgen::run_share<T, UNROLL>(steps_w4[19], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
         }
         break;
       default:
@@ -1906,8 +1931,8 @@ template <> struct plan<4> {
   }
 };
 template <> struct plan<8> {
-  static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8.v; }
+  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
+  static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
   // Each rank's opening signal (its first step: raise one counter at each of some peers),
   // raised by block 0 at kernel start instead of through the tables.
@@ -1925,7 +1950,7 @@ template <> struct plan<8> {
       case 7: mask = 0x7fu, index = 7; break;
       default: break;
     }
-    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+    tsgen::open_signal(mask, bufs[2], index, rank, peers);
   }
 };
 
@@ -1958,30 +1983,30 @@ __device__ __forceinline__ void run<4>(char* const* peers, int rank, uint64_t ep
 
 // World size 2: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) allgather_inplace_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   allgather_inplace::run<2>(peers, rank, epoch, count, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) allgather_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   allgather_inplace::run<3>(peers, rank, epoch, count, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512, 1) allgather_inplace_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   allgather_inplace::run<4>(peers, rank, epoch, count, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) allgather_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   allgather_inplace::run<8>(peers, rank, epoch, count, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches

@@ -26,7 +26,7 @@
 // __nv_bfloat16, 16-byte aligned; lse [batch, 32, q_len] fp32 (natural log; -inf where a
 // query sees no key, whose O row is 0). The launchers encode the TMA descriptors on the host
 // (reused while pointers and sizes stay the same) and launch
-//   <kernel>_kernel(q_map, k_map, v_map, o_map, tsgen_attention::Problem)
+//   <kernel>_kernel(q_map, k_map, v_map, o_map, tsgen::attention::Problem)
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   q        __nv_bfloat16  input  4096 * count
@@ -51,6 +51,10 @@
 //
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
+//
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
 //
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
@@ -154,6 +158,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -604,6 +611,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -629,17 +641,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -649,12 +663,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -664,7 +678,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -673,7 +687,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -693,7 +707,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -702,11 +716,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -719,8 +733,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -729,15 +743,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -745,33 +759,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -797,9 +813,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -821,8 +839,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -832,29 +850,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -920,7 +940,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #include <type_traits>
 #include <utility>  // std::declval
 
-namespace tsgen_gemm {
+namespace tsgen {
+namespace gemm {
 
 // ---------------------------------------------------------------------------
 // PTX wrappers (sm_90a). Shared-memory addresses are 32-bit shared-window
@@ -1817,7 +1838,8 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_gemm
+}  // namespace gemm
+}  // namespace tsgen
 
 #endif  // TSGEN_GEMM_CUH
 
@@ -1882,29 +1904,30 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 
 #include <math.h>
 
-namespace tsgen_attention {
+namespace tsgen {
+namespace attention {
 
-using tsgen_gemm::bulk_commit_group;
-using tsgen_gemm::bulk_wait_group_all;
-using tsgen_gemm::bulk_wait_group_read;
-using tsgen_gemm::fence_mbarrier_init_release_cluster;
-using tsgen_gemm::fence_operand;
-using tsgen_gemm::fence_proxy_async_global;
-using tsgen_gemm::mbar_arrive;
-using tsgen_gemm::mbar_arrive_expect_tx;
-using tsgen_gemm::mbar_init;
-using tsgen_gemm::mbar_wait;
-using tsgen_gemm::named_barrier_sync;
-using tsgen_gemm::pack2;
-using tsgen_gemm::prefetch_tensormap;
-using tsgen_gemm::setmaxnreg_dec;
-using tsgen_gemm::setmaxnreg_inc;
-using tsgen_gemm::smem_u32;
-using tsgen_gemm::st_shared_u32;
-using tsgen_gemm::sw128_descriptor;
-using tsgen_gemm::wgmma_commit_group;
-using tsgen_gemm::wgmma_fence;
-using tsgen_gemm::wgmma_wait_group;
+using gemm::bulk_commit_group;
+using gemm::bulk_wait_group_all;
+using gemm::bulk_wait_group_read;
+using gemm::fence_mbarrier_init_release_cluster;
+using gemm::fence_operand;
+using gemm::fence_proxy_async_global;
+using gemm::mbar_arrive;
+using gemm::mbar_arrive_expect_tx;
+using gemm::mbar_init;
+using gemm::mbar_wait;
+using gemm::named_barrier_sync;
+using gemm::pack2;
+using gemm::prefetch_tensormap;
+using gemm::setmaxnreg_dec;
+using gemm::setmaxnreg_inc;
+using gemm::smem_u32;
+using gemm::st_shared_u32;
+using gemm::sw128_descriptor;
+using gemm::wgmma_commit_group;
+using gemm::wgmma_fence;
+using gemm::wgmma_wait_group;
 
 // ---------------------------------------------------------------------------
 // PTX wrappers beyond the GEMM's
@@ -1952,7 +1975,7 @@ static __device__ __forceinline__ float log2_approx(float x) {
 // spill); the producer's waits keep the timeout (mbar_wait), and the producer waits at the
 // end until the consumers have released everything, so a stuck pipeline still traps.
 static __device__ __forceinline__ void mbar_wait_no_timeout(uint32_t bar, uint32_t parity) {
-  while (!tsgen_gemm::mbar_try_wait(bar, parity)) {
+  while (!gemm::mbar_try_wait(bar, parity)) {
   }
 }
 
@@ -2481,9 +2504,9 @@ template <class C>
 static cudaError_t encode_heads(CUtensorMap* map, const void* base, uint64_t batch, uint64_t rows, uint64_t heads,
                                 uint32_t box_rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode;
-  const cudaError_t err = tsgen_gemm::tensor_map_encoder(&encode);
+  const cudaError_t err = gemm::tensor_map_encoder(&encode);
   if (err != cudaSuccess) return err;
-  constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
+  constexpr CUtensorMapDataType dtype = gemm::tensor_map_dtype<typename C::Element>();
   const uint64_t row_bytes = (uint64_t)C::HEAD_DIM * 2;
   cuuint64_t dims[4], strides[3];
   cuuint32_t box[4];
@@ -2598,7 +2621,8 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_attention
+}  // namespace attention
+}  // namespace tsgen
 
 #endif  // TSGEN_ATTENTION_CUH
 
@@ -2606,6 +2630,7 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
 // attention: attention_hd128_causal_gqa
 // ---------------------------------------------------------------------------
 namespace attention_hd128_causal_gqa {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int HEAD_DIM = 128;
 constexpr int HEADS = 32;
@@ -2699,8 +2724,8 @@ struct Config {
 extern "C" __global__ void __launch_bounds__(384, 1)
 attention_hd128_causal_gqa_w1_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                      const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
-                                     const __grid_constant__ tsgen_attention::Problem problem) {
-  tsgen_attention::run<attention_hd128_causal_gqa::Config>(&q_map, &k_map, &v_map, &o_map, problem);
+                                     const __grid_constant__ tsgen::attention::Problem problem) {
+  tsgen::attention::run<attention_hd128_causal_gqa::Config>(&q_map, &k_map, &v_map, &o_map, problem);
 }
 
 // Host launcher, everything at run time (see the calling convention at the top).
@@ -2709,7 +2734,7 @@ extern "C" cudaError_t attention_hd128_causal_gqa_w1_forward(const void* q, cons
                                                             int64_t q_split, int64_t q_offset2, int64_t kv_offset,
                                                             const uint64_t* kv_signal, uint64_t kv_chunk, uint64_t kv_expected,
                                                             int blocks, cudaStream_t stream) {
-  return tsgen_attention::launch<attention_hd128_causal_gqa::Config>(attention_hd128_causal_gqa_w1_kernel, q, k, v, o, lse, batch, q_len, kv_len,
+  return tsgen::attention::launch<attention_hd128_causal_gqa::Config>(attention_hd128_causal_gqa_w1_kernel, q, k, v, o, lse, batch, q_len, kv_len,
                                                  q_offset, q_split, q_offset2, kv_offset, kv_signal, kv_chunk,
                                                  kv_expected, blocks, stream);
 }
@@ -2717,7 +2742,7 @@ extern "C" cudaError_t attention_hd128_causal_gqa_w1_forward(const void* q, cons
 // Host launcher, tsgen's calling convention: count = the sequence length of BATCH sequences.
 extern "C" cudaError_t attention_hd128_causal_gqa_w1_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, cudaStream_t stream) {
   (void)peers, (void)rank;
-  const cudaError_t err = tsgen_use_device_of(calls);
+  const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   return attention_hd128_causal_gqa_w1_forward(q, k, v, o, lse, attention_hd128_causal_gqa::BATCH, count, count, 0, (int64_t)count, 0, 0, nullptr, 0, 0,
                                               attention_hd128_causal_gqa::BLOCKS, stream);

@@ -55,6 +55,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -157,6 +161,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -607,6 +614,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -632,17 +644,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -652,12 +666,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -667,7 +681,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -676,7 +690,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -696,7 +710,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -705,11 +719,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -722,8 +736,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -732,15 +746,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -748,33 +762,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -800,9 +816,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -824,8 +842,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -835,29 +853,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -923,7 +943,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #include <type_traits>
 #include <utility>  // std::declval
 
-namespace tsgen_gemm {
+namespace tsgen {
+namespace gemm {
 
 // ---------------------------------------------------------------------------
 // PTX wrappers (sm_90a). Shared-memory addresses are 32-bit shared-window
@@ -1820,7 +1841,8 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_gemm
+}  // namespace gemm
+}  // namespace tsgen
 
 #endif  // TSGEN_GEMM_CUH
 
@@ -1849,7 +1871,8 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace tsgen_grid {
+namespace tsgen {
+namespace grid {
 
 constexpr int MAX_Q = 8;
 constexpr int MAX_WORLD = MAX_Q * MAX_Q;
@@ -1868,7 +1891,7 @@ struct CopyStep {
 };
 
 // ---------------------------------------------------------------------------
-// Device: the GEMM producer's hook (tsgen_gemm::NoHook + k_block). The GEMM's K is the q
+// Device: the GEMM producer's hook (gemm::NoHook + k_block). The GEMM's K is the q
 // panels of K/q (KBP K blocks each); rank (i, j) starts at panel (i + j) mod q
 // (`start` = its first K block) and wraps around. Before the first load of panel p the
 // producer waits for A_READY[p] and B_READY[p] >= epoch (then remembers it).
@@ -1896,8 +1919,8 @@ struct PanelHook {
     const uint32_t k = rotate((uint32_t)kb, start);
     const uint32_t p = k / KBP;
     if (!((waited >> p) & 1u)) {
-      tsgen_gemm::wait_signal_ge_sys(sig + A_READY + p, epoch);
-      tsgen_gemm::wait_signal_ge_sys(sig + B_READY + p, epoch);
+      gemm::wait_signal_ge_sys(sig + A_READY + p, epoch);
+      gemm::wait_signal_ge_sys(sig + B_READY + p, epoch);
       waited |= 1u << p;
     }
     return (int)k;
@@ -1924,23 +1947,23 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     __syncthreads();  // everyone has read calls[0] before thread 0 advances it
     if (t == 0) st_relaxed_gpu_global_u64(calls, epoch);
     if (t < WORLD && t != rank)
-      st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
+      st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
     return;
   }
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
   if (mode == WAIT_FREE) {
     if (t < WORLD && t != rank)
-      wait_ge_acquire_sys(sig + FREE + t, epoch, tsgen_make_site("sig.free", rank, rank, FREE + t));
+      wait_ge_acquire_sys(sig + FREE + t, epoch, make_site("sig.free", rank, rank, FREE + t));
     return;
   }
   if (mode == WAIT_READY) {
-    if (t == 0) wait_ge_acquire_sys(sig + index, epoch, tsgen_make_site("sig.ready", rank, rank, index));
+    if (t == 0) wait_ge_acquire_sys(sig + index, epoch, make_site("sig.ready", rank, rank, index));
     return;
   }
   // SIGNAL: the copy engine's writes completed before this kernel started (stream order);
   // the fence makes them visible at system scope before the release that announces them.
   __threadfence_system();
-  if (t == 0) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, target) + index, epoch);
+  if (t == 0) st_release_sys_global_u64(peer_ptr(sig, peers, rank, target) + index, epoch);
 }
 
 // ---------------------------------------------------------------------------
@@ -1987,7 +2010,8 @@ static T* host_peer_ptr(T* local, char* const* peers_host, int rank, int peer) {
   return (T*)(peers_host[peer] + ((const char*)local - peers_host[rank]));
 }
 
-}  // namespace tsgen_grid
+}  // namespace grid
+}  // namespace tsgen
 
 #endif  // TSGEN_GRID_CUH
 
@@ -1995,6 +2019,7 @@ static T* host_peer_ptr(T* local, char* const* peers_host, int rank, int peer) {
 // cannon: cannon
 // ---------------------------------------------------------------------------
 namespace cannon {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int K = 8192;
 constexpr int TILE_M = 128;
@@ -2075,7 +2100,7 @@ struct Config {
 
 // The copy schedule of world size 4 (2 x 2): per rank, its pushes in order
 // {operand (0 A, 1 B), from input, panel slot, wait for own panel (-1 none), destination rank}.
-constexpr tsgen_grid::CopyStep STEPS_W4[4][4] = {
+constexpr tsgen::grid::CopyStep STEPS_W4[4][4] = {
     {{0, 1, 0, -1, 0}, {1, 1, 0, -1, 0}, {0, 0, 0, 0, 1}, {1, 0, 0, 0, 2}},
     {{0, 1, 1, -1, 1}, {1, 1, 0, -1, 3}, {0, 0, 1, 1, 0}, {1, 0, 1, 1, 3}},
     {{0, 1, 0, -1, 3}, {1, 1, 1, -1, 2}, {0, 0, 1, 1, 3}, {1, 0, 1, 1, 0}},
@@ -2092,31 +2117,31 @@ cannon_w4_gemm(const __grid_constant__ CUtensorMap a_map, const __grid_constant_
                uint64_t count) {
   using C = cannon::Config<2>;
   const uint32_t i = (uint32_t)rank / 2, j = (uint32_t)rank % 2;
-  tsgen_grid::PanelHook<C::K_BLOCKS, C::KBP> hook{sig, ld_relaxed_gpu_global_u64(calls), (i + j) % 2 * C::KBP, 0u};
-  tsgen_gemm::run<C>(&a_map, &b_map, &c_map, (uint32_t)count, hook);
+  tsgen::grid::PanelHook<C::K_BLOCKS, C::KBP> hook{sig, tsgen::ptx::ld_relaxed_gpu_global_u64(calls), (i + j) % 2 * C::KBP, 0u};
+  tsgen::gemm::run<C>(&a_map, &b_map, &c_map, (uint32_t)count, hook);
 }
 
-// Entry / wait / signal (one block; see tsgen_grid::SyncMode).
-extern "C" __global__ void __launch_bounds__(tsgen_grid::SYNC_THREADS)
+// Entry / wait / signal (one block; see tsgen::grid::SyncMode).
+extern "C" __global__ void __launch_bounds__(tsgen::grid::SYNC_THREADS)
 cannon_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target, int index) {
-  tsgen_grid::sync_body<4>(peers, rank, calls, sig, mode, target, index);
+  tsgen::grid::sync_body<4>(peers, rank, calls, sig, mode, target, index);
 }
 
 // Host launcher: see the top of this file.
 extern "C" cudaError_t cannon_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_pan, __nv_bfloat16* b_pan, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_grid;
+  using namespace tsgen::grid;
   using C = cannon::Config<2>;
   using E = C::Element;
   constexpr int WORLD = 4;
   if (count == 0) return cudaSuccess;
-  TSGEN_GRID_TRY(tsgen_use_device_of(calls));
-  if (count > tsgen_gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  TSGEN_GRID_TRY(tsgen::use_device_of(calls));
+  if (count > tsgen::gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;
-  const tsgen_gemm::TensorMaps* maps;  // a_pan (rows x K), b_pan (K x N/q), c (rows x N/q)
-  TSGEN_GRID_TRY(tsgen_gemm::tensor_maps<C>(a_pan, b_pan, c, rows, &maps));
+  const tsgen::gemm::TensorMaps* maps;  // a_pan (rows x K), b_pan (K x N/q), c (rows x N/q)
+  TSGEN_GRID_TRY(tsgen::gemm::tensor_maps<C>(a_pan, b_pan, c, rows, &maps));
   unsigned grid;
-  TSGEN_GRID_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(cannon_w4_gemm), rows,
-                                          cannon::RESERVE_SMS, &grid));
+  TSGEN_GRID_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(cannon_w4_gemm), rows,
+                                           cannon::RESERVE_SMS, &grid));
   cannon_w4_sync<<<1, SYNC_THREADS, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, 0);
   TSGEN_GRID_TRY(cudaGetLastError());
   Lanes* l;
@@ -2149,7 +2174,7 @@ extern "C" cudaError_t cannon_w4_launch(char* const* peers, char* const* peers_h
     cannon_w4_sync<<<1, SYNC_THREADS, 0, lane>>>(peers, rank, calls, sig, SIGNAL, s.dst, ready + s.slot);
     TSGEN_GRID_TRY(cudaGetLastError());
   }
-  cannon_w4_gemm<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
+  cannon_w4_gemm<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->a, maps->b, maps->c, calls, sig, rank, count);
   TSGEN_GRID_TRY(cudaGetLastError());
   for (int o = 0; o < 2; ++o) {

@@ -55,6 +55,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -157,6 +161,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -607,6 +614,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -632,17 +644,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -652,12 +666,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -667,7 +681,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -676,7 +690,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -696,7 +710,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -705,11 +719,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -722,8 +736,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -732,15 +746,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -748,33 +762,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -800,9 +816,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -824,8 +842,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -835,29 +853,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -923,7 +943,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #include <type_traits>
 #include <utility>  // std::declval
 
-namespace tsgen_gemm {
+namespace tsgen {
+namespace gemm {
 
 // ---------------------------------------------------------------------------
 // PTX wrappers (sm_90a). Shared-memory addresses are 32-bit shared-window
@@ -1820,7 +1841,8 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_gemm
+}  // namespace gemm
+}  // namespace tsgen
 
 #endif  // TSGEN_GEMM_CUH
 
@@ -1885,29 +1907,30 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 
 #include <math.h>
 
-namespace tsgen_attention {
+namespace tsgen {
+namespace attention {
 
-using tsgen_gemm::bulk_commit_group;
-using tsgen_gemm::bulk_wait_group_all;
-using tsgen_gemm::bulk_wait_group_read;
-using tsgen_gemm::fence_mbarrier_init_release_cluster;
-using tsgen_gemm::fence_operand;
-using tsgen_gemm::fence_proxy_async_global;
-using tsgen_gemm::mbar_arrive;
-using tsgen_gemm::mbar_arrive_expect_tx;
-using tsgen_gemm::mbar_init;
-using tsgen_gemm::mbar_wait;
-using tsgen_gemm::named_barrier_sync;
-using tsgen_gemm::pack2;
-using tsgen_gemm::prefetch_tensormap;
-using tsgen_gemm::setmaxnreg_dec;
-using tsgen_gemm::setmaxnreg_inc;
-using tsgen_gemm::smem_u32;
-using tsgen_gemm::st_shared_u32;
-using tsgen_gemm::sw128_descriptor;
-using tsgen_gemm::wgmma_commit_group;
-using tsgen_gemm::wgmma_fence;
-using tsgen_gemm::wgmma_wait_group;
+using gemm::bulk_commit_group;
+using gemm::bulk_wait_group_all;
+using gemm::bulk_wait_group_read;
+using gemm::fence_mbarrier_init_release_cluster;
+using gemm::fence_operand;
+using gemm::fence_proxy_async_global;
+using gemm::mbar_arrive;
+using gemm::mbar_arrive_expect_tx;
+using gemm::mbar_init;
+using gemm::mbar_wait;
+using gemm::named_barrier_sync;
+using gemm::pack2;
+using gemm::prefetch_tensormap;
+using gemm::setmaxnreg_dec;
+using gemm::setmaxnreg_inc;
+using gemm::smem_u32;
+using gemm::st_shared_u32;
+using gemm::sw128_descriptor;
+using gemm::wgmma_commit_group;
+using gemm::wgmma_fence;
+using gemm::wgmma_wait_group;
 
 // ---------------------------------------------------------------------------
 // PTX wrappers beyond the GEMM's
@@ -1955,7 +1978,7 @@ static __device__ __forceinline__ float log2_approx(float x) {
 // spill); the producer's waits keep the timeout (mbar_wait), and the producer waits at the
 // end until the consumers have released everything, so a stuck pipeline still traps.
 static __device__ __forceinline__ void mbar_wait_no_timeout(uint32_t bar, uint32_t parity) {
-  while (!tsgen_gemm::mbar_try_wait(bar, parity)) {
+  while (!gemm::mbar_try_wait(bar, parity)) {
   }
 }
 
@@ -2484,9 +2507,9 @@ template <class C>
 static cudaError_t encode_heads(CUtensorMap* map, const void* base, uint64_t batch, uint64_t rows, uint64_t heads,
                                 uint32_t box_rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode;
-  const cudaError_t err = tsgen_gemm::tensor_map_encoder(&encode);
+  const cudaError_t err = gemm::tensor_map_encoder(&encode);
   if (err != cudaSuccess) return err;
-  constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
+  constexpr CUtensorMapDataType dtype = gemm::tensor_map_dtype<typename C::Element>();
   const uint64_t row_bytes = (uint64_t)C::HEAD_DIM * 2;
   cuuint64_t dims[4], strides[3];
   cuuint32_t box[4];
@@ -2601,7 +2624,8 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_attention
+}  // namespace attention
+}  // namespace tsgen
 
 #endif  // TSGEN_ATTENTION_CUH
 
@@ -2635,7 +2659,8 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace tsgen_fused {
+namespace tsgen {
+namespace fused {
 
 constexpr int MAX_WORLD = 8;
 constexpr int FREE = 0;               // sig[FREE + s]
@@ -2643,7 +2668,7 @@ constexpr int READY = MAX_WORLD;      // sig[READY + s]
 constexpr int SIGNALS = 2 * MAX_WORLD;
 
 // ---------------------------------------------------------------------------
-// Device: the GEMM producer's hook (tsgen_gemm::NoHook describes the interface).
+// Device: the GEMM producer's hook (gemm::NoHook describes the interface).
 // Batch s of the GEMM = the rows of source rank s; the walk starts at this rank's own
 // rows, read from `a` directly (its own map), then rank + 1, rank + 2, ... from a_full.
 // WAIT: wait for sig[READY + s] >= epoch before the first tile of source s (overlapped);
@@ -2661,7 +2686,7 @@ struct GatherHook {
   __device__ __forceinline__ void wait(uint32_t batch) {
     if constexpr (WAIT) {
       if (batch != rank && !((waited >> batch) & 1u)) {
-        tsgen_gemm::wait_signal_ge_sys(ready + batch, epoch);
+        gemm::wait_signal_ge_sys(ready + batch, epoch);
         waited |= 1u << batch;
       }
     }
@@ -2715,7 +2740,7 @@ struct ScatterHook {
   __device__ __forceinline__ void wait(uint32_t batch) {
     if constexpr (OVERLAP) {
       if (batch != rank && !((waited >> batch) & 1u)) {
-        tsgen_gemm::wait_signal_ge_sys(sig + FREE + batch, epoch);
+        gemm::wait_signal_ge_sys(sig + FREE + batch, epoch);
         waited |= 1u << batch;
       }
     }
@@ -2730,14 +2755,14 @@ struct ScatterHook {
       if (!leader || batch == rank) return;
       // this warpgroup's TMA stores of the tile are done (written, in the owner's memory with
       // push: the consumer waited for them); order them before what follows (generic proxy)
-      tsgen_gemm::fence_proxy_async_global();
+      gemm::fence_proxy_async_global();
       const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
       if (before + 1 == (uint64_t)expected) {
         // every tile of block q is stored (acquired through the counter): reset it for the
         // next call (ordered after this kernel by the stream) and announce the block at q
         st_relaxed_gpu_global_u64(sig + TILES + batch, 0ull);
         fence_acq_rel_sys();
-        st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
+        st_release_sys_global_u64(peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
       }
     }
   }
@@ -2771,7 +2796,7 @@ struct AddHook : ScatterHook<true> {
     const uint64_t stride = (uint64_t)gridDim.x * n;
     for (uint64_t i = (uint64_t)blockIdx.x * n + t; i < vectors; i += stride) c[i] = make_uint4(0u, 0u, 0u, 0u);
     __threadfence();  // our zeros, before the CTA is counted below
-    tsgen_gemm::named_barrier_sync(tsgen_gemm::SIDE_BARRIER, n);
+    gemm::named_barrier_sync(gemm::SIDE_BARRIER, n);
     if (t != 0) return;
     const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + ZEROING, 1ull);
     if (before + 1 == (uint64_t)gridDim.x) {  // every CTA's share is zero (acquired through the counter)
@@ -2779,12 +2804,12 @@ struct AddHook : ScatterHook<true> {
       fence_acq_rel_sys();
       st_release_gpu_global_u64(sig + ZEROED, epoch);
       for (uint32_t q = 0; q < world; ++q)
-        if (q != rank) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)q) + FREE + rank, epoch);
+        if (q != rank) st_release_sys_global_u64(peer_ptr(sig, peers, (int)rank, (int)q) + FREE + rank, epoch);
     }
   }
   __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) {
     if (!((zeroed >> batch) & 1u)) {  // q's c is zero for this call (then: toward the async proxy)
-      tsgen_gemm::wait_signal_ge_sys(batch == rank ? sig + ZEROED : sig + FREE + batch, epoch);
+      gemm::wait_signal_ge_sys(batch == rank ? sig + ZEROED : sig + FREE + batch, epoch);
       zeroed |= 1u << batch;
     }
     z = 0;  // the owner's c: one batch
@@ -2825,8 +2850,8 @@ struct Vec8<__half> {
 
 template <class T>
 static __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  return make_uint4(tsgen_gemm::pack2<T>(f[0], f[1]), tsgen_gemm::pack2<T>(f[2], f[3]),
-                    tsgen_gemm::pack2<T>(f[4], f[5]), tsgen_gemm::pack2<T>(f[6], f[7]));
+  return make_uint4(gemm::pack2<T>(f[0], f[1]), gemm::pack2<T>(f[2], f[3]),
+                    gemm::pack2<T>(f[4], f[5]), gemm::pack2<T>(f[6], f[7]));
 }
 
 // acc (fp32, 8 per vector) as two float4
@@ -2893,7 +2918,7 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     const T* src[WORLD];
 #pragma unroll
     for (int i = 0; i < WORLD; ++i)
-      src[i] = tsgen_peer_ptr(partial, peers, rank, (rank + i) % WORLD) + (uint64_t)rank * elems;
+      src[i] = peer_ptr(partial, peers, rank, (rank + i) % WORLD) + (uint64_t)rank * elems;
     reduce_pass<T, WORLD, UNROLL, false, false>(src, acc, c, vectors);
   } else if (mode == FINISH) {
     const T* src[1] = {partial + (uint64_t)rank * elems};
@@ -2902,7 +2927,7 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     // slot s of our partial = source s's part of our block, stored there by s's GEMM
     if (threadIdx.x < WORLD && threadIdx.x != rank)
       wait_ge_acquire_sys(sig + READY + threadIdx.x, epoch,
-                          tsgen_make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
+                          make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
     __syncthreads();
     const T* src[WORLD];
 #pragma unroll
@@ -2913,9 +2938,9 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     for (int j = 1; j < WORLD; ++j) {
       const int s = (rank - j + WORLD) % WORLD;
       if (threadIdx.x == 0)
-        wait_ge_acquire_sys(sig + READY + s, epoch, tsgen_make_site("sig.ready", rank, rank, READY + s));
+        wait_ge_acquire_sys(sig + READY + s, epoch, make_site("sig.ready", rank, rank, READY + s));
       __syncthreads();
-      const T* src[1] = {tsgen_peer_ptr(partial, peers, rank, s) + (uint64_t)rank * elems};
+      const T* src[1] = {peer_ptr(partial, peers, rank, s) + (uint64_t)rank * elems};
       if (j == 1) {
         reduce_pass<T, 1, UNROLL, false, true>(src, acc, c, vectors);
       } else {
@@ -2947,7 +2972,7 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     __syncthreads();  // everyone has read calls[0] before thread 0 advances it
     if (t == 0) st_relaxed_gpu_global_u64(calls, epoch);
     if (mode == ENTRY && t < WORLD && t != rank)
-      st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
+      st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
     return;
   }
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
@@ -2955,19 +2980,19 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     const int base = mode == WAIT_FREE ? FREE : READY;
     if (t < WORLD && t != rank)
       wait_ge_acquire_sys(sig + base + t, epoch,
-                          tsgen_make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
+                          make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
     return;
   }
   // The copy engine's writes completed before this kernel started (stream order); the
   // fence makes them visible at system scope before the release that announces them.
   __threadfence_system();
   if (mode == SIGNAL) {
-    if (t == 0) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, target) + READY + rank, epoch);
+    if (t == 0) st_release_sys_global_u64(peer_ptr(sig, peers, rank, target) + READY + rank, epoch);
     return;
   }
-  if (t < WORLD && t != rank) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + READY + rank, epoch);
+  if (t < WORLD && t != rank) st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + READY + rank, epoch);
   if (t < WORLD && t != rank)
-    wait_ge_acquire_sys(sig + READY + t, epoch, tsgen_make_site("sig.ready", rank, rank, READY + t));
+    wait_ge_acquire_sys(sig + READY + t, epoch, make_site("sig.ready", rank, rank, READY + t));
 }
 
 // ---------------------------------------------------------------------------
@@ -3043,7 +3068,8 @@ struct MapCache {
   }
 };
 
-}  // namespace tsgen_fused
+}  // namespace fused
+}  // namespace tsgen
 
 #endif  // TSGEN_FUSED_CUH
 
@@ -3078,14 +3104,15 @@ struct MapCache {
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace tsgen_cp {
+namespace tsgen {
+namespace cp {
 
 constexpr int MAX_WORLD = 8;
-constexpr int FREE = 0;                          // = tsgen_fused::FREE
+constexpr int FREE = 0;                          // = fused::FREE
 constexpr int READY = MAX_WORLD;                 // sig[READY + c], c < 2 MAX_WORLD (zig-zag: 2 chunks a rank)
 constexpr int ARRIVED = READY + 2 * MAX_WORLD;   // sig[ARRIVED + d]
 constexpr int SIGNALS = ARRIVED + MAX_WORLD;     // tsgen/ops/cp_attention.py SIGNALS
-static_assert(FREE == tsgen_fused::FREE && MAX_WORLD == tsgen_fused::MAX_WORLD, "tsgen_fused's FREE exchange");
+static_assert(FREE == fused::FREE && MAX_WORLD == fused::MAX_WORLD, "tsgen_fused's FREE exchange");
 
 // Where rows live (the same on every rank; tsgen/ops/cp_attention.py `segments`).
 struct Geometry {
@@ -3163,11 +3190,11 @@ static __device__ __forceinline__ void push_body(char* const* peers, int rank, c
   for (int i = 0; i < WORLD; ++i) {
     const int d = (rank + i) % WORLD;
     if (d != rank) {  // d's previous call no longer reads its gathered buffers
-      if (threadIdx.x == 0) wait_ge_acquire_sys(sig + FREE + d, epoch, tsgen_make_site("sig.free", rank, rank, FREE + d));
+      if (threadIdx.x == 0) wait_ge_acquire_sys(sig + FREE + d, epoch, make_site("sig.free", rank, rank, FREE + d));
       __syncthreads();
     }
-    char* kd = tsgen_peer_ptr(k_full, peers, rank, d);
-    char* vd = tsgen_peer_ptr(v_full, peers, rank, d);
+    char* kd = peer_ptr(k_full, peers, rank, d);
+    char* vd = peer_ptr(v_full, peers, rank, d);
     for (int s = 0; s < segments(g); ++s) {
       const Segment x = segment(g, rank, d, s);
       copy_piece(kd, k, g, x);
@@ -3180,7 +3207,7 @@ static __device__ __forceinline__ void push_body(char* const* peers, int rank, c
       if (before + 1 == (uint64_t)gridDim.x) {  // every CTA's share landed (acquired through the counter)
         st_relaxed_gpu_global_u64(sig + ARRIVED + d, 0ull);  // for the next call (stream order)
         fence_acq_rel_sys();
-        uint64_t* at = tsgen_peer_ptr(sig, peers, rank, d);
+        uint64_t* at = peer_ptr(sig, peers, rank, d);
         for (int s = 0; s < segments(g); ++s) st_release_sys_global_u64(at + READY + segment(g, rank, d, s).chunk, epoch);
       }
     }
@@ -3194,11 +3221,12 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
   __threadfence_system();
   if (threadIdx.x != 0) return;
-  uint64_t* at = tsgen_peer_ptr(sig, peers, rank, target);
+  uint64_t* at = peer_ptr(sig, peers, rank, target);
   for (int s = 0; s < segments(g); ++s) st_release_sys_global_u64(at + READY + segment(g, rank, target, s).chunk, epoch);
 }
 
-}  // namespace tsgen_cp
+}  // namespace cp
+}  // namespace tsgen
 
 #endif  // TSGEN_CP_CUH
 
@@ -3206,6 +3234,7 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
 // cp_attention: cp_attention_zigzag_causal_sm
 // ---------------------------------------------------------------------------
 namespace cp_attention_zigzag_causal_sm {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int HEAD_DIM = 128;
 constexpr int HEADS = 32;
@@ -3243,10 +3272,10 @@ struct Config {
   // sys scope); after sync.timeout_ms it traps without printing (a printf is a call, which
   // would serialize the kernel's wgmma: params.kv_wait_diagnostic prints, for debugging).
   static __device__ __forceinline__ void wait_signal(const uint64_t* signal, uint64_t expected, int) {
-    if (ld_acquire_sys_global_u64(signal) >= expected) return;
-    const uint64_t start = globaltimer_ns();
-    while (ld_acquire_sys_global_u64(signal) < expected) {
-      if (TSGEN_TIMEOUT_NS != 0 && globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS) __trap();
+    if (ptx::ld_acquire_sys_global_u64(signal) >= expected) return;
+    const uint64_t start = ptx::globaltimer_ns();
+    while (ptx::ld_acquire_sys_global_u64(signal) < expected) {
+      if (TSGEN_TIMEOUT_NS != 0 && ptx::globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS) __trap();
     }
   }
 
@@ -3308,11 +3337,11 @@ struct Config {
 };
 
 constexpr int GATHER_THREADS = 512;  // threads of a push kernel CTA
-constexpr int SIGNAL_CHUNKS = 16;    // mode of the sync kernel beside tsgen_fused::SyncMode's
+constexpr int SIGNAL_CHUNKS = 16;    // mode of the sync kernel beside tsgen::fused::SyncMode's
 
 // Rows of this spec's tensors as tsgen_cp.cuh's Geometry.
-static __host__ __device__ inline tsgen_cp::Geometry geometry(int world, uint64_t count) {
-  tsgen_cp::Geometry g;
+static __host__ __device__ inline tsgen::cp::Geometry geometry(int world, uint64_t count) {
+  tsgen::cp::Geometry g;
   g.lines = BHSD ? (uint64_t)BATCH * KV_HEADS : (uint64_t)BATCH;
   g.row_bytes = (BHSD ? 1ull : (uint64_t)KV_HEADS) * HEAD_DIM * sizeof(Config::Element);
   g.count = (uint32_t)count;
@@ -3329,19 +3358,19 @@ static __host__ __device__ inline tsgen_cp::Geometry geometry(int world, uint64_
 extern "C" __global__ void __launch_bounds__(384, 1)
 cp_attention_zigzag_causal_sm_attention(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                         const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
-                                        const __grid_constant__ tsgen_attention::Problem problem) {
-  tsgen_attention::run<cp_attention_zigzag_causal_sm::Config>(&q_map, &k_map, &v_map, &o_map, problem);
+                                        const __grid_constant__ tsgen::attention::Problem problem) {
+  tsgen::attention::run<cp_attention_zigzag_causal_sm::Config>(&q_map, &k_map, &v_map, &o_map, problem);
 }
 
 // ---- world size 2 ----
-// Entry / wait (tsgen_fused::SyncMode ENTRY, WAIT_FREE) or, mode SIGNAL_CHUNKS, the READY
+// Entry / wait (tsgen::fused::SyncMode ENTRY, WAIT_FREE) or, mode SIGNAL_CHUNKS, the READY
 // signals of our chunks at `target` after the copy engine's copies (one block).
 extern "C" __global__ void __launch_bounds__(32)
 cp_attention_zigzag_causal_sm_w2_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target, uint64_t count) {
   if (mode == cp_attention_zigzag_causal_sm::SIGNAL_CHUNKS) {
-    tsgen_cp::signal_body(peers, rank, calls, sig, target, cp_attention_zigzag_causal_sm::geometry(2, count));
+    tsgen::cp::signal_body(peers, rank, calls, sig, target, cp_attention_zigzag_causal_sm::geometry(2, count));
   } else {
-    tsgen_fused::sync_body<2>(peers, rank, calls, sig, mode, target);
+    tsgen::fused::sync_body<2>(peers, rank, calls, sig, mode, target);
   }
 }
 
@@ -3349,19 +3378,19 @@ cp_attention_zigzag_causal_sm_w2_sync(char* const* peers, int rank, uint64_t* ca
 extern "C" __global__ void __launch_bounds__(cp_attention_zigzag_causal_sm::GATHER_THREADS)
 cp_attention_zigzag_causal_sm_w2_push(char* const* peers, int rank, const uint64_t* calls, uint64_t* sig, const void* k, const void* v,
                                       void* k_full, void* v_full, uint64_t count) {
-  tsgen_cp::push_body<2>(peers, rank, calls, sig, (const char*)k, (const char*)v, (char*)k_full, (char*)v_full,
+  tsgen::cp::push_body<2>(peers, rank, calls, sig, (const char*)k, (const char*)v, (char*)k_full, (char*)v_full,
                         cp_attention_zigzag_causal_sm::geometry(2, count));
 }
 
 // ---- world size 4 ----
-// Entry / wait (tsgen_fused::SyncMode ENTRY, WAIT_FREE) or, mode SIGNAL_CHUNKS, the READY
+// Entry / wait (tsgen::fused::SyncMode ENTRY, WAIT_FREE) or, mode SIGNAL_CHUNKS, the READY
 // signals of our chunks at `target` after the copy engine's copies (one block).
 extern "C" __global__ void __launch_bounds__(32)
 cp_attention_zigzag_causal_sm_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target, uint64_t count) {
   if (mode == cp_attention_zigzag_causal_sm::SIGNAL_CHUNKS) {
-    tsgen_cp::signal_body(peers, rank, calls, sig, target, cp_attention_zigzag_causal_sm::geometry(4, count));
+    tsgen::cp::signal_body(peers, rank, calls, sig, target, cp_attention_zigzag_causal_sm::geometry(4, count));
   } else {
-    tsgen_fused::sync_body<4>(peers, rank, calls, sig, mode, target);
+    tsgen::fused::sync_body<4>(peers, rank, calls, sig, mode, target);
   }
 }
 
@@ -3369,19 +3398,19 @@ cp_attention_zigzag_causal_sm_w4_sync(char* const* peers, int rank, uint64_t* ca
 extern "C" __global__ void __launch_bounds__(cp_attention_zigzag_causal_sm::GATHER_THREADS)
 cp_attention_zigzag_causal_sm_w4_push(char* const* peers, int rank, const uint64_t* calls, uint64_t* sig, const void* k, const void* v,
                                       void* k_full, void* v_full, uint64_t count) {
-  tsgen_cp::push_body<4>(peers, rank, calls, sig, (const char*)k, (const char*)v, (char*)k_full, (char*)v_full,
+  tsgen::cp::push_body<4>(peers, rank, calls, sig, (const char*)k, (const char*)v, (char*)k_full, (char*)v_full,
                         cp_attention_zigzag_causal_sm::geometry(4, count));
 }
 
 // ---- world size 8 ----
-// Entry / wait (tsgen_fused::SyncMode ENTRY, WAIT_FREE) or, mode SIGNAL_CHUNKS, the READY
+// Entry / wait (tsgen::fused::SyncMode ENTRY, WAIT_FREE) or, mode SIGNAL_CHUNKS, the READY
 // signals of our chunks at `target` after the copy engine's copies (one block).
 extern "C" __global__ void __launch_bounds__(32)
 cp_attention_zigzag_causal_sm_w8_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target, uint64_t count) {
   if (mode == cp_attention_zigzag_causal_sm::SIGNAL_CHUNKS) {
-    tsgen_cp::signal_body(peers, rank, calls, sig, target, cp_attention_zigzag_causal_sm::geometry(8, count));
+    tsgen::cp::signal_body(peers, rank, calls, sig, target, cp_attention_zigzag_causal_sm::geometry(8, count));
   } else {
-    tsgen_fused::sync_body<8>(peers, rank, calls, sig, mode, target);
+    tsgen::fused::sync_body<8>(peers, rank, calls, sig, mode, target);
   }
 }
 
@@ -3389,7 +3418,7 @@ cp_attention_zigzag_causal_sm_w8_sync(char* const* peers, int rank, uint64_t* ca
 extern "C" __global__ void __launch_bounds__(cp_attention_zigzag_causal_sm::GATHER_THREADS)
 cp_attention_zigzag_causal_sm_w8_push(char* const* peers, int rank, const uint64_t* calls, uint64_t* sig, const void* k, const void* v,
                                       void* k_full, void* v_full, uint64_t count) {
-  tsgen_cp::push_body<8>(peers, rank, calls, sig, (const char*)k, (const char*)v, (char*)k_full, (char*)v_full,
+  tsgen::cp::push_body<8>(peers, rank, calls, sig, (const char*)k, (const char*)v, (char*)k_full, (char*)v_full,
                         cp_attention_zigzag_causal_sm::geometry(8, count));
 }
 
@@ -3398,13 +3427,13 @@ cp_attention_zigzag_causal_sm_w8_push(char* const* peers, int rank, const uint64
 namespace cp_attention_zigzag_causal_sm {
 template <int WORLD, auto SYNC, auto PUSH>
 static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_fused;
+  using namespace tsgen::fused;
   (void)peers_host;  // the push kernel addresses peers through the device table
   if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
-  if (rank < 0 || rank >= WORLD || count > tsgen_attention::MAX_LEN / WORLD) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  if (rank < 0 || rank >= WORLD || count > tsgen::attention::MAX_LEN / WORLD) return cudaErrorInvalidValue;
   if (ZIGZAG && count % 2) return cudaErrorInvalidValue;  // two zig-zag chunks of count / 2
-  const tsgen_cp::Geometry g = geometry(WORLD, count);
+  const tsgen::cp::Geometry g = geometry(WORLD, count);
   int grid = BLOCKS;
   if (grid == 0) {  // every SM but those the gather's kernels need
     int device, sms;
@@ -3418,7 +3447,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   const int64_t q_offset = !CAUSAL ? 0 : ZIGZAG ? rank * half : rank * c;
   const int64_t q_split = CAUSAL && ZIGZAG ? half : c;
   const int64_t q_offset2 = CAUSAL && ZIGZAG ? (2 * WORLD - 1 - rank) * half : 0;
-  const int unwaited = SKIP_WAIT ? tsgen_cp::first_remote_chunk(g, rank) : -1;
+  const int unwaited = SKIP_WAIT ? tsgen::cp::first_remote_chunk(g, rank) : -1;
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
   TSGEN_FUSED_TRY(cudaGetLastError());
   Lanes* l;
@@ -3427,10 +3456,10 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
   PUSH<<<GATHER_BLOCKS, GATHER_THREADS, 0, l->copy>>>(peers, rank, calls, sig, k, v, k_full, v_full, count);
   TSGEN_FUSED_TRY(cudaGetLastError());
-  TSGEN_FUSED_TRY(tsgen_attention::launch<Config>(cp_attention_zigzag_causal_sm_attention, q, k_full, v_full, o, lse, BATCH, count,
-                                                  WORLD * count, q_offset, q_split, q_offset2, 0,
-                                                  sig + tsgen_cp::READY, tsgen_cp::kv_chunk(g), 0, grid, stream, calls,
-                                                  unwaited));
+  TSGEN_FUSED_TRY(tsgen::attention::launch<Config>(cp_attention_zigzag_causal_sm_attention, q, k_full, v_full, o, lse, BATCH, count,
+                                                   WORLD * count, q_offset, q_split, q_offset2, 0,
+                                                   sig + tsgen::cp::READY, tsgen::cp::kv_chunk(g), 0, grid, stream, calls,
+                                                   unwaited));
   TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
   return cudaSuccess;

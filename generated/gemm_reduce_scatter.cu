@@ -53,6 +53,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -155,6 +159,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -605,6 +612,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -630,17 +642,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -650,12 +664,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -665,7 +679,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -674,7 +688,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -694,7 +708,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -703,11 +717,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -720,8 +734,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -730,15 +744,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -746,33 +760,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -798,9 +814,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -822,8 +840,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -833,29 +851,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -921,7 +941,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #include <type_traits>
 #include <utility>  // std::declval
 
-namespace tsgen_gemm {
+namespace tsgen {
+namespace gemm {
 
 // ---------------------------------------------------------------------------
 // PTX wrappers (sm_90a). Shared-memory addresses are 32-bit shared-window
@@ -1818,7 +1839,8 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_gemm
+}  // namespace gemm
+}  // namespace tsgen
 
 #endif  // TSGEN_GEMM_CUH
 
@@ -1852,7 +1874,8 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace tsgen_fused {
+namespace tsgen {
+namespace fused {
 
 constexpr int MAX_WORLD = 8;
 constexpr int FREE = 0;               // sig[FREE + s]
@@ -1860,7 +1883,7 @@ constexpr int READY = MAX_WORLD;      // sig[READY + s]
 constexpr int SIGNALS = 2 * MAX_WORLD;
 
 // ---------------------------------------------------------------------------
-// Device: the GEMM producer's hook (tsgen_gemm::NoHook describes the interface).
+// Device: the GEMM producer's hook (gemm::NoHook describes the interface).
 // Batch s of the GEMM = the rows of source rank s; the walk starts at this rank's own
 // rows, read from `a` directly (its own map), then rank + 1, rank + 2, ... from a_full.
 // WAIT: wait for sig[READY + s] >= epoch before the first tile of source s (overlapped);
@@ -1878,7 +1901,7 @@ struct GatherHook {
   __device__ __forceinline__ void wait(uint32_t batch) {
     if constexpr (WAIT) {
       if (batch != rank && !((waited >> batch) & 1u)) {
-        tsgen_gemm::wait_signal_ge_sys(ready + batch, epoch);
+        gemm::wait_signal_ge_sys(ready + batch, epoch);
         waited |= 1u << batch;
       }
     }
@@ -1932,7 +1955,7 @@ struct ScatterHook {
   __device__ __forceinline__ void wait(uint32_t batch) {
     if constexpr (OVERLAP) {
       if (batch != rank && !((waited >> batch) & 1u)) {
-        tsgen_gemm::wait_signal_ge_sys(sig + FREE + batch, epoch);
+        gemm::wait_signal_ge_sys(sig + FREE + batch, epoch);
         waited |= 1u << batch;
       }
     }
@@ -1947,14 +1970,14 @@ struct ScatterHook {
       if (!leader || batch == rank) return;
       // this warpgroup's TMA stores of the tile are done (written, in the owner's memory with
       // push: the consumer waited for them); order them before what follows (generic proxy)
-      tsgen_gemm::fence_proxy_async_global();
+      gemm::fence_proxy_async_global();
       const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
       if (before + 1 == (uint64_t)expected) {
         // every tile of block q is stored (acquired through the counter): reset it for the
         // next call (ordered after this kernel by the stream) and announce the block at q
         st_relaxed_gpu_global_u64(sig + TILES + batch, 0ull);
         fence_acq_rel_sys();
-        st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
+        st_release_sys_global_u64(peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
       }
     }
   }
@@ -1988,7 +2011,7 @@ struct AddHook : ScatterHook<true> {
     const uint64_t stride = (uint64_t)gridDim.x * n;
     for (uint64_t i = (uint64_t)blockIdx.x * n + t; i < vectors; i += stride) c[i] = make_uint4(0u, 0u, 0u, 0u);
     __threadfence();  // our zeros, before the CTA is counted below
-    tsgen_gemm::named_barrier_sync(tsgen_gemm::SIDE_BARRIER, n);
+    gemm::named_barrier_sync(gemm::SIDE_BARRIER, n);
     if (t != 0) return;
     const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + ZEROING, 1ull);
     if (before + 1 == (uint64_t)gridDim.x) {  // every CTA's share is zero (acquired through the counter)
@@ -1996,12 +2019,12 @@ struct AddHook : ScatterHook<true> {
       fence_acq_rel_sys();
       st_release_gpu_global_u64(sig + ZEROED, epoch);
       for (uint32_t q = 0; q < world; ++q)
-        if (q != rank) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)q) + FREE + rank, epoch);
+        if (q != rank) st_release_sys_global_u64(peer_ptr(sig, peers, (int)rank, (int)q) + FREE + rank, epoch);
     }
   }
   __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) {
     if (!((zeroed >> batch) & 1u)) {  // q's c is zero for this call (then: toward the async proxy)
-      tsgen_gemm::wait_signal_ge_sys(batch == rank ? sig + ZEROED : sig + FREE + batch, epoch);
+      gemm::wait_signal_ge_sys(batch == rank ? sig + ZEROED : sig + FREE + batch, epoch);
       zeroed |= 1u << batch;
     }
     z = 0;  // the owner's c: one batch
@@ -2042,8 +2065,8 @@ struct Vec8<__half> {
 
 template <class T>
 static __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  return make_uint4(tsgen_gemm::pack2<T>(f[0], f[1]), tsgen_gemm::pack2<T>(f[2], f[3]),
-                    tsgen_gemm::pack2<T>(f[4], f[5]), tsgen_gemm::pack2<T>(f[6], f[7]));
+  return make_uint4(gemm::pack2<T>(f[0], f[1]), gemm::pack2<T>(f[2], f[3]),
+                    gemm::pack2<T>(f[4], f[5]), gemm::pack2<T>(f[6], f[7]));
 }
 
 // acc (fp32, 8 per vector) as two float4
@@ -2110,7 +2133,7 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     const T* src[WORLD];
 #pragma unroll
     for (int i = 0; i < WORLD; ++i)
-      src[i] = tsgen_peer_ptr(partial, peers, rank, (rank + i) % WORLD) + (uint64_t)rank * elems;
+      src[i] = peer_ptr(partial, peers, rank, (rank + i) % WORLD) + (uint64_t)rank * elems;
     reduce_pass<T, WORLD, UNROLL, false, false>(src, acc, c, vectors);
   } else if (mode == FINISH) {
     const T* src[1] = {partial + (uint64_t)rank * elems};
@@ -2119,7 +2142,7 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     // slot s of our partial = source s's part of our block, stored there by s's GEMM
     if (threadIdx.x < WORLD && threadIdx.x != rank)
       wait_ge_acquire_sys(sig + READY + threadIdx.x, epoch,
-                          tsgen_make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
+                          make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
     __syncthreads();
     const T* src[WORLD];
 #pragma unroll
@@ -2130,9 +2153,9 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     for (int j = 1; j < WORLD; ++j) {
       const int s = (rank - j + WORLD) % WORLD;
       if (threadIdx.x == 0)
-        wait_ge_acquire_sys(sig + READY + s, epoch, tsgen_make_site("sig.ready", rank, rank, READY + s));
+        wait_ge_acquire_sys(sig + READY + s, epoch, make_site("sig.ready", rank, rank, READY + s));
       __syncthreads();
-      const T* src[1] = {tsgen_peer_ptr(partial, peers, rank, s) + (uint64_t)rank * elems};
+      const T* src[1] = {peer_ptr(partial, peers, rank, s) + (uint64_t)rank * elems};
       if (j == 1) {
         reduce_pass<T, 1, UNROLL, false, true>(src, acc, c, vectors);
       } else {
@@ -2164,7 +2187,7 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     __syncthreads();  // everyone has read calls[0] before thread 0 advances it
     if (t == 0) st_relaxed_gpu_global_u64(calls, epoch);
     if (mode == ENTRY && t < WORLD && t != rank)
-      st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
+      st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
     return;
   }
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
@@ -2172,19 +2195,19 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     const int base = mode == WAIT_FREE ? FREE : READY;
     if (t < WORLD && t != rank)
       wait_ge_acquire_sys(sig + base + t, epoch,
-                          tsgen_make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
+                          make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
     return;
   }
   // The copy engine's writes completed before this kernel started (stream order); the
   // fence makes them visible at system scope before the release that announces them.
   __threadfence_system();
   if (mode == SIGNAL) {
-    if (t == 0) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, target) + READY + rank, epoch);
+    if (t == 0) st_release_sys_global_u64(peer_ptr(sig, peers, rank, target) + READY + rank, epoch);
     return;
   }
-  if (t < WORLD && t != rank) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + READY + rank, epoch);
+  if (t < WORLD && t != rank) st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + READY + rank, epoch);
   if (t < WORLD && t != rank)
-    wait_ge_acquire_sys(sig + READY + t, epoch, tsgen_make_site("sig.ready", rank, rank, READY + t));
+    wait_ge_acquire_sys(sig + READY + t, epoch, make_site("sig.ready", rank, rank, READY + t));
 }
 
 // ---------------------------------------------------------------------------
@@ -2260,7 +2283,8 @@ struct MapCache {
   }
 };
 
-}  // namespace tsgen_fused
+}  // namespace fused
+}  // namespace tsgen
 
 #endif  // TSGEN_FUSED_CUH
 
@@ -2268,6 +2292,7 @@ struct MapCache {
 // gemm_reduce_scatter: gemm_reduce_scatter
 // ---------------------------------------------------------------------------
 namespace gemm_reduce_scatter {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int N = 8192;
 constexpr int K = 8192;
@@ -2360,23 +2385,23 @@ gemm_reduce_scatter_w2_gemm(const __grid_constant__ CUtensorMap a_map, const __g
                             const __grid_constant__ CUtensorMap p_map, char* const* peers, const uint64_t* calls,
                             uint64_t* sig, int rank, uint64_t count) {
   using C = gemm_reduce_scatter::Config<2>;
-  const uint32_t expected = tsgen_gemm::Scheduler<C>::batch_tiles((uint32_t)count) * C::CLUSTER * C::CONSUMERS;
-  tsgen_fused::ScatterHook<gemm_reduce_scatter::OVERLAP> hook{peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank,
+  const uint32_t expected = tsgen::gemm::Scheduler<C>::batch_tiles((uint32_t)count) * C::CLUSTER * C::CONSUMERS;
+  tsgen::fused::ScatterHook<gemm_reduce_scatter::OVERLAP> hook{peers, sig, tsgen::ptx::ld_relaxed_gpu_global_u64(calls), (uint32_t)rank,
                                                   2u, expected, 0u};
-  tsgen_gemm::run<C>(&a_map, &b_map, &p_map, (uint32_t)count, hook);
+  tsgen::gemm::run<C>(&a_map, &b_map, &p_map, (uint32_t)count, hook);
 }
 
-// Reductions (tsgen_fused::ReduceMode).
+// Reductions (tsgen::fused::ReduceMode).
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(gemm_reduce_scatter::REDUCE_THREADS, 1)
 gemm_reduce_scatter_w2_reduce(char* const* peers, int rank, const uint64_t* calls, const uint64_t* sig,
                               const __nv_bfloat16* partial, float* acc, __nv_bfloat16* c, uint64_t count, int mode) {
-  tsgen_fused::reduce_body<__nv_bfloat16, 2, gemm_reduce_scatter::REDUCE_UNROLL>(peers, rank, calls, sig, partial, acc, c,
+  tsgen::fused::reduce_body<__nv_bfloat16, 2, gemm_reduce_scatter::REDUCE_UNROLL>(peers, rank, calls, sig, partial, acc, c,
                                                                       count * gemm_reduce_scatter::N, mode);
 }
-// Entry / wait / signal (one block; see tsgen_fused::SyncMode).
+// Entry / wait / signal (one block; see tsgen::fused::SyncMode).
 extern "C" __global__ void __launch_bounds__(32)
 gemm_reduce_scatter_w2_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target) {
-  tsgen_fused::sync_body<2>(peers, rank, calls, sig, mode, target);
+  tsgen::fused::sync_body<2>(peers, rank, calls, sig, mode, target);
 }
 
 // ---- world size 4 ----
@@ -2386,23 +2411,23 @@ gemm_reduce_scatter_w4_gemm(const __grid_constant__ CUtensorMap a_map, const __g
                             const __grid_constant__ CUtensorMap p_map, char* const* peers, const uint64_t* calls,
                             uint64_t* sig, int rank, uint64_t count) {
   using C = gemm_reduce_scatter::Config<4>;
-  const uint32_t expected = tsgen_gemm::Scheduler<C>::batch_tiles((uint32_t)count) * C::CLUSTER * C::CONSUMERS;
-  tsgen_fused::ScatterHook<gemm_reduce_scatter::OVERLAP> hook{peers, sig, ld_relaxed_gpu_global_u64(calls), (uint32_t)rank,
+  const uint32_t expected = tsgen::gemm::Scheduler<C>::batch_tiles((uint32_t)count) * C::CLUSTER * C::CONSUMERS;
+  tsgen::fused::ScatterHook<gemm_reduce_scatter::OVERLAP> hook{peers, sig, tsgen::ptx::ld_relaxed_gpu_global_u64(calls), (uint32_t)rank,
                                                   4u, expected, 0u};
-  tsgen_gemm::run<C>(&a_map, &b_map, &p_map, (uint32_t)count, hook);
+  tsgen::gemm::run<C>(&a_map, &b_map, &p_map, (uint32_t)count, hook);
 }
 
-// Reductions (tsgen_fused::ReduceMode).
+// Reductions (tsgen::fused::ReduceMode).
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(gemm_reduce_scatter::REDUCE_THREADS, 1)
 gemm_reduce_scatter_w4_reduce(char* const* peers, int rank, const uint64_t* calls, const uint64_t* sig,
                               const __nv_bfloat16* partial, float* acc, __nv_bfloat16* c, uint64_t count, int mode) {
-  tsgen_fused::reduce_body<__nv_bfloat16, 4, gemm_reduce_scatter::REDUCE_UNROLL>(peers, rank, calls, sig, partial, acc, c,
+  tsgen::fused::reduce_body<__nv_bfloat16, 4, gemm_reduce_scatter::REDUCE_UNROLL>(peers, rank, calls, sig, partial, acc, c,
                                                                       count * gemm_reduce_scatter::N, mode);
 }
-// Entry / wait / signal (one block; see tsgen_fused::SyncMode).
+// Entry / wait / signal (one block; see tsgen::fused::SyncMode).
 extern "C" __global__ void __launch_bounds__(32)
 gemm_reduce_scatter_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target) {
-  tsgen_fused::sync_body<4>(peers, rank, calls, sig, mode, target);
+  tsgen::fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
 // Host launcher (see the top of this file): world size WORLD's GEMM, REDUCE and SYNC kernels;
@@ -2410,11 +2435,11 @@ gemm_reduce_scatter_w4_sync(char* const* peers, int rank, uint64_t* calls, uint6
 namespace gemm_reduce_scatter {
 template <int WORLD, auto GEMM, auto REDUCE, auto SYNC>
 static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, float* acc, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen_fused;
+  using namespace tsgen::fused;
   using C = Config<WORLD>;
   if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
-  if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  if (count > tsgen::gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;  // per batch (row block)
   // tensor maps: A (3-D: column, row, block), B (K/world x N), partial (3-D)
   thread_local MapCache<3> cache;
@@ -2422,11 +2447,11 @@ static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_
   auto* maps = cache.find(key);
   if (!maps) {
     maps = cache.slot(key);
-    using L = tsgen_gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen_gemm::encode_matrix(&maps->maps[2], dtype, partial, rows, C::N, 64, WORLD, true));
+    using L = tsgen::gemm::Layout<C>;
+    constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[2], dtype, partial, rows, C::N, 64, WORLD, true));
     maps->valid = true;
   }
   static bool reduce_ready[64];  // per device: the reduce kernel's shared-memory opt-in
@@ -2439,8 +2464,8 @@ static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_
     reduce_ready[dev] = true;
   }
   unsigned grid;
-  TSGEN_FUSED_TRY(tsgen_gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
-                                           gemm_reduce_scatter::RESERVE_SMS, &grid));
+  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
+                                            gemm_reduce_scatter::RESERVE_SMS, &grid));
   constexpr unsigned FULL = (gemm_reduce_scatter::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
   constexpr int T = gemm_reduce_scatter::REDUCE_THREADS, SMEM = gemm_reduce_scatter::REDUCE_SMEM;
   // the entry: calls[0] -> this call's epoch, FREE raised at every peer
@@ -2450,7 +2475,7 @@ static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_
   TSGEN_FUSED_TRY(lanes(rank, &l));
   TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
-  GEMM<<<grid, tsgen_gemm::Layout<C>::THREADS, tsgen_gemm::Layout<C>::SMEM_BYTES, stream>>>(
+  GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
   TSGEN_FUSED_TRY(cudaGetLastError());
   REDUCE<<<gemm_reduce_scatter::RESERVE_SMS, T, SMEM, l->signal>>>(peers, rank, calls, sig, partial, acc, c, count,

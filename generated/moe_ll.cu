@@ -51,6 +51,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -153,6 +157,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -603,6 +610,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -628,17 +640,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -648,12 +662,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -663,7 +677,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -672,7 +686,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -692,7 +706,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -701,11 +715,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -718,8 +732,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -728,15 +742,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -744,33 +758,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -796,9 +812,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -820,8 +838,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -831,29 +849,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -901,7 +921,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 
 #include <stdint.h>
 
-namespace tsgen_moe {
+namespace tsgen {
+namespace moe {
 
 // sig layout (uint64, WMAX each): counts rows arrived, data arrivals, combine arrivals
 enum { SIG_COUNTS = 0, SIG_DATA = 1, SIG_COMB = 2 };
@@ -1018,9 +1039,9 @@ static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, u
 #pragma unroll
     for (int d = 0; d < C::WORLD; ++d) {
       if (!((mm >> d) & 1u)) continue;
-      uint2* dq = reinterpret_cast<uint2*>(tsgen_peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
+      uint2* dq = reinterpret_cast<uint2*>(peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
       dq[v0] = q;
-      if ((lane & 15) == 0) tsgen_peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + v0 / 16] = scale;
+      if ((lane & 15) == 0) peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + v0 / 16] = scale;
     }
   }
 }
@@ -1088,20 +1109,20 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
   if (blockIdx.x == 0) {  // this rank's counts row and per-expert counts, into every destination
     for (int i = tid; i < W * W; i += C::THREADS) {
       const int d = i / W, j = i % W;
-      tsgen_peer_ptr(b.cnt, peers, rank, d)[rank * WMAX + j] = s_total[j];
+      peer_ptr(b.cnt, peers, rank, d)[rank * WMAX + j] = s_total[j];
     }
     for (int i = tid; i < E; i += C::THREADS) {
       const int d = i / L, l = i % L;
-      tsgen_peer_ptr(b.cnt, peers, rank, d)[WMAX * WMAX + rank * E + l] = s_ecount[i];
+      peer_ptr(b.cnt, peers, rank, d)[WMAX * WMAX + rank * E + l] = s_ecount[i];
     }
     __syncthreads();
     if (tid < W)
-      st_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_COUNTS * WMAX + rank, epoch);
+      st_release_sys_global_u64(peer_ptr(b.sig, peers, rank, tid) + SIG_COUNTS * WMAX + rank, epoch);
   }
 
   // 2. every rank's counts row
   if (tid < W)
-    wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, epoch, tsgen_make_site("moe.counts", rank, rank, tid));
+    wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, epoch, make_site("moe.counts", rank, rank, tid));
   __syncthreads();
   if (tid < W) {
     int base = 0, into = 0;
@@ -1161,7 +1182,7 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
 #pragma unroll
         for (int d = 0; d < W; ++d) {
           if (!((mm >> d) & 1u)) continue;
-          uint4* dst = reinterpret_cast<uint4*>(tsgen_peer_ptr(b.recv_x, peers, rank, d) +
+          uint4* dst = reinterpret_cast<uint4*>(peer_ptr(b.recv_x, peers, rank, d) +
                                                 (size_t)s_pos[i][d] * C::HIDDEN);
 #pragma unroll
           for (int u = 0; u < C::UNROLL; ++u)
@@ -1177,10 +1198,10 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
         const size_t row = (size_t)s_pos[i][d];
         const bool here = e >= 0 && e < E && e / L == d;
         if (lane < K) {
-          tsgen_peer_ptr(b.recv_idx, peers, rank, d)[row * K + lane] = here ? e - d * L : -1;
-          tsgen_peer_ptr(b.recv_w, peers, rank, d)[row * K + lane] = here ? w : 0.f;
+          peer_ptr(b.recv_idx, peers, rank, d)[row * K + lane] = here ? e - d * L : -1;
+          peer_ptr(b.recv_w, peers, rank, d)[row * K + lane] = here ? w : 0.f;
         } else if (lane >= 30) {
-          tsgen_peer_ptr(b.handle, peers, rank, d)[row * 2 + (lane - 30)] = lane == 30 ? rank : tok;
+          peer_ptr(b.handle, peers, rank, d)[row * 2 + (lane - 30)] = lane == 30 ? rank : tok;
         }
       }
     }
@@ -1189,11 +1210,11 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
 
   // 4. arrivals
   __syncthreads();
-  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_DATA * WMAX + rank, 1ull);
+  if (tid < W) red_add_release_sys_global_u64(peer_ptr(b.sig, peers, rank, tid) + SIG_DATA * WMAX + rank, 1ull);
   if (blockIdx.x != 0) return;
   if (tid < W)
     wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, epoch * (uint64_t)gridDim.x,
-                        tsgen_make_site("moe.data", rank, rank, tid));
+                        make_site("moe.data", rank, rank, tid));
   __syncthreads();
   const int received = s_into[rank];
   int dropped = 0;
@@ -1229,14 +1250,14 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   for (int r = gwarp; r < rows; r += nwarps) {
     const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
     if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
-    copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
+    copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
                 y + (size_t)r * C::HIDDEN, lane);
   }
   __syncthreads();
-  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_COMB * WMAX + rank, 1ull);
+  if (tid < W) red_add_release_sys_global_u64(peer_ptr(b.sig, peers, rank, tid) + SIG_COMB * WMAX + rank, 1ull);
   if (tid < W)
     wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, epoch * (uint64_t)gridDim.x,
-                        tsgen_make_site("moe.comb", rank, rank, tid));
+                        make_site("moe.comb", rank, rank, tid));
   __syncthreads();
 
   // 2. sums, one warp per token
@@ -1323,8 +1344,8 @@ static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank,
   for (int e = blockIdx.x; e < E; e += gridDim.x) {
     const int d = e / L, l = e % L;
     const size_t slot = ((size_t)par * E + (size_t)l * W + rank) * SLOT;  // first row of our slot on d
-    __nv_bfloat16* rx = tsgen_peer_ptr(b.recv_x, peers, rank, d) + slot * C::HIDDEN;
-    int32_t* rs = tsgen_peer_ptr(b.recv_src, peers, rank, d) + slot;
+    __nv_bfloat16* rx = peer_ptr(b.recv_x, peers, rank, d) + slot * C::HIDDEN;
+    int32_t* rs = peer_ptr(b.recv_src, peers, rank, d) + slot;
     if (tid == 0) s_run = 0;
     __syncthreads();
     for (int round = 0; round < tokens; round += C::THREADS) {
@@ -1363,7 +1384,7 @@ static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank,
       __syncthreads();
     }
     if (tid == 0)  // the rows (ordered before by __syncthreads) and the count, released together
-      st_release_sys_global_u64(tsgen_peer_ptr(b.lsig, peers, rank, d) + l * W + rank,
+      st_release_sys_global_u64(peer_ptr(b.lsig, peers, rank, d) + l * W + rank,
                                 epoch << 32 | (uint64_t)(uint32_t)s_run);
   }
   if (blockIdx.x != 0) return;
@@ -1371,7 +1392,7 @@ static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank,
   if (tid == 0) s_total = s_over = 0;
   __syncthreads();
   for (int i = tid; i < E; i += C::THREADS) {  // i = l * W + s
-    const uint64_t v = wait_ge_acquire_sys(b.lsig + i, epoch << 32, tsgen_make_site("moe.ll_rows", rank, rank, i));
+    const uint64_t v = wait_ge_acquire_sys(b.lsig + i, epoch << 32, make_site("moe.ll_rows", rank, rank, i));
     const int n = (int)(uint32_t)v;
     b.recv_counts[2 + WMAX + i] = n;
     atomicAdd(&s_total, n);
@@ -1404,14 +1425,14 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
     for (int r = warp; r < n; r += NWARPS) {
       const int p = src[r], t = p >> 5, k = p & 31;
       if ((unsigned)t >= (unsigned)C::CAP || k >= K) continue;  // not a handle dispatch wrote
-      copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * K + k) * C::HIDDEN,
+      copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * K + k) * C::HIDDEN,
                   y + ((size_t)i * SLOT + r) * C::HIDDEN, lane);
     }
   }
   __syncthreads();
-  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.csig, peers, rank, tid) + rank, 1ull);
+  if (tid < W) red_add_release_sys_global_u64(peer_ptr(b.csig, peers, rank, tid) + rank, 1ull);
   if (tid < W)
-    wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, tsgen_make_site("moe.ll_comb", rank, rank, tid));
+    wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, make_site("moe.ll_comb", rank, rank, tid));
   __syncthreads();
   // 2. weighted sums, one warp per token
   const int gwarp = blockIdx.x * NWARPS + warp, nwarps = gridDim.x * NWARPS;
@@ -1444,7 +1465,8 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
   }
 }
 
-}  // namespace tsgen_moe
+}  // namespace moe
+}  // namespace tsgen
 
 #endif  // TSGEN_MOE_CUH
 
@@ -1452,6 +1474,7 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
 // moe: moe_ll
 // ---------------------------------------------------------------------------
 namespace moe_ll {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 32;
@@ -1477,8 +1500,8 @@ struct Config {
   static constexpr bool WEIGHTED = ::moe_ll::WEIGHTED != 0, FP8 = ::moe_ll::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
-static __device__ __forceinline__ tsgen_moe::LLBuffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig) {
-  tsgen_moe::LLBuffers b{};
+static __device__ __forceinline__ tsgen::moe::LLBuffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig) {
+  tsgen::moe::LLBuffers b{};
   b.x = x;
   b.topk_idx = topk_idx;
   b.topk_weights = topk_weights;
@@ -1493,7 +1516,7 @@ static __device__ __forceinline__ tsgen_moe::LLBuffers buffers(__nv_bfloat16* x,
 }
 
 // A run-time token count past the capacity stops the kernel with a message naming it (out of
-// line and noreturn, like tsgen_timeout_trap: nothing is kept live around its printf).
+// line and noreturn, like tsgen::timeout_trap: nothing is kept live around its printf).
 static __device__ __noinline__ __attribute__((noreturn)) void too_many_tokens(const char* kernel, int rank,
                                                                                uint64_t count) {
   if (blockIdx.x == 0 && threadIdx.x == 0)
@@ -1511,32 +1534,32 @@ static __device__ __forceinline__ int checked_tokens(uint64_t count, int rank, c
 
 // ---- world size 2: grid 32 x 512 threads per kernel ----
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls) {
-  const uint64_t epoch = tsgen_call_begin(calls);
-  tsgen_moe::ll_dispatch<moe_ll::Config<2>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
+  const uint64_t epoch = tsgen::call_begin(calls);
+  tsgen::moe::ll_dispatch<moe_ll::Config<2>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
                                               moe_ll::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig));
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, laid out as one half of recv_x: [L][WORLD][SLOT][HIDDEN]; null:
 // the received rows themselves (the identity expert).
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y) {
-  const uint64_t epoch = tsgen_call_begin(combine_calls);
-  tsgen_moe::ll_combine<moe_ll::Config<2>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_combine"),
+  const uint64_t epoch = tsgen::call_begin(combine_calls);
+  tsgen::moe::ll_combine<moe_ll::Config<2>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_combine"),
                                                 moe_ll::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig), y,
-                                                ld_relaxed_gpu_global_u64(calls));
-  tsgen_call_end(combine_calls, epoch);
+                                                tsgen::ptx::ld_relaxed_gpu_global_u64(calls));
+  tsgen::call_end(combine_calls, epoch);
 }
 
-// Host launchers: each makes the device of this rank's buffers current first (see tsgen_use_device_of).
+// Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_ll_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, cudaStream_t stream) {
-  const cudaError_t err = tsgen_use_device_of(calls);
+  const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t moe_ll_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
-  const cudaError_t err = tsgen_use_device_of(calls);
+  const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls, y);
   return cudaGetLastError();
@@ -1552,32 +1575,32 @@ extern "C" cudaError_t moe_ll_w2_launch(char* const* peers, int rank, uint64_t* 
 
 // ---- world size 4: grid 32 x 512 threads per kernel ----
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls) {
-  const uint64_t epoch = tsgen_call_begin(calls);
-  tsgen_moe::ll_dispatch<moe_ll::Config<4>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
+  const uint64_t epoch = tsgen::call_begin(calls);
+  tsgen::moe::ll_dispatch<moe_ll::Config<4>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
                                               moe_ll::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig));
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, laid out as one half of recv_x: [L][WORLD][SLOT][HIDDEN]; null:
 // the received rows themselves (the identity expert).
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y) {
-  const uint64_t epoch = tsgen_call_begin(combine_calls);
-  tsgen_moe::ll_combine<moe_ll::Config<4>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_combine"),
+  const uint64_t epoch = tsgen::call_begin(combine_calls);
+  tsgen::moe::ll_combine<moe_ll::Config<4>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_combine"),
                                                 moe_ll::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig), y,
-                                                ld_relaxed_gpu_global_u64(calls));
-  tsgen_call_end(combine_calls, epoch);
+                                                tsgen::ptx::ld_relaxed_gpu_global_u64(calls));
+  tsgen::call_end(combine_calls, epoch);
 }
 
-// Host launchers: each makes the device of this rank's buffers current first (see tsgen_use_device_of).
+// Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_ll_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, cudaStream_t stream) {
-  const cudaError_t err = tsgen_use_device_of(calls);
+  const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t moe_ll_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
-  const cudaError_t err = tsgen_use_device_of(calls);
+  const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls, y);
   return cudaGetLastError();
@@ -1593,32 +1616,32 @@ extern "C" cudaError_t moe_ll_w4_launch(char* const* peers, int rank, uint64_t* 
 
 // ---- world size 8: grid 32 x 512 threads per kernel ----
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls) {
-  const uint64_t epoch = tsgen_call_begin(calls);
-  tsgen_moe::ll_dispatch<moe_ll::Config<8>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
+  const uint64_t epoch = tsgen::call_begin(calls);
+  tsgen::moe::ll_dispatch<moe_ll::Config<8>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
                                               moe_ll::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig));
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, laid out as one half of recv_x: [L][WORLD][SLOT][HIDDEN]; null:
 // the received rows themselves (the identity expert).
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y) {
-  const uint64_t epoch = tsgen_call_begin(combine_calls);
-  tsgen_moe::ll_combine<moe_ll::Config<8>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_combine"),
+  const uint64_t epoch = tsgen::call_begin(combine_calls);
+  tsgen::moe::ll_combine<moe_ll::Config<8>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_combine"),
                                                 moe_ll::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig), y,
-                                                ld_relaxed_gpu_global_u64(calls));
-  tsgen_call_end(combine_calls, epoch);
+                                                tsgen::ptx::ld_relaxed_gpu_global_u64(calls));
+  tsgen::call_end(combine_calls, epoch);
 }
 
-// Host launchers: each makes the device of this rank's buffers current first (see tsgen_use_device_of).
+// Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_ll_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, cudaStream_t stream) {
-  const cudaError_t err = tsgen_use_device_of(calls);
+  const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t moe_ll_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
-  const cudaError_t err = tsgen_use_device_of(calls);
+  const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls, y);
   return cudaGetLastError();

@@ -39,6 +39,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -141,6 +145,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -591,6 +598,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -616,17 +628,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -636,12 +650,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -651,7 +665,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -660,7 +674,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -680,7 +694,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -689,11 +703,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -706,8 +720,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -716,15 +730,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -732,33 +746,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -784,9 +800,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -808,8 +826,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -819,29 +837,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -885,10 +905,13 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+namespace tsgen {
+namespace nvshmem {
+
 // The rank the runtime passes is the PE this kernel runs as: NVSHMEM names
 // target PEs by number, the plan by rank. A mismatch would send every put to
 // the wrong GPU, so it traps with a message instead.
-static __device__ __noinline__ void tsgen_nvshmem_check_pe(int rank, int world) {
+static __device__ __noinline__ void check_pe(int rank, int world) {
   const int pe = nvshmem_my_pe(), npes = nvshmem_n_pes();
   if (pe != rank || npes != world) {
     printf("tsgen: nvshmem: kernel for world size %d launched as rank %d, but NVSHMEM says PE %d of %d "
@@ -899,7 +922,7 @@ static __device__ __noinline__ void tsgen_nvshmem_check_pe(int rank, int world) 
   }
 }
 
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_nvshmem_remote_reduce_trap(int rank,
+static __device__ __noinline__ __attribute__((noreturn)) void remote_reduce_trap(int rank,
                                                                                        int owner) {
   printf("tsgen: nvshmem: rank %d: a reduce step touches the memory of rank %d; the nvshmem transport "
          "reduces local memory only (the spec check should have refused this plan)\n",
@@ -913,27 +936,26 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_nvshmem_remo
 // returns at once but runs the transport's consistency step (over IB/IBGDA,
 // data that arrived before the signal is made visible to this GPU's loads),
 // which a plain acquire load cannot do for NIC writes.
-static __device__ __forceinline__ void tsgen_nvshmem_wait_ge(uint64_t* sig, uint64_t expected,
-                                                             tsgen_site site) {
-  wait_ge_acquire_sys(sig, expected, site);
+static __device__ __forceinline__ void wait_ge(uint64_t* sig, uint64_t expected, site at) {
+  wait_ge_acquire_sys(sig, expected, at);
   nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, expected);
 }
 
 // Every block of every PE meets here: the blocks of this grid first
-// (tsgen_barrier_blocks, generation 2g - 1), then block 0 meets the other PEs
+// (barrier_blocks, generation 2g - 1), then block 0 meets the other PEs
 // with nvshmemx_barrier_all_block (which also completes this PE's puts), then
 // the grid again (2g). One block calls the NVSHMEM barrier: collectives on a
 // team must not run concurrently.
-static __device__ __forceinline__ void tsgen_nvshmem_barrier_all(uint64_t* counter, int rank,
-                                                                 uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0) {
     // block 0 has acquired every block's arrival: its fence makes their stores
     // visible system-wide before the barrier tells the other PEs to go on
     __threadfence_system();
     nvshmemx_barrier_all_block();
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 #ifdef TSGEN_PLAN_CUH  // the plan executor
@@ -943,11 +965,11 @@ static __device__ __forceinline__ void tsgen_nvshmem_barrier_all(uint64_t* count
 // fence.sc.sys after that bar.sync makes the whole block's stores (local
 // ones, read by a peer's get or by NVLink) visible before the signal, which
 // nvshmemx_signal_op alone does not order (over NVLink it is a relaxed atomic).
-static __device__ __forceinline__ void tsgen_nvshmem_signal(const tsgen_step& st, int from,
-                                                            char* const* bufs) {
+static __device__ __forceinline__ void signal(const step& st, int from,
+                                              char* const* bufs) {
   const int i = (int)threadIdx.x + from;
   if (i < st.nsignal) {
-    const tsgen_signal s = st.signal[i];
+    const step_signal s = st.signal[i];
     __threadfence_system();
     nvshmemx_signal_op((uint64_t*)bufs[s.buf] + s.index, 1ull, NVSHMEM_SIGNAL_ADD, s.rank);
   }
@@ -955,46 +977,46 @@ static __device__ __forceinline__ void tsgen_nvshmem_signal(const tsgen_step& st
 
 // Index of the first signal a put to `pe` can carry (a counter on the same
 // PE), or -1.
-static __device__ __forceinline__ int tsgen_nvshmem_fusable(const tsgen_step& st, int pe) {
+static __device__ __forceinline__ int fusable(const step& st, int pe) {
   for (int i = 0; i < st.nsignal && i < TSGEN_MAX_SIGNALS; ++i)
     if (st.signal[i].rank == pe) return i;
   return -1;
 }
 
-// Execute this block's shares of the plan (see tsgen_run_plan for the p2p
+// Execute this block's shares of the plan (see run_plan for the p2p
 // form). Every thread of the block runs every share: the *_block NVSHMEM
 // calls are collective over the block.
 template <typename T, int UNROLL, int WORLD>
-static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* steps,
-                                                              const tsgen_share* shares, int first,
-                                                              int last, int rank, uint64_t epoch,
-                                                              uint64_t count, char* const* bufs,
-                                                              const char* const* names) {
-  if (threadIdx.x == 0) tsgen_nvshmem_check_pe(rank, WORLD);
+static __device__ __forceinline__ void run_plan(const step* steps,
+                                                const share* shares, int first,
+                                                int last, int rank, uint64_t epoch,
+                                                uint64_t count, char* const* bufs,
+                                                const char* const* names) {
+  if (threadIdx.x == 0) check_pe(rank, WORLD);
   for (int k = first; k < last; ++k) {
-    const tsgen_share sh = shares[k];
-    const tsgen_step& st = steps[sh.step];
+    const share sh = shares[k];
+    const step& st = steps[sh.step];
     if (threadIdx.x < st.nwait) {  // one thread per counter, all in this PE's memory
-      const tsgen_wait w = st.wait[threadIdx.x];
-      tsgen_nvshmem_wait_ge((uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                            tsgen_make_site(names[w.buf], rank, rank, w.index));
+      const step_wait w = st.wait[threadIdx.x];
+      wait_ge((uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
+              make_site(names[w.buf], rank, rank, w.index));
     }
     __syncthreads();
     int signalled = 0;  // signals [0, signalled) travelled with a put
     int fused = -1;
     if (st.op != TSGEN_OP_NONE) {
       uint64_t lo, hi;
-      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
+      share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = (T*)bufs[st.dst.buf] + lo;  // symmetric address: this PE's copy
       if (st.op == TSGEN_OP_COPY) {
         uint64_t slo, shi;
-        tsgen_share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
+        share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
         T* src = (T*)bufs[st.src[0].buf] + slo;
         const size_t bytes = (size_t)(hi > lo ? hi - lo : 0) * sizeof(T);
         if (st.dst.rank != rank) {  // put (the source is ours: the spec check refuses remote -> remote)
-          fused = tsgen_nvshmem_fusable(st, st.dst.rank);
+          fused = fusable(st, st.dst.rank);
           if (fused >= 0) {
-            const tsgen_signal s = st.signal[fused];
+            const step_signal s = st.signal[fused];
             // Data then signal, in that order at the target: the share's +1 is
             // the put's own signal. An empty share still signals (0 bytes).
             if (bytes)
@@ -1015,19 +1037,19 @@ static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* 
         } else if (st.src[0].rank != rank) {  // get: blocking, the data is here when it returns
           if (bytes) nvshmemx_getmem_block(dst, src, bytes, st.src[0].rank);
         } else if (hi > lo) {  // local copy
-          tsgen_copy_elems<T, UNROLL>(dst, src, hi - lo, st.src[0].read_only, threadIdx.x, blockDim.x);
+          copy_elems<T, UNROLL>(dst, src, hi - lo, st.src[0].read_only, threadIdx.x, blockDim.x);
         }
       } else if (hi > lo) {  // reduce: local operands only
-        if (st.dst.rank != rank) tsgen_nvshmem_remote_reduce_trap(rank, st.dst.rank);
+        if (st.dst.rank != rank) remote_reduce_trap(rank, st.dst.rank);
         T* srcs[TSGEN_MAX_SRCS];
         TSGEN_FOR_SRC(j, st.nsrc) {
-          if (st.src[j].rank != rank) tsgen_nvshmem_remote_reduce_trap(rank, st.src[j].rank);
+          if (st.src[j].rank != rank) remote_reduce_trap(rank, st.src[j].rank);
           uint64_t slo, shi;
-          tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
+          share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
           srcs[j] = (T*)bufs[st.src[j].buf] + slo;
         }
-        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                                            blockDim.x);
+        reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                                      blockDim.x);
       }
     }
     __syncthreads();
@@ -1036,13 +1058,13 @@ static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* 
     } else if (fused > 0) {
       // A fused signal that is not first: raise the others around it.
       if (threadIdx.x < st.nsignal && (int)threadIdx.x != fused) {
-        const tsgen_signal s = st.signal[threadIdx.x];
+        const step_signal s = st.signal[threadIdx.x];
         __threadfence_system();
         nvshmemx_signal_op((uint64_t*)bufs[s.buf] + s.index, 1ull, NVSHMEM_SIGNAL_ADD, s.rank);
       }
       continue;
     }
-    tsgen_nvshmem_signal(st, signalled, bufs);
+    signal(st, signalled, bufs);
   }
   // A non-blocking put may still be reading its source when the kernel would
   // end (over IB: the NIC reads it later). The caller may then overwrite the
@@ -1052,12 +1074,16 @@ static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* 
 
 #endif  // TSGEN_PLAN_CUH
 
+}  // namespace nvshmem
+}  // namespace tsgen
+
 #endif  // TSGEN_NVSHMEM_CUH
 
 // ---------------------------------------------------------------------------
 // put_warp: put_warp_nvshmem
 // ---------------------------------------------------------------------------
 namespace put_warp_nvshmem {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 132;
@@ -1066,19 +1092,19 @@ constexpr int SHIFT = 1;
 
 // Rank r writes its src into the dst of rank (r + SHIFT) % WORLD.
 // The count bytes are cut into one chunk per warp (starts 16-byte aligned);
-// each warp moves its chunk with tsgen_put_warp.
+// each warp moves its chunk with tsgen::put_warp.
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint8_t* src, uint8_t* dst) {
   const int peer = (rank + SHIFT) % WORLD;
   const uint64_t worker = ((uint64_t)blockIdx.x * THREADS + threadIdx.x) / 32;
   const uint64_t workers = (uint64_t)BLOCKS * THREADS / 32;
   uint64_t begin, end;
-  tsgen_chunk(count, workers, worker, &begin, &end);
+  tsgen::chunk(count, workers, worker, &begin, &end);
   // Transport nvshmem: src and dst are this PE's symmetric addresses (the same
   // offset on every PE) and the call names the peer PE. The non-blocking
   // warp-collective put returns at once; nvshmem_quiet
   // completes it (the bytes have landed in the peer) before the kernel ends.
-  if (threadIdx.x == 0) tsgen_nvshmem_check_pe(rank, WORLD);
+  if (threadIdx.x == 0) tsgen::nvshmem::check_pe(rank, WORLD);
   if (begin == end) return;
   nvshmemx_putmem_nbi_warp(dst + begin, src + begin, end - begin, peer);
   nvshmem_quiet();
@@ -1088,23 +1114,23 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 // World size 2: grid 132, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   put_warp_nvshmem::run<2>(peers, rank, epoch, count, src, dst);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 3: grid 132, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   put_warp_nvshmem::run<3>(peers, rank, epoch, count, src, dst);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 4: grid 132, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   put_warp_nvshmem::run<4>(peers, rank, epoch, count, src, dst);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches

@@ -40,6 +40,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -142,6 +146,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -592,6 +599,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -617,17 +629,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -637,12 +651,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -652,7 +666,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -661,7 +675,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -681,7 +695,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -690,11 +704,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -707,8 +721,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -717,15 +731,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -733,33 +747,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -785,9 +801,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -809,8 +827,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -820,29 +838,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -850,6 +870,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 // signal_wait: signal_wait_le_peer
 // ---------------------------------------------------------------------------
 namespace signal_wait_le_peer {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int THREADS = 256;
 constexpr int BLOCKS = 4;
@@ -865,16 +886,16 @@ template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
   const int to = (rank + SHIFT) % WORLD;
   if (blockIdx.x == 0) {
-    uint32_t* inbox_to = tsgen_peer_ptr(inbox, peers, rank, to);
+    uint32_t* inbox_to = tsgen::peer_ptr(inbox, peers, rank, to);
     for (uint64_t i = threadIdx.x; i < count; i += THREADS) inbox_to[i] = src[i];
     __syncthreads();
     if (threadIdx.x == 0)
-      st_release_sys_global_u64(tsgen_peer_ptr(signal, peers, rank, to), ~0ull - epoch);
+      ptx::st_release_sys_global_u64(tsgen::peer_ptr(signal, peers, rank, to), ~0ull - epoch);
     return;
   }
   if (threadIdx.x == 0)
-    wait_le_acquire_sys(signal, ~0ull - epoch,
-                         tsgen_make_site("signal", rank, rank, 0));
+    tsgen::wait_le_acquire_sys(signal, ~0ull - epoch,
+                         tsgen::make_site("signal", rank, rank, 0));
   __syncthreads();
   for (uint64_t i = (uint64_t)(blockIdx.x - 1) * THREADS + threadIdx.x; i < count;
        i += (uint64_t)(BLOCKS - 1) * THREADS)
@@ -885,23 +906,23 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 // World size 2: grid 4, block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) signal_wait_le_peer_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   signal_wait_le_peer::run<2>(peers, rank, epoch, count, src, inbox, dst, signal);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 3: grid 4, block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) signal_wait_le_peer_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   signal_wait_le_peer::run<3>(peers, rank, epoch, count, src, inbox, dst, signal);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 4: grid 4, block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) signal_wait_le_peer_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   signal_wait_le_peer::run<4>(peers, rank, epoch, count, src, inbox, dst, signal);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches

@@ -42,6 +42,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -144,6 +148,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -594,6 +601,11 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
 
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
+
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
@@ -619,17 +631,19 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -639,12 +653,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -654,7 +668,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -663,7 +677,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -683,7 +697,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -692,11 +706,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -709,8 +723,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -719,15 +733,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -735,33 +749,35 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
 
@@ -787,9 +803,11 @@ static inline cudaError_t tsgen_use_device_of(const void* local) {
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -811,8 +829,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -822,29 +840,31 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH
 
@@ -868,12 +888,15 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 
 #include <stdint.h>
 
+namespace tsgen {
+namespace ulysses {
+
 // Copy `rows` runs of ROW_VEC vectors, strided as above, shared by `parts` blocks (this one is
 // part `part`); every thread keeps UNROLL loads in flight before its stores. The source is the
 // caller's own input, which nothing writes during the call: read-only, non-allocating loads.
 template <int ROW_VEC, int SRC_STRIDE, int DST_STRIDE, int UNROLL>
-static __device__ __forceinline__ void tsgen_copy_rows(uint4* dst, const uint4* src, uint64_t rows, uint32_t part,
-                                                       uint32_t parts) {
+static __device__ __forceinline__ void copy_rows(uint4* dst, const uint4* src, uint64_t rows, uint32_t part,
+                                                 uint32_t parts) {
   const uint64_t n = rows * (uint64_t)ROW_VEC;
   const uint64_t step = (uint64_t)parts * blockDim.x;
   uint64_t i = (uint64_t)part * blockDim.x + threadIdx.x;
@@ -901,18 +924,18 @@ static __device__ __forceinline__ void tsgen_copy_rows(uint4* dst, const uint4* 
 // bshd [BATCH, seq, HL, head_dim] (per batch one contiguous run of count x HL heads) or
 // bhsd [BATCH, HL, seq, head_dim] (per batch and head one run of count rows). HV: vectors per head.
 template <int BATCH, int IN_HEADS, int HL, int HV, bool BHSD, int UNROLL>
-static __device__ __forceinline__ void tsgen_ulysses_scatter(uint4* dst, const uint4* src, int head0, uint64_t count,
-                                                             uint64_t seq, uint64_t seq0, uint32_t part,
-                                                             uint32_t parts) {
+static __device__ __forceinline__ void scatter(uint4* dst, const uint4* src, int head0, uint64_t count,
+                                               uint64_t seq, uint64_t seq0, uint32_t part,
+                                               uint32_t parts) {
   for (int b = 0; b < BATCH; ++b) {
     const uint4* from = src + ((uint64_t)b * count * IN_HEADS + head0) * HV;
     if (!BHSD) {
-      tsgen_copy_rows<HL * HV, IN_HEADS * HV, HL * HV, UNROLL>(dst + ((uint64_t)b * seq + seq0) * HL * HV, from,
-                                                                count, part, parts);
+      copy_rows<HL * HV, IN_HEADS * HV, HL * HV, UNROLL>(dst + ((uint64_t)b * seq + seq0) * HL * HV, from,
+                                                          count, part, parts);
     } else {
       for (int h = 0; h < HL; ++h)
-        tsgen_copy_rows<HV, IN_HEADS * HV, HV, UNROLL>(dst + (((uint64_t)b * HL + h) * seq + seq0) * HV,
-                                                       from + (uint64_t)h * HV, count, part, parts);
+        copy_rows<HV, IN_HEADS * HV, HV, UNROLL>(dst + (((uint64_t)b * HL + h) * seq + seq0) * HV,
+                                                 from + (uint64_t)h * HV, count, part, parts);
     }
   }
 }
@@ -920,19 +943,19 @@ static __device__ __forceinline__ void tsgen_ulysses_scatter(uint4* dst, const u
 // post: the tokens [seq0, seq0 + count) of src, a full-sequence tensor of HL heads (bshd or
 // bhsd as above), into heads [head0, head0 + HL) of dst [BATCH, count, OUT_HEADS, head_dim].
 template <int BATCH, int OUT_HEADS, int HL, int HV, bool BHSD, int UNROLL>
-static __device__ __forceinline__ void tsgen_ulysses_gather(uint4* dst, const uint4* src, int head0, uint64_t count,
-                                                            uint64_t seq, uint64_t seq0, uint32_t part,
-                                                            uint32_t parts) {
+static __device__ __forceinline__ void gather(uint4* dst, const uint4* src, int head0, uint64_t count,
+                                              uint64_t seq, uint64_t seq0, uint32_t part,
+                                              uint32_t parts) {
   for (int b = 0; b < BATCH; ++b) {
     uint4* to = dst + ((uint64_t)b * count * OUT_HEADS + head0) * HV;
     if (!BHSD) {
-      tsgen_copy_rows<HL * HV, HL * HV, OUT_HEADS * HV, UNROLL>(to, src + ((uint64_t)b * seq + seq0) * HL * HV,
-                                                                 count, part, parts);
+      copy_rows<HL * HV, HL * HV, OUT_HEADS * HV, UNROLL>(to, src + ((uint64_t)b * seq + seq0) * HL * HV,
+                                                           count, part, parts);
     } else {
       for (int h = 0; h < HL; ++h)
-        tsgen_copy_rows<HV, HV, OUT_HEADS * HV, UNROLL>(to + (uint64_t)h * HV,
-                                                        src + (((uint64_t)b * HL + h) * seq + seq0) * HV, count,
-                                                        part, parts);
+        copy_rows<HV, HV, OUT_HEADS * HV, UNROLL>(to + (uint64_t)h * HV,
+                                                  src + (((uint64_t)b * HL + h) * seq + seq0) * HV, count,
+                                                  part, parts);
     }
   }
 }
@@ -943,12 +966,12 @@ static __device__ __forceinline__ void tsgen_ulysses_gather(uint4* dst, const ui
 // Open: block 0 tells every peer that our call `epoch` started (our output may be written);
 // the blocks that push to `peer` wait for the peer's word. Call with the whole block.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_ulysses_open(uint64_t* entry, char* const* peers, int rank, int peer,
-                                                          uint64_t epoch) {
+static __device__ __forceinline__ void open(uint64_t* entry, char* const* peers, int rank, int peer,
+                                            uint64_t epoch) {
   if (blockIdx.x == 0 && threadIdx.x < WORLD && (int)threadIdx.x != rank)
-    st_release_sys_global_u64(tsgen_peer_ptr(entry, peers, rank, (int)threadIdx.x) + rank, epoch);
+    st_release_sys_global_u64(peer_ptr(entry, peers, rank, (int)threadIdx.x) + rank, epoch);
   if (peer != rank && threadIdx.x == 0)
-    wait_ge_acquire_sys(entry + peer, epoch, tsgen_make_site("entry", rank, rank, peer));
+    wait_ge_acquire_sys(entry + peer, epoch, make_site("entry", rank, rank, peer));
   __syncthreads();
 }
 
@@ -957,15 +980,18 @@ static __device__ __forceinline__ void tsgen_ulysses_open(uint64_t* entry, char*
 // `waiter` blocks then wait until every peer's BLOCKS_PER_PEER blocks have arrived, so the
 // output is complete when the kernel returns. Call with the whole block.
 template <int WORLD, int BLOCKS_PER_PEER>
-static __device__ __forceinline__ void tsgen_ulysses_close(uint64_t* arrive, char* const* peers, int rank, int peer,
-                                                           uint64_t epoch, bool waiter) {
+static __device__ __forceinline__ void close(uint64_t* arrive, char* const* peers, int rank, int peer,
+                                             uint64_t epoch, bool waiter) {
   __syncthreads();
   if (peer != rank && threadIdx.x == 0)
-    red_add_release_sys_global_u64(tsgen_peer_ptr(arrive, peers, rank, peer) + rank, 1ull);
+    red_add_release_sys_global_u64(peer_ptr(arrive, peers, rank, peer) + rank, 1ull);
   if (waiter && threadIdx.x < WORLD && (int)threadIdx.x != rank)
     wait_ge_acquire_sys(arrive + threadIdx.x, epoch * BLOCKS_PER_PEER,
-                        tsgen_make_site("arrive", rank, rank, (int)threadIdx.x));
+                        make_site("arrive", rank, rank, (int)threadIdx.x));
 }
+
+}  // namespace ulysses
+}  // namespace tsgen
 
 #endif  // TSGEN_ULYSSES_CUH
 
@@ -973,6 +999,7 @@ static __device__ __forceinline__ void tsgen_ulysses_close(uint64_t* arrive, cha
 // ulysses_post_a2a: ulysses_post_a2a
 // ---------------------------------------------------------------------------
 namespace ulysses_post_a2a {
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 64;
@@ -999,43 +1026,43 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
   if (slot >= WORLD) return;
   const int peer = (rank + slot) % WORLD;
   const uint32_t part = blockIdx.x % BLOCKS_PER_PEER;
-  tsgen_ulysses_open<WORLD>(entry, peers, rank, peer, epoch);
+  tsgen::ulysses::open<WORLD>(entry, peers, rank, peer, epoch);
   const uint64_t seq = (uint64_t)WORLD * count;  // S
   constexpr int HL = HEADS / WORLD;
-  __nv_bfloat16* to = peer == rank ? dst : tsgen_peer_ptr(dst, peers, rank, peer);
-  tsgen_ulysses_gather<BATCH, HEADS, HL, HEAD_VEC, BHSD != 0, UNROLL>(
+  __nv_bfloat16* to = peer == rank ? dst : tsgen::peer_ptr(dst, peers, rank, peer);
+  tsgen::ulysses::gather<BATCH, HEADS, HL, HEAD_VEC, BHSD != 0, UNROLL>(
       (uint4*)to, (const uint4*)src, rank * HL, count, seq, (uint64_t)peer * count, part, BLOCKS_PER_PEER);
-  tsgen_ulysses_close<WORLD, BLOCKS_PER_PEER>(arrive, peers, rank, peer, epoch, slot == 0 && part == 0);
+  tsgen::ulysses::close<WORLD, BLOCKS_PER_PEER>(arrive, peers, rank, peer, epoch, slot == 0 && part == 0);
 }
 
 }  // namespace ulysses_post_a2a
 
 // World size 2: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 3: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 4: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<4>(peers, rank, epoch, count, src, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // World size 8: grid 64, block 512, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  const uint64_t epoch = tsgen_call_begin(calls);
+  const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<8>(peers, rank, epoch, count, src, dst, entry, arrive);
-  tsgen_call_end(calls, epoch);
+  tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches

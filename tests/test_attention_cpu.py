@@ -290,15 +290,15 @@ WALK = r"""
 // Every tile of a problem: "T m0 head batch blocks", then "B j masked" per KV block.
 int main(int argc, char** argv) {
   using C = MODULE::Config;
-  tsgen_attention::Problem p = {};
+  tsgen::attention::Problem p = {};
   p.batch = atoi(argv[1]); p.q_len = atoi(argv[2]); p.kv_len = atoi(argv[3]);
   p.q_offset = atoi(argv[4]); p.q_split = atoi(argv[5]); p.q_offset2 = atoi(argv[6]); p.kv_offset = atoi(argv[7]);
   p.m_tiles = (p.q_len + C::TILE_M - 1) / C::TILE_M;
   p.tiles = p.m_tiles * C::HEADS * p.batch;
   for (uint32_t t = 0; t < p.tiles; ++t) {
-    const tsgen_attention::Tile tile = tsgen_attention::tile_of<C>(p, t);
+    const tsgen::attention::Tile tile = tsgen::attention::tile_of<C>(p, t);
     printf("T %u %u %u %d\n", tile.m0, tile.head, tile.batch, tile.blocks);
-    for (int j = 0; j < tile.blocks; ++j) printf("B %d %d\n", j, (int)tsgen_attention::block_masked<C>(p, tile, j));
+    for (int j = 0; j < tile.blocks; ++j) printf("B %d %d\n", j, (int)tsgen::attention::block_masked<C>(p, tile, j));
   }
 }
 """

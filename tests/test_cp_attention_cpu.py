@@ -78,7 +78,7 @@ def test_shipped_specs_and_render():
 def test_negative_control_and_skew_render():
     v = variant("neg", base="cp_attention_zigzag_causal_sm", params={"skip_wait": True})
     source = render(v, base=ROOT, skew=7).source
-    assert "NEGATIVE CONTROL" in source and "tsgen_skew(rank, ld_relaxed_gpu_global_u64(calls));" in source
+    assert "NEGATIVE CONTROL" in source and "tsgen_skew(rank, ptx::ld_relaxed_gpu_global_u64(calls));" in source
 
 
 def test_shared_fit():
@@ -189,13 +189,13 @@ GEOMETRY = r"""
 #include <cstdlib>
 int main(int argc, char** argv) {
   const int world = atoi(argv[1]);
-  const tsgen_cp::Geometry g = MODULE::geometry(world, atoi(argv[2]));
-  printf("C %u\n", tsgen_cp::kv_chunk(g));
+  const tsgen::cp::Geometry g = MODULE::geometry(world, atoi(argv[2]));
+  printf("C %u\n", tsgen::cp::kv_chunk(g));
   for (int d = 0; d < world; ++d) {
-    printf("F %d %d\n", d, tsgen_cp::first_remote_chunk(g, d));
+    printf("F %d %d\n", d, tsgen::cp::first_remote_chunk(g, d));
     for (int s = 0; s < world; ++s)
-      for (int i = 0; i < tsgen_cp::segments(g); ++i) {
-        const tsgen_cp::Segment x = tsgen_cp::segment(g, s, d, i);
+      for (int i = 0; i < tsgen::cp::segments(g); ++i) {
+        const tsgen::cp::Segment x = tsgen::cp::segment(g, s, d, i);
         printf("S %d %d %u %u %u %u\n", s, d, x.src_row, x.rows, x.dst_row, x.chunk);
       }
   }

@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
   using C = MODULE::Config<WORLD>;
   const uint32_t rows = atoi(argv[1]), ctas = atoi(argv[2]), first = atoi(argv[3]);
   for (uint32_t b = 0; b < ctas; ++b) {
-    tsgen_gemm::Scheduler<C> t(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER, first);
+    tsgen::gemm::Scheduler<C> t(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER, first);
     uint32_t m0, n0, batch;
     while (t.next(m0, n0, batch)) printf("%u %u %u %u\n", b, batch, m0, n0);
   }

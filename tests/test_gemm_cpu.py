@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
   using C = MODULE::Config;
   const uint32_t rows = (uint32_t)atoi(argv[1]), ctas = (uint32_t)atoi(argv[2]);
   for (uint32_t b = 0; b < ctas; ++b) {
-    tsgen_gemm::Scheduler<C> tiles(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER);
+    tsgen::gemm::Scheduler<C> tiles(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER);
     uint32_t m0, n0;
     while (tiles.next(m0, n0)) printf("%u %u %u\n", b, m0, n0);
   }

@@ -91,11 +91,11 @@ def test_render_and_manifest(path):
     # add: the GEMM zeroes c and raises FREE itself (the entry only begins the call), tiles are added
     # through per-owner maps of c, then a wait for every READY
     assert ("WAIT_READY, 0);" in r.source) == add and ("BEGIN, 0);" in r.source) == add
-    assert ("tsgen_fused::AddHook hook" in r.source) == add
-    assert ("tsgen_fused::PushHook hook" in r.source) == (mode == "push" and not add)
+    assert ("tsgen::fused::AddHook hook" in r.source) == add
+    assert ("tsgen::fused::PushHook hook" in r.source) == (mode == "push" and not add)
     assert ("_reduce(char* const* peers" in r.source) == (not add)
     if mode == "push":  # stores through per-owner tensor maps; no reserved SMs, no side stream
-        assert "tsgen_fused::PushMaps<4> push" in r.source
+        assert "tsgen::fused::PushMaps<4> push" in r.source
         assert f"host_peer_ptr({'c' if add else 'partial'}, peers_host, rank, q)" in r.source
         launchers = r.source.split("// ---- world size 2 ----")[1]
         assert "constexpr int RESERVE_SMS = 0;" in r.source and "l->signal" not in launchers
@@ -179,9 +179,9 @@ WALK = r"""
 int main(int argc, char** argv) {
   using C = MODULE::Config<WORLD>;
   const uint32_t rows = atoi(argv[1]), ctas = atoi(argv[2]), first = atoi(argv[3]);
-  printf("K %d tiles %u\n", C::K, tsgen_gemm::Scheduler<C>::batch_tiles(rows));
+  printf("K %d tiles %u\n", C::K, tsgen::gemm::Scheduler<C>::batch_tiles(rows));
   for (uint32_t b = 0; b < ctas; ++b) {
-    tsgen_gemm::Scheduler<C> t(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER, first);
+    tsgen::gemm::Scheduler<C> t(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER, first);
     uint32_t m0, n0, batch;
     while (t.next(m0, n0, batch)) printf("%u %u %u %u\n", b, batch, m0, n0);
   }

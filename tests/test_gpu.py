@@ -100,8 +100,8 @@ def test_wait_that_never_completes_times_out(spec):
 # Negative controls: remove one synchronization (or the tail copy) from the
 # generated source; the same test must then fail, or it proves nothing.
 NEGATIVE_CONTROLS = {
-    "barrier_blocks": ("tsgen_barrier_blocks(counter, epoch, rank);", ""),
-    # the cross-rank wait inside tsgen_barrier_all (counts stay balanced: no trap)
+    "barrier_blocks": ("tsgen::barrier_blocks(counter, epoch, rank);", ""),
+    # the cross-rank wait inside tsgen::barrier_all (counts stay balanced: no trap)
     "barrier_all": ("wait_ge_acquire_sys(flags + peer, generation,", "wait_ge_acquire_sys(flags + peer, 0ull,"),
     # wait for >= 0: satisfied at once, i.e. no wait
     "signal_wait_ge_peer": ("wait_ge_acquire_sys(signal, epoch,", "wait_ge_acquire_sys(signal, 0ull,"),
@@ -199,10 +199,10 @@ def test_collective_negative_control_wrong_chunk_offset():
     need_gpus(2)
 
     def mutate(text):
-        head, tail = text.split("static __device__ const tsgen_step steps_w2[]", 1)
+        head, tail = text.split("static __device__ const tsgen::step steps_w2[]", 1)
         tail = re.sub(r"(// rank 1 step 1: put to rank 0;[^\n]*\n\s*\{TSGEN_OP_COPY, 1, 1, 1, 0, )\{0, 2, 0, 1, 1, 0\}",
                       r"\1{0, 2, 0, 1, 0, 0}", tail, count=1)
-        return head + "static __device__ const tsgen_step steps_w2[]" + tail
+        return head + "static __device__ const tsgen::step steps_w2[]" + tail
 
     lines = []
     ok = run_test("specs/allgather.yaml", 2, iters=5, echo=lines.append, mutate=mutate)

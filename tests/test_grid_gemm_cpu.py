@@ -61,7 +61,7 @@ def test_render_and_manifest(path):
     assert sizes["c"]["per_count"] == 4096 and sizes["a_pan"]["per_count"] == 8192
     assert sizes["b_pan"]["fixed"] == 8192 * 4096
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
-    assert "tsgen_grid::PanelHook<C::K_BLOCKS, C::KBP>" in r.source
+    assert "tsgen::grid::PanelHook<C::K_BLOCKS, C::KBP>" in r.source
     assert "cudaMemcpy2DAsync(dst, C::K * sizeof(E)" in r.source
     # the launcher's table is the plan's schedule
     table = re.search(r"STEPS_W4\[4\]\[(\d+)\] = \{\n(.*?)\n\};", r.source, re.S)
@@ -197,7 +197,7 @@ WALK = r"""
 // per rank: the K blocks its producer loads for one tile, in order
 int main() {
   using C = MODULE::Config<2>;
-  using H = tsgen_grid::PanelHook<C::K_BLOCKS, C::KBP>;
+  using H = tsgen::grid::PanelHook<C::K_BLOCKS, C::KBP>;
   for (int rank = 0; rank < 4; ++rank) {
     const uint32_t first = (rank / 2 + rank % 2) % 2 * C::KBP;
     printf("%d", rank);

@@ -529,7 +529,7 @@ static_cast struct switch template this thread_local throw true try typedef type
 typeof_unqual union unsigned using virtual void volatile wchar_t while xor xor_eq""".split()
 DECLARED = ["printf", "uint64_t", "half", "threadIdx", "blockIdx", "min", "std", "nv", "atomicAdd", "clock64",
             "dim3", "float4", "make_float4", "stdout", "errno", "malloc"]
-RESERVED = ["EOF", "NULL", "TSGEN_TIMEOUT_NS", "tsgen_call_begin", "tsgen_grid", "TsGen_x", "cudaMalloc",
+RESERVED = ["EOF", "NULL", "TSGEN_TIMEOUT_NS", "tsgen", "tsgen_call_begin", "tsgen_grid", "TsGen_x", "cudaMalloc",
             "cuMemAlloc", "CUresult", "nv_bfloat16", "nvshmem_x", "NVSHMEM_x", "PFN_cuX", "_x", "_X"]
 
 
@@ -537,6 +537,25 @@ RESERVED = ["EOF", "NULL", "TSGEN_TIMEOUT_NS", "tsgen_call_begin", "tsgen_grid",
 def test_item13_keywords_and_declared_names_are_refused(tmp_path, name):
     (problem,) = _bad(tmp_path, PUT.replace("name: t1", f'name: "{name}"'))
     assert problem.startswith(f"2:1: name: '{name}'")
+
+
+def test_item13_headers_declare_only_namespace_tsgen_at_file_scope():
+    """Every hand-written header declares its functions, types and constants inside namespace
+    tsgen: outside it, at file scope, only preprocessor lines and the plan's TSGEN_OP_* codes
+    (named like the TSGEN_ macros beside them)."""
+    for header in sorted((ROOT / "templates" / "include").glob("tsgen_*.cuh")):
+        lines = [line for line in code_without_comments(header.read_text(), trigraphs=False)
+                 if not line.startswith("#")]
+        outside, depth, opened = [], 0, False
+        for line in lines:
+            if depth == 0:
+                if line == "namespace tsgen {":
+                    opened = True
+                elif not re.fullmatch(r"enum \{( TSGEN_\w+ = \d+,?)+ \};", line):
+                    outside.append(line)
+            depth += line.count("{") - line.count("}")
+            assert depth >= 0, (header.name, line)
+        assert opened and not outside, (header.name, outside[:5])
 
 
 @needs_nvcc
@@ -549,9 +568,11 @@ def test_item13_names_the_headers_declare_are_all_refused():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name", ["count", "rank", "epoch", "peers", "calls", "run", "src", "dst", "stream"])
+@pytest.mark.parametrize("name", ["count", "rank", "epoch", "peers", "calls", "run", "src", "dst", "stream",
+                                  "ptx", "step", "peer_ptr", "wait_ge_acquire_sys", "red_add_release_sys_global_u64"])
 def test_item13_names_of_the_templates_parameters_compile(tmp_path, name):
-    """Names the op bodies use for their own parameters and locals are fine as module names."""
+    """Names the op bodies use for their own parameters and locals are fine as module names, and so
+    are the names of tsgen's helpers (they live in namespace tsgen, which the op calls through)."""
     spec = tmp_path / f"{name}.yaml"
     spec.write_text((ROOT / "specs" / "simple_shift.yaml").read_text().replace("name: simple_shift", f"name: {name}"))
     assert run_cli("build", spec, "-o", tmp_path / "o").code == 0

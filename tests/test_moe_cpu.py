@@ -227,7 +227,7 @@ def test_shipped_spec_loads_and_renders(tmp_path, spec):
             assert f'extern "C" __global__ void __launch_bounds__(512, 1) {spec}_w{w}_{part}(' in text
             assert f'extern "C" cudaError_t {spec}_w{w}_{part}_launch(' in text
         assert f'extern "C" cudaError_t {spec}_w{w}_launch(' in text
-    assert ("tsgen_moe::ll_dispatch<" in text) == (spec == "moe_ll")
+    assert ("tsgen::moe::ll_dispatch<" in text) == (spec == "moe_ll")
     assert ("_dequantize<<<" in text) == (spec == "moe_fp8")
 
 

@@ -27,11 +27,11 @@ NVSHMEM_SPECS = [p.stem for p in shipped_specs(transport="nvshmem")]
 NVSHMEM_COLLECTIVES = [p.stem for p in shipped_specs(transport="nvshmem", category="collective")]
 # primitive -> the NVSHMEM device calls its kernel body must make (and no peer pointer)
 NVSHMEM_PRIMITIVES = {
-    "put_warp_nvshmem": ("nvshmemx_putmem_nbi_warp(", "nvshmem_quiet()", "tsgen_nvshmem_check_pe("),
-    "get_block_nvshmem": ("nvshmemx_getmem_nbi_block(", "nvshmem_quiet()", "tsgen_nvshmem_check_pe("),
-    "simple_shift_nvshmem": ("nvshmemx_putmem_signal_nbi_block(", "tsgen_nvshmem_wait_ge(", "nvshmemx_signal_op(",
+    "put_warp_nvshmem": ("nvshmemx_putmem_nbi_warp(", "nvshmem_quiet()", "tsgen::nvshmem::check_pe("),
+    "get_block_nvshmem": ("nvshmemx_getmem_nbi_block(", "nvshmem_quiet()", "tsgen::nvshmem::check_pe("),
+    "simple_shift_nvshmem": ("nvshmemx_putmem_signal_nbi_block(", "tsgen::nvshmem::wait_ge(", "nvshmemx_signal_op(",
                              "NVSHMEM_SIGNAL_ADD", "nvshmem_quiet()"),
-    "barrier_all_nvshmem": ("tsgen_nvshmem_barrier_all(", "nvshmemx_getmem_block("),
+    "barrier_all_nvshmem": ("tsgen::nvshmem::barrier_all(", "nvshmemx_getmem_block("),
 }
 # the library's transport path of each kernel's main call, seen in the linked cubin
 LINKED_PATH = {name: b"nvshmemi_transfer_put_signal_dispatch" for name in NVSHMEM_COLLECTIVES} | {
@@ -67,7 +67,7 @@ def test_nvshmem_specs_render_put_with_signal(name):
     text = (ROOT / "generated" / f"{name}.cu").read_text()
     assert "#include <nvshmem.h>" in text and "Inlined from templates/include/tsgen_nvshmem.cuh" in text
     body = text.split("namespace " + name + " {", 1)[1]
-    assert "tsgen_nvshmem_run_plan<T, UNROLL, WORLD>" in body and "tsgen_run_plan<" not in body
+    assert "tsgen::nvshmem::run_plan<T, UNROLL, WORLD>" in body and "tsgen::run_plan<" not in body
     header = (ROOT / "templates" / "include" / "tsgen_nvshmem.cuh").read_text()
     for call in ("nvshmemx_putmem_signal_nbi_block", "NVSHMEM_SIGNAL_ADD", "nvshmem_signal_wait_until",
                  "NVSHMEM_CMP_GE", "nvshmemx_signal_op", "nvshmem_quiet", "nvshmemx_getmem_block",
@@ -86,7 +86,7 @@ def test_nvshmem_primitives_render_nvshmem_calls(name):
     body = text.split("namespace " + name + " {", 1)[1]
     for call in NVSHMEM_PRIMITIVES[name]:
         assert call in body, (name, call)
-    assert "tsgen_peer_ptr(" not in body and "tsgen_barrier_all<" not in body
+    assert "tsgen::peer_ptr(" not in body and "tsgen::barrier_all<" not in body
     # the plan executor stays out of sources without a plan
     assert "#ifdef TSGEN_PLAN_CUH" in text and "Inlined from templates/include/tsgen_plan.cuh" not in text
 

@@ -241,7 +241,7 @@ def test_straight_line_groups_are_the_tables(spec, w, hoist):
                          ids=lambda x: x.stem if hasattr(x, "stem") else f"w{x}")
 def test_share_runs_expand_to_the_table(spec, w, hoist):
     """The run-length encoded share table the source writes (plan.lower.share_runs, expanded by
-    tsgen_expand_shares at compile time) is, entry for entry, the table c_tables lists."""
+    tsgen::expand_shares at compile time) is, entry for entry, the table c_tables lists."""
     from tsgen.plan.lower import share_runs
 
     plan = _plan(spec, w)
@@ -295,16 +295,16 @@ def test_plan_code_tables_renders_no_straight_line_code():
     auto, tables = render(loaded).source, render(forced).source
     for w in (2, 3, 4, 8):
         assert f"plan<{w}>::run<T, UNROLL>(rank, epoch" in auto
-        assert f"tsgen_run_share<T, UNROLL>(steps_w{w}[" in auto
-        assert f"static __device__ const tsgen_share_table<" in tables and f" shares_w{w} =" in tables
+        assert f"tsgen::run_share<T, UNROLL>(steps_w{w}[" in auto
+        assert f"static __device__ const tsgen::share_table<" in tables and f" shares_w{w} =" in tables
         assert f" shares_w{w} =" not in auto and f"first_w{w}[" not in auto
         assert _step_table(auto, w) == _step_table(tables, w)
-    assert "tsgen_run_share<T, UNROLL>(steps_w" not in tables and "::run<T, UNROLL>" not in tables
+    assert "tsgen::run_share<T, UNROLL>(steps_w" not in tables and "::run<T, UNROLL>" not in tables
 
 
 def _step_table(source, w):
     """World size w's step table and step bases, as the source writes them."""
-    start = source.index(f"static __device__ const tsgen_step steps_w{w}[]")
+    start = source.index(f"static __device__ const tsgen::step steps_w{w}[]")
     return source[start:source.index("\n", source.index(f"step_base_w{w}[", start))]
 
 

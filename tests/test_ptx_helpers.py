@@ -189,6 +189,7 @@ HELPERS = table_helpers(HEADER_TEXT)
 # ---------------------------------------------------------------------------
 HARNESS = r"""
 #include "tsgen_ptx.cuh"
+using namespace tsgen::ptx;
 
 struct tsgen_test_vals { uint4 v4; float4 f4; unsigned long long u64; float f32; };
 
@@ -403,6 +404,7 @@ def test_header_builds_for_host_and_pre_sm90(tmp_path):
     src = tmp_path / "host.cu"
     src.write_text(r"""
 #include "tsgen_ptx.cuh"
+using namespace tsgen::ptx;
 extern "C" __global__ void k(uint64_t* flag, uint4* dst, const uint4* src, void* mc, uint32_t* out) {
   if (elect_one_sync()) out[0] = lane_id() + warp_id();
   st_weak_global_v4(dst, ld_nc_na_global_v4(src));

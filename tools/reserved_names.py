@@ -6,7 +6,9 @@ everything the source includes (CUDA runtime, fp16/bf16, stdio, cuda.h, NVSHMEM,
 nvcc: for one shipped spec per op template it appends `namespace X { }` for every
 identifier of the preprocessed source to the generated file and runs nvcc's front
 end (-cuda, no code generation); each "has already been declared" error is a name
-the spec validator must refuse. Object-like macros are refused as they are.
+the spec validator must refuse. Object-like macros are refused as they are. The tsgen
+headers declare everything inside namespace tsgen, so of theirs only `tsgen` is at file
+scope (and refused by its prefix anyway).
 
     python tools/reserved_names.py           # rewrite tsgen/header_names.py
     python tools/reserved_names.py --check   # exit 1 listing names the validator accepts but nvcc refuses
@@ -65,8 +67,37 @@ def clashes(spec_path: Path) -> tuple[set[str], set[str]]:
         src.write_text(rendered.source + "".join(f"namespace {n} {{ }}\n" for n in candidates))
         out = run("-cuda", "-Xcudafe", "--error_limit=1000000", "-o", "/dev/null", str(src))
         declared = set(_DECLARED.findall(out.stdout + out.stderr))
-    # reopening a namespace is no error, so those come from the text (std, nv, ...)
-    return declared | set(re.findall(r"\bnamespace\s+([A-Za-z_]\w*)", body)) - {rendered.name}, macros
+    # reopening a namespace is no error, so those come from the text (std, nv, ...), but for the
+    # ones nested in namespace tsgen (tsgen::ptx, ...) or in the op's own: a spec's name, at file
+    # scope, never meets them
+    nested = nested_namespaces(body, {"tsgen", rendered.name})
+    return declared | set(re.findall(r"\bnamespace\s+([A-Za-z_]\w*)", body)) - nested - {rendered.name}, macros
+
+
+_LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
+_NS_TOKEN = re.compile(r"\bnamespace\s+([A-Za-z_]\w*)(?:\s*::\s*\w+)*\s*([{=])|\x01|[{}]")
+
+
+def nested_namespaces(body: str, owners: set[str]) -> set[str]:
+    """Namespaces (and aliases) of preprocessed C++ declared only inside the file-scope
+    namespaces `owners`, never elsewhere.
+    Braces in string and character literals (asm templates) do not count; extern "C" { }
+    blocks keep file scope."""
+    text = _LITERAL.sub(" ", re.sub(r'extern\s*"C(?:\+\+)?"\s*\{', "\x01", body))
+    inside, outside, stack = set(), set(), []
+    for m in _NS_TOKEN.finditer(text):
+        if m.group(1):
+            scopes = [s for s in stack if s != "extern"]
+            (inside if scopes and scopes[0].split()[-1] in owners else outside).add(m.group(1))
+            if m.group(2) == "{":
+                stack.append("namespace " + m.group(1))
+        elif m.group(0) == "\x01":
+            stack.append("extern")
+        elif m.group(0) == "{":
+            stack.append("brace")
+        elif stack:
+            stack.pop()
+    return inside - outside - owners
 
 
 def main(argv: list[str]) -> int:

@@ -20,62 +20,42 @@ amo_request_3_t amo_request_4_t any arc4random arc4random_buf arc4random_uniform
 asctime_r asin asinf asinf32 asinf32x asinf64 asinf64x asinh asinhf asinhf32 asinhf32x asinhf64
 asinhf64x asinhl asinl asprintf at_quick_exit atan atan2 atan2f atan2f32 atan2f32x atan2f64
 atan2f64x atan2l atanf atanf32 atanf32x atanf64 atanf64x atanh atanhf atanhf32 atanhf32x
-atanhf64 atanhf64x atanhl atanl atexit atof atoi atol atoll atom_add_acq_rel_gpu_global_u32
-atom_add_acq_rel_gpu_global_u64 atom_add_acq_rel_sys_global_u32 atom_add_acq_rel_sys_global_u64
-atom_add_acquire_gpu_global_u32 atom_add_acquire_gpu_global_u64 atom_add_acquire_sys_global_u32
-atom_add_acquire_sys_global_u64 atom_add_relaxed_gpu_global_u32 atom_add_relaxed_gpu_global_u64
-atom_add_relaxed_sys_global_u32 atom_add_relaxed_sys_global_u64 atom_add_release_gpu_global_u32
-atom_add_release_gpu_global_u64 atom_add_release_sys_global_u32 atom_add_release_sys_global_u64
-atom_cas_acq_rel_gpu_global_u32 atom_cas_acq_rel_gpu_global_u64 atom_cas_acq_rel_sys_global_u32
-atom_cas_acq_rel_sys_global_u64 atom_cas_acquire_gpu_global_u32 atom_cas_acquire_gpu_global_u64
-atom_cas_acquire_sys_global_u32 atom_cas_acquire_sys_global_u64 atom_cas_relaxed_gpu_global_u32
-atom_cas_relaxed_gpu_global_u64 atom_cas_relaxed_sys_global_u32 atom_cas_relaxed_sys_global_u64
-atom_cas_release_gpu_global_u32 atom_cas_release_gpu_global_u64 atom_cas_release_sys_global_u32
-atom_cas_release_sys_global_u64 atom_exch_acq_rel_gpu_global_u32
-atom_exch_acq_rel_gpu_global_u64 atom_exch_acq_rel_sys_global_u32
-atom_exch_acq_rel_sys_global_u64 atom_exch_acquire_gpu_global_u32
-atom_exch_acquire_gpu_global_u64 atom_exch_acquire_sys_global_u32
-atom_exch_acquire_sys_global_u64 atom_exch_relaxed_gpu_global_u32
-atom_exch_relaxed_gpu_global_u64 atom_exch_relaxed_sys_global_u32
-atom_exch_relaxed_sys_global_u64 atom_exch_release_gpu_global_u32
-atom_exch_release_gpu_global_u64 atom_exch_release_sys_global_u32
-atom_exch_release_sys_global_u64 atomicAdd atomicAdd_block atomicAdd_system atomicAnd
-atomicAnd_block atomicAnd_system atomicCAS atomicCAS_block atomicCAS_system atomicDec
-atomicDec_block atomicDec_system atomicExch atomicExch_block atomicExch_system atomicInc
-atomicInc_block atomicInc_system atomicMax atomicMax_block atomicMax_system atomicMin
-atomicMin_block atomicMin_system atomicOr atomicOr_block atomicOr_system atomicSub
-atomicSub_block atomicSub_system atomicXor atomicXor_block atomicXor_system ballot base_request
-base_request_t basename bcmp bcopy blkcnt64_t blkcnt_t blksize_t blockDim blockIdx bsearch btowc
-bzero caddr_t calloc canonicalize canonicalize_file_name canonicalizef canonicalizef32
-canonicalizef32x canonicalizef64 canonicalizef64x canonicalizel cbrt cbrtf cbrtf32 cbrtf32x
-cbrtf64 cbrtf64x cbrtl ceil ceilf ceilf32 ceilf32x ceilf64 ceilf64x ceill cg
-channel_bounce_buffer channel_bounce_buffer_t char1 char2 char3 char4 check_dimension_valid
-chrono chrono_literals cl_context_flags cl_context_flags_enum cl_event_flags cl_event_flags_enum
-clearenv clearerr clearerr_unlocked clock clock64 clock_adjtime clock_getcpuclockid clock_getres
-clock_gettime clock_nanosleep clock_settime clock_t clockid_t clone close cluster
-comparison_fn_t cookie_close_function_t cookie_io_functions_t cookie_read_function_t
-cookie_seek_function_t cookie_write_function_t cooperative_groups copysign copysignf copysignf32
-copysignf32x copysignf64 copysignf64x copysignl cos cosf cosf32 cosf32x cosf64 cosf64x cosh
-coshf coshf32 coshf32x coshf64 coshf64x coshl cosl cospi cospif cpu_set_t create_coord_tuple cta
-ctermid ctime ctime_r cuserid cuuint32_t cuuint64_t cyl_bessel_i0 cyl_bessel_i0f cyl_bessel_i1
-cyl_bessel_i1f dadd daddl daddr_t daylight ddivl detail details dev_t dfmal difftime dim3
-dimension_checker div div_t dmul dmull double1 double2 double2int double2ll double2uint
-double2ull double3 double4 double4_16a double4_32a double_t dprintf drand48 drand48_data
-drand48_r drem dremf dreml dsqrtl dsub dsubl duplocale dysize ecvt ecvt_r elect_one_sync erand48
-erand48_r erf erfc erfcf erfcf32 erfcf32x erfcf64 erfcf64x erfcinv erfcinvf erfcl erfcx erfcxf
-erff erff32 erff32x erff64 erff64x erfinv erfinvf erfl errno error_t exit exp exp10 exp10f
-exp10f32 exp10f32x exp10f64 exp10f64x exp10l exp2 exp2f exp2f32 exp2f32x exp2f64 exp2f64x exp2l
-experimental expf expf32 expf32x expf64 expf64x expl explicit_bzero expm1 expm1f expm1f32
-expm1f32x expm1f64 expm1f64x expm1l f32addf32x f32addf64 f32addf64x f32divf32x f32divf64
-f32divf64x f32fmaf32x f32fmaf64 f32fmaf64x f32mulf32x f32mulf64 f32mulf64x f32sqrtf32x
-f32sqrtf64 f32sqrtf64x f32subf32x f32subf64 f32subf64x f32xaddf64 f32xaddf64x f32xdivf64
-f32xdivf64x f32xfmaf64 f32xfmaf64x f32xmulf64 f32xmulf64x f32xsqrtf64 f32xsqrtf64x f32xsubf64
-f32xsubf64x f64addf64x f64divf64x f64fmaf64x f64mulf64x f64sqrtf64x f64subf64x fabs fabsf
-fabsf32 fabsf32x fabsf64 fabsf64x fabsl fadd faddl fclose fcloseall fcollect_algo_t fcvt fcvt_r
-fd_mask fd_set fdim fdimf fdimf32 fdimf32x fdimf64 fdimf64x fdiml fdiv fdivide fdividef fdivl
-fdopen fence_acq_rel_cta fence_acq_rel_gpu fence_acq_rel_sys fence_proxy_async_shared_cta
-fence_sc_cta fence_sc_gpu fence_sc_sys feof feof_unlocked ferror ferror_unlocked fflush
-fflush_unlocked ffma ffmal ffs ffsl ffsll fgetc fgetc_unlocked fgetpos fgetpos64 fgets
+atanhf64 atanhf64x atanhl atanl atexit atof atoi atol atoll atomicAdd atomicAdd_block
+atomicAdd_system atomicAnd atomicAnd_block atomicAnd_system atomicCAS atomicCAS_block
+atomicCAS_system atomicDec atomicDec_block atomicDec_system atomicExch atomicExch_block
+atomicExch_system atomicInc atomicInc_block atomicInc_system atomicMax atomicMax_block
+atomicMax_system atomicMin atomicMin_block atomicMin_system atomicOr atomicOr_block
+atomicOr_system atomicSub atomicSub_block atomicSub_system atomicXor atomicXor_block
+atomicXor_system ballot base_request base_request_t basename bcmp bcopy blkcnt64_t blkcnt_t
+blksize_t blockDim blockIdx bsearch btowc bzero caddr_t calloc canonicalize
+canonicalize_file_name canonicalizef canonicalizef32 canonicalizef32x canonicalizef64
+canonicalizef64x canonicalizel cbrt cbrtf cbrtf32 cbrtf32x cbrtf64 cbrtf64x cbrtl ceil ceilf
+ceilf32 ceilf32x ceilf64 ceilf64x ceill cg channel_bounce_buffer channel_bounce_buffer_t char1
+char2 char3 char4 check_dimension_valid chrono chrono_literals cl_context_flags
+cl_context_flags_enum cl_event_flags cl_event_flags_enum clearenv clearerr clearerr_unlocked
+clock clock64 clock_adjtime clock_getcpuclockid clock_getres clock_gettime clock_nanosleep
+clock_settime clock_t clockid_t clone close cluster comparison_fn_t cookie_close_function_t
+cookie_io_functions_t cookie_read_function_t cookie_seek_function_t cookie_write_function_t
+cooperative_groups copysign copysignf copysignf32 copysignf32x copysignf64 copysignf64x
+copysignl cos cosf cosf32 cosf32x cosf64 cosf64x cosh coshf coshf32 coshf32x coshf64 coshf64x
+coshl cosl cospi cospif cp_attention_attention cpu_set_t create_coord_tuple cta ctermid ctime
+ctime_r cuserid cuuint32_t cuuint64_t cyl_bessel_i0 cyl_bessel_i0f cyl_bessel_i1 cyl_bessel_i1f
+dadd daddl daddr_t daylight ddivl detail details dev_t dfmal difftime dim3 dimension_checker div
+div_t dmul dmull double1 double2 double2int double2ll double2uint double2ull double3 double4
+double4_16a double4_32a double_t dprintf drand48 drand48_data drand48_r drem dremf dreml dsqrtl
+dsub dsubl duplocale dysize ecvt ecvt_r erand48 erand48_r erf erfc erfcf erfcf32 erfcf32x
+erfcf64 erfcf64x erfcinv erfcinvf erfcl erfcx erfcxf erff erff32 erff32x erff64 erff64x erfinv
+erfinvf erfl errno error_t exit exp exp10 exp10f exp10f32 exp10f32x exp10f64 exp10f64x exp10l
+exp2 exp2f exp2f32 exp2f32x exp2f64 exp2f64x exp2l experimental expf expf32 expf32x expf64
+expf64x expl explicit_bzero expm1 expm1f expm1f32 expm1f32x expm1f64 expm1f64x expm1l f32addf32x
+f32addf64 f32addf64x f32divf32x f32divf64 f32divf64x f32fmaf32x f32fmaf64 f32fmaf64x f32mulf32x
+f32mulf64 f32mulf64x f32sqrtf32x f32sqrtf64 f32sqrtf64x f32subf32x f32subf64 f32subf64x
+f32xaddf64 f32xaddf64x f32xdivf64 f32xdivf64x f32xfmaf64 f32xfmaf64x f32xmulf64 f32xmulf64x
+f32xsqrtf64 f32xsqrtf64x f32xsubf64 f32xsubf64x f64addf64x f64divf64x f64fmaf64x f64mulf64x
+f64sqrtf64x f64subf64x fabs fabsf fabsf32 fabsf32x fabsf64 fabsf64x fabsl fadd faddl fclose
+fcloseall fcollect_algo_t fcvt fcvt_r fd_mask fd_set fdim fdimf fdimf32 fdimf32x fdimf64
+fdimf64x fdiml fdiv fdivide fdividef fdivl fdopen feof feof_unlocked ferror ferror_unlocked
+fflush fflush_unlocked ffma ffmal ffs ffsl ffsll fgetc fgetc_unlocked fgetpos fgetpos64 fgets
 fgets_unlocked fgetwc fgetwc_unlocked fgetws fgetws_unlocked fileno fileno_unlocked filesystem
 finite finitef finitel flags float1 float2 float2double float3 float4 float_t flockfile floor
 floorf floorf32 floorf32x floorf64 floorf64x floorl fma fmaf fmaf32 fmaf32x fmaf64 fmaf64x fmal
@@ -103,73 +83,56 @@ gammal gcvt get_constant get_constant_value get_pe_sync_addr get_shape_element
 get_stride_element get_tensor_size get_tuple_size get_tuple_val getc getc_unlocked getchar
 getchar_unlocked getcpu getdate getdate_err getdate_r getdelim getenv getline getloadavg
 getpayload getpayloadf getpayloadf32 getpayloadf32x getpayloadf64 getpayloadf64x getpayloadl
-getpt getsubopt getw getwc getwc_unlocked getwchar getwchar_unlocked gid_t globaltimer_ns gmtime
-gmtime_r gpu_coll_env_params_t gpu_coll_env_params_v1 gpu_coll_env_params_v2 grantpt grid
-gridDim h2ceil h2cos h2exp h2exp10 h2exp2 h2floor h2log h2log10 h2log2 h2rcp h2rint h2rsqrt
-h2sin h2sqrt h2tanh h2tanh_approx h2trunc half half2 hceil hcos hexp hexp10 hexp2 hfloor hlog
-hlog10 hlog2 hrcp hrint hrsqrt hsin hsqrt htanh htanh_approx htrunc hypot hypotf hypotf32
-hypotf32x hypotf64 hypotf64x hypotl id_t ilogb ilogbf ilogbf32 ilogbf32x ilogbf64 ilogbf64x
-ilogbl index initstate initstate_r ino64_t ino_t int1 int16_t int2 int2double int3 int32_t int4
-int64_t int8_t int_fast16_t int_fast32_t int_fast64_t int_fast8_t int_least16_t int_least32_t
-int_least64_t int_least8_t intmax_t intptr_t is_cutlass_bfloat is_cutlass_half
-is_index_in_bounds is_integral_constant is_integral_constant_value is_less_than
-is_less_than_impl isalnum isalnum_l isalpha isalpha_l isascii isblank isblank_l iscanonical
-iscntrl iscntrl_l isctype isdigit isdigit_l iseqsig isfinite isgraph isgraph_l isgreater
-isgreaterequal isinf isinff isinfl isless islessequal islessgreater islower islower_l isnan
-isnanf isnanl isnormal isprint isprint_l ispunct ispunct_l issignaling isspace isspace_l
-isunordered isupper isupper_l isxdigit isxdigit_l iszero itimerspec j0 j0f j0f32 j0f32x j0f64
-j0f64x j0l j1 j1f j1f32 j1f32x j1f64 j1f64x j1l jn jnf jnf32 jnf32x jnf64 jnf64x jnl jrand48
-jrand48_r key_t l64a labs lane_id lcong48 lcong48_r lconv ld_acquire_cta_global_u32
-ld_acquire_cta_global_u64 ld_acquire_cta_global_v4 ld_acquire_gpu_global_u32
-ld_acquire_gpu_global_u64 ld_acquire_gpu_global_v4 ld_acquire_sys_global_u32
-ld_acquire_sys_global_u64 ld_acquire_sys_global_v4 ld_nc_global_u32 ld_nc_global_u64
-ld_nc_global_v4 ld_nc_na_global_u32 ld_nc_na_global_u64 ld_nc_na_global_v4
-ld_relaxed_cta_global_u32 ld_relaxed_cta_global_u64 ld_relaxed_cta_global_v4
-ld_relaxed_gpu_global_u32 ld_relaxed_gpu_global_u64 ld_relaxed_gpu_global_v4
-ld_relaxed_sys_global_u32 ld_relaxed_sys_global_u64 ld_relaxed_sys_global_v4
-ld_volatile_global_u32 ld_volatile_global_u64 ld_volatile_global_v4 ld_weak_global_u32
-ld_weak_global_u64 ld_weak_global_v4 ld_weak_na_global_v4 ldexp ldexpf ldexpf32 ldexpf32x
-ldexpf64 ldexpf64x ldexpl ldiv ldiv_t lgamma lgamma_r lgammaf lgammaf32 lgammaf32_r lgammaf32x
-lgammaf32x_r lgammaf64 lgammaf64_r lgammaf64x lgammaf64x_r lgammaf_r lgammal lgammal_r
-libraryPropertyType libraryPropertyType_t literals ll2double ll_version_t llabs lldiv lldiv_t
-llmax llmin llogb llogbf llogbf32 llogbf32x llogbf64 llogbf64x llogbl llrint llrintf llrintf32
-llrintf32x llrintf64 llrintf64x llrintl llround llroundf llroundf32 llroundf32x llroundf64
-llroundf64x llroundl locale_t localeconv localtime localtime_r loff_t log log10 log10f log10f32
-log10f32x log10f64 log10f64x log10l log1p log1pf log1pf32 log1pf32x log1pf64 log1pf64x log1pl
-log2 log2f log2f32 log2f32x log2f64 log2f64x log2l logb logbf logbf32 logbf32x logbf64 logbf64x
-logbl logf logf32 logf32x logf64 logf64x logl long1 long2 long3 long4 long4_16a long4_32a
-longlong1 longlong2 longlong3 longlong4 longlong4_16a longlong4_32a lrand48 lrand48_r lrint
-lrintf lrintf32 lrintf32x lrintf64 lrintf64x lrintl lround lroundf lroundf32 lroundf32x
-lroundf64 lroundf64x lroundl make_bfloat162 make_char1 make_char2 make_char3 make_char4
-make_cudaExtent make_cudaPitchedPtr make_cudaPos make_double1 make_double2 make_double3
-make_double4 make_double4_16a make_double4_32a make_float1 make_float2 make_float3 make_float4
-make_half2 make_int1 make_int2 make_int3 make_int4 make_long1 make_long2 make_long3 make_long4
-make_long4_16a make_long4_32a make_longlong1 make_longlong2 make_longlong3 make_longlong4
-make_longlong4_16a make_longlong4_32a make_short1 make_short2 make_short3 make_short4
-make_uchar1 make_uchar2 make_uchar3 make_uchar4 make_uint1 make_uint2 make_uint3 make_uint4
-make_ulong1 make_ulong2 make_ulong3 make_ulong4 make_ulong4_16a make_ulong4_32a make_ulonglong1
-make_ulonglong2 make_ulonglong3 make_ulonglong4 make_ulonglong4_16a make_ulonglong4_32a
-make_ushort1 make_ushort2 make_ushort3 make_ushort4 malloc math_errhandling max max_align_t
-mblen mbrlen mbrtowc mbsinit mbsnrtowcs mbsrtowcs mbstate_t mbstowcs mbtowc memccpy memchr
-memcmp memcpy memfrob memmem memmove mempcpy memrchr memset min mkdtemp mkostemp mkostemp64
-mkostemps mkostemps64 mkstemp mkstemp64 mkstemps mkstemps64 mktemp mktime mode_t modf modff
-modff32 modff32x modff64 modff64x modfl mrand48 mrand48_r
-multimem_ld_reduce_add_relaxed_sys_acc_f32_bf16x2
-multimem_ld_reduce_add_relaxed_sys_acc_f32_f16x2
-multimem_ld_reduce_add_relaxed_sys_acc_f32_v4_bf16x2 multimem_ld_reduce_add_relaxed_sys_bf16x2
-multimem_ld_reduce_add_relaxed_sys_f16x2 multimem_ld_reduce_add_relaxed_sys_f32
-multimem_ld_reduce_add_relaxed_sys_v4_bf16x2 multimem_ld_reduce_add_relaxed_sys_v4_f32
-multimem_red_add_relaxed_sys_u32 multimem_red_add_release_sys_u32 multimem_st_relaxed_sys_bf16x2
-multimem_st_relaxed_sys_f32 multimem_st_relaxed_sys_v4_bf16x2 multimem_st_relaxed_sys_v4_f32 nan
-nanf nanf32 nanf32x nanf64 nanf64x nanl nanosleep nearbyint nearbyintf nearbyintf32
-nearbyintf32x nearbyintf64 nearbyintf64x nearbyintl newlocale nextafter nextafterf nextafterf32
-nextafterf32x nextafterf64 nextafterf64x nextafterl nextdown nextdownf nextdownf32 nextdownf32x
-nextdownf64 nextdownf64x nextdownl nexttoward nexttowardf nexttowardl nextup nextupf nextupf32
-nextupf32x nextupf64 nextupf64x nextupl nlink_t norm norm3d norm3df norm4d norm4df normcdf
-normcdff normcdfinv normcdfinvf normf nrand48 nrand48_r nullptr_t nv nvcuda obstack
-obstack_printf obstack_vprintf off64_t off_t on_exit open_memstream open_wmemstream pclose
-perror pid_t pmr popen posix_memalign posix_openpt pow powf powf32 powf32x powf64 powf64x powl
-printf program_invocation_name program_invocation_short_name pselect pthread_atfork
+getpt getsubopt getw getwc getwc_unlocked getwchar getwchar_unlocked gid_t gmtime gmtime_r
+gpu_coll_env_params_t gpu_coll_env_params_v1 gpu_coll_env_params_v2 grantpt grid gridDim h2ceil
+h2cos h2exp h2exp10 h2exp2 h2floor h2log h2log10 h2log2 h2rcp h2rint h2rsqrt h2sin h2sqrt h2tanh
+h2tanh_approx h2trunc half half2 hceil hcos hexp hexp10 hexp2 hfloor hlog hlog10 hlog2 hrcp
+hrint hrsqrt hsin hsqrt htanh htanh_approx htrunc hypot hypotf hypotf32 hypotf32x hypotf64
+hypotf64x hypotl id_t ilogb ilogbf ilogbf32 ilogbf32x ilogbf64 ilogbf64x ilogbl index initstate
+initstate_r ino64_t ino_t int1 int16_t int2 int2double int3 int32_t int4 int64_t int8_t
+int_fast16_t int_fast32_t int_fast64_t int_fast8_t int_least16_t int_least32_t int_least64_t
+int_least8_t intmax_t intptr_t is_cutlass_bfloat is_cutlass_half is_index_in_bounds
+is_integral_constant is_integral_constant_value is_less_than is_less_than_impl isalnum isalnum_l
+isalpha isalpha_l isascii isblank isblank_l iscanonical iscntrl iscntrl_l isctype isdigit
+isdigit_l iseqsig isfinite isgraph isgraph_l isgreater isgreaterequal isinf isinff isinfl isless
+islessequal islessgreater islower islower_l isnan isnanf isnanl isnormal isprint isprint_l
+ispunct ispunct_l issignaling isspace isspace_l isunordered isupper isupper_l isxdigit
+isxdigit_l iszero itimerspec j0 j0f j0f32 j0f32x j0f64 j0f64x j0l j1 j1f j1f32 j1f32x j1f64
+j1f64x j1l jn jnf jnf32 jnf32x jnf64 jnf64x jnl jrand48 jrand48_r key_t l64a labs lcong48
+lcong48_r lconv ldexp ldexpf ldexpf32 ldexpf32x ldexpf64 ldexpf64x ldexpl ldiv ldiv_t lgamma
+lgamma_r lgammaf lgammaf32 lgammaf32_r lgammaf32x lgammaf32x_r lgammaf64 lgammaf64_r lgammaf64x
+lgammaf64x_r lgammaf_r lgammal lgammal_r libraryPropertyType libraryPropertyType_t literals
+ll2double ll_version_t llabs lldiv lldiv_t llmax llmin llogb llogbf llogbf32 llogbf32x llogbf64
+llogbf64x llogbl llrint llrintf llrintf32 llrintf32x llrintf64 llrintf64x llrintl llround
+llroundf llroundf32 llroundf32x llroundf64 llroundf64x llroundl locale_t localeconv localtime
+localtime_r loff_t log log10 log10f log10f32 log10f32x log10f64 log10f64x log10l log1p log1pf
+log1pf32 log1pf32x log1pf64 log1pf64x log1pl log2 log2f log2f32 log2f32x log2f64 log2f64x log2l
+logb logbf logbf32 logbf32x logbf64 logbf64x logbl logf logf32 logf32x logf64 logf64x logl long1
+long2 long3 long4 long4_16a long4_32a longlong1 longlong2 longlong3 longlong4 longlong4_16a
+longlong4_32a lrand48 lrand48_r lrint lrintf lrintf32 lrintf32x lrintf64 lrintf64x lrintl lround
+lroundf lroundf32 lroundf32x lroundf64 lroundf64x lroundl make_bfloat162 make_char1 make_char2
+make_char3 make_char4 make_cudaExtent make_cudaPitchedPtr make_cudaPos make_double1 make_double2
+make_double3 make_double4 make_double4_16a make_double4_32a make_float1 make_float2 make_float3
+make_float4 make_half2 make_int1 make_int2 make_int3 make_int4 make_long1 make_long2 make_long3
+make_long4 make_long4_16a make_long4_32a make_longlong1 make_longlong2 make_longlong3
+make_longlong4 make_longlong4_16a make_longlong4_32a make_short1 make_short2 make_short3
+make_short4 make_uchar1 make_uchar2 make_uchar3 make_uchar4 make_uint1 make_uint2 make_uint3
+make_uint4 make_ulong1 make_ulong2 make_ulong3 make_ulong4 make_ulong4_16a make_ulong4_32a
+make_ulonglong1 make_ulonglong2 make_ulonglong3 make_ulonglong4 make_ulonglong4_16a
+make_ulonglong4_32a make_ushort1 make_ushort2 make_ushort3 make_ushort4 malloc math_errhandling
+max max_align_t mblen mbrlen mbrtowc mbsinit mbsnrtowcs mbsrtowcs mbstate_t mbstowcs mbtowc
+memccpy memchr memcmp memcpy memfrob memmem memmove mempcpy memrchr memset min mkdtemp mkostemp
+mkostemp64 mkostemps mkostemps64 mkstemp mkstemp64 mkstemps mkstemps64 mktemp mktime mode_t modf
+modff modff32 modff32x modff64 modff64x modfl mrand48 mrand48_r nan nanf nanf32 nanf32x nanf64
+nanf64x nanl nanosleep nearbyint nearbyintf nearbyintf32 nearbyintf32x nearbyintf64
+nearbyintf64x nearbyintl newlocale nextafter nextafterf nextafterf32 nextafterf32x nextafterf64
+nextafterf64x nextafterl nextdown nextdownf nextdownf32 nextdownf32x nextdownf64 nextdownf64x
+nextdownl nexttoward nexttowardf nexttowardl nextup nextupf nextupf32 nextupf32x nextupf64
+nextupf64x nextupl nlink_t norm norm3d norm3df norm4d norm4df normcdf normcdff normcdfinv
+normcdfinvf normf nrand48 nrand48_r nullptr_t nv nvcuda obstack obstack_printf obstack_vprintf
+off64_t off_t on_exit open_memstream open_wmemstream pclose perror pid_t pmr popen
+posix_memalign posix_openpt pow powf powf32 powf32x powf64 powf64x powl printf
+program_invocation_name program_invocation_short_name pselect pthread_atfork
 pthread_attr_destroy pthread_attr_getaffinity_np pthread_attr_getdetachstate
 pthread_attr_getguardsize pthread_attr_getinheritsched pthread_attr_getschedparam
 pthread_attr_getschedpolicy pthread_attr_getscope pthread_attr_getsigmask_np
@@ -216,36 +179,26 @@ put_signal_request_4_t putc putc_unlocked putchar putchar_unlocked putenv puts p
 putwc_unlocked putwchar putwchar_unlocked qecvt qecvt_r qfcvt qfcvt_r qgcvt qp_sync_base_request
 qp_sync_base_request_t qp_sync_request_0 qp_sync_request_0_t qsort qsort_r quad_t quick_exit
 rand rand_r random random_data random_r ranges rawmemchr rcbrt rcbrtf rdxn_ops rdxn_ops_t read
-realloc reallocarray realpath red_add_relaxed_gpu_global_u32 red_add_relaxed_gpu_global_u64
-red_add_relaxed_sys_global_u32 red_add_relaxed_sys_global_u64 red_add_release_gpu_global_u32
-red_add_release_gpu_global_u64 red_add_release_sys_global_u32 red_add_release_sys_global_u64
-register_t rel_ops remainder remainderf remainderf32 remainderf32x remainderf64 remainderf64x
-remainderl remove remquo remquof remquof32 remquof32x remquof64 remquof64x remquol rename
-renameat renameat2 rewind rhypot rhypotf rindex rint rintf rintf32 rintf32x rintf64 rintf64x
-rintl rnorm rnorm3d rnorm3df rnorm4d rnorm4df rnormf round roundeven roundevenf roundevenf32
-roundevenf32x roundevenf64 roundevenf64x roundevenl roundf roundf32 roundf32x roundf64 roundf64x
-roundl rpmatch rsqrt rsqrtf safe_get safe_get_impl scalb scalbf scalbl scalbln scalblnf
-scalblnf32 scalblnf32x scalblnf64 scalblnf64x scalblnl scalbn scalbnf scalbnf32 scalbnf32x
-scalbnf64 scalbnf64x scalbnl scanf sched_get_priority_max sched_get_priority_min
-sched_getaffinity sched_getcpu sched_getparam sched_getscheduler sched_param sched_priority
-sched_rr_get_interval sched_setaffinity sched_setparam sched_setscheduler sched_yield
-secure_getenv seed48 seed48_r select setbuf setbuffer setenv setlinebuf setlocale setns
-setpayload setpayloadf setpayloadf32 setpayloadf32x setpayloadf64 setpayloadf64x setpayloadl
-setpayloadsig setpayloadsigf setpayloadsigf32 setpayloadsigf32x setpayloadsigf64
-setpayloadsigf64x setpayloadsigl setstate setstate_r setvbuf shfl short1 short2 short3 short4
-sigabbrev_np sigdescr_np sigevent signbit signgam significand significandf significandl sigset_t
-sin sincos sincosf sincosf32 sincosf32x sincosf64 sincosf64x sincosl sincospi sincospif sinf
-sinf32 sinf32x sinf64 sinf64x sinh sinhf sinhf32 sinhf32x sinhf64 sinhf64x sinhl sinl sinpi
-sinpif size_t snprintf sprintf sqrt sqrtf sqrtf32 sqrtf32x sqrtf64 sqrtf64x sqrtl srand srand48
-srand48_r srandom srandom_r sscanf ssize_t st_na_global_v4 st_relaxed_cta_global_u32
-st_relaxed_cta_global_u64 st_relaxed_cta_global_v4 st_relaxed_gpu_global_u32
-st_relaxed_gpu_global_u64 st_relaxed_gpu_global_v4 st_relaxed_sys_global_u32
-st_relaxed_sys_global_u64 st_relaxed_sys_global_v4 st_release_cta_global_u32
-st_release_cta_global_u64 st_release_cta_global_v4 st_release_gpu_global_u32
-st_release_gpu_global_u64 st_release_gpu_global_v4 st_release_sys_global_u32
-st_release_sys_global_u64 st_release_sys_global_v4 st_volatile_global_u32 st_volatile_global_u64
-st_volatile_global_v4 st_weak_global_u32 st_weak_global_u64 st_weak_global_v4 std stderr stdin
-stdout stpcpy stpncpy strcasecmp strcasecmp_l strcasestr strcat strchr strchrnul strcmp strcoll
+realloc reallocarray realpath register_t rel_ops remainder remainderf remainderf32 remainderf32x
+remainderf64 remainderf64x remainderl remove remquo remquof remquof32 remquof32x remquof64
+remquof64x remquol rename renameat renameat2 rewind rhypot rhypotf rindex rint rintf rintf32
+rintf32x rintf64 rintf64x rintl rnorm rnorm3d rnorm3df rnorm4d rnorm4df rnormf round roundeven
+roundevenf roundevenf32 roundevenf32x roundevenf64 roundevenf64x roundevenl roundf roundf32
+roundf32x roundf64 roundf64x roundl rpmatch rsqrt rsqrtf safe_get safe_get_impl scalb scalbf
+scalbl scalbln scalblnf scalblnf32 scalblnf32x scalblnf64 scalblnf64x scalblnl scalbn scalbnf
+scalbnf32 scalbnf32x scalbnf64 scalbnf64x scalbnl scanf sched_get_priority_max
+sched_get_priority_min sched_getaffinity sched_getcpu sched_getparam sched_getscheduler
+sched_param sched_priority sched_rr_get_interval sched_setaffinity sched_setparam
+sched_setscheduler sched_yield secure_getenv seed48 seed48_r select setbuf setbuffer setenv
+setlinebuf setlocale setns setpayload setpayloadf setpayloadf32 setpayloadf32x setpayloadf64
+setpayloadf64x setpayloadl setpayloadsig setpayloadsigf setpayloadsigf32 setpayloadsigf32x
+setpayloadsigf64 setpayloadsigf64x setpayloadsigl setstate setstate_r setvbuf shfl short1 short2
+short3 short4 sigabbrev_np sigdescr_np sigevent signbit signgam significand significandf
+significandl sigset_t sin sincos sincosf sincosf32 sincosf32x sincosf64 sincosf64x sincosl
+sincospi sincospif sinf sinf32 sinf32x sinf64 sinf64x sinh sinhf sinhf32 sinhf32x sinhf64
+sinhf64x sinhl sinl sinpi sinpif size_t snprintf sprintf sqrt sqrtf sqrtf32 sqrtf32x sqrtf64
+sqrtf64x sqrtl srand srand48 srand48_r srandom srandom_r sscanf ssize_t std stderr stdin stdout
+stpcpy stpncpy strcasecmp strcasecmp_l strcasestr strcat strchr strchrnul strcmp strcoll
 strcoll_l strcpy strcspn strdup strerror strerror_l strerror_r strerrordesc_np strerrorname_np
 strfromd strfromf strfromf32 strfromf32x strfromf64 strfromf64x strfroml strfry strftime
 strftime_l string_literals string_view_literals strlen strncasecmp strncasecmp_l strncat strncmp
@@ -278,16 +231,13 @@ ull2double ullmax ullmin ulong ulong1 ulong2 ulong3 ulong4 ulong4_16a ulong4_32a
 ulonglong2 ulonglong3 ulonglong4 ulonglong4_16a ulonglong4_32a umax umin ungetc ungetwc unlockpt
 unsetenv unshare useconds_t uselocale ushort ushort1 ushort2 ushort3 ushort4 va_list valloc
 vasprintf vdprintf vfprintf vfscanf vfwprintf vfwscanf vprintf vscanf vsnprintf vsprintf vsscanf
-vswprintf vswscanf vwprintf vwscanf wait_eq_acquire_gpu wait_eq_acquire_sys wait_ge_acquire_gpu
-wait_ge_acquire_sys wait_gt_acquire_gpu wait_gt_acquire_sys wait_le_acquire_gpu
-wait_le_acquire_sys wait_lt_acquire_gpu wait_lt_acquire_sys wait_ne_acquire_gpu
-wait_ne_acquire_sys warpSize warp_all_sync warp_any_sync warp_id wcpcpy wcpncpy wcrtomb
-wcscasecmp wcscasecmp_l wcscat wcschr wcschrnul wcscmp wcscoll wcscoll_l wcscpy wcscspn wcsdup
-wcsftime wcsftime_l wcslen wcsncasecmp wcsncasecmp_l wcsncat wcsncmp wcsncpy wcsnlen wcsnrtombs
-wcspbrk wcsrchr wcsrtombs wcsspn wcsstr wcstod wcstod_l wcstof wcstof32 wcstof32_l wcstof32x
-wcstof32x_l wcstof64 wcstof64_l wcstof64x wcstof64x_l wcstof_l wcstok wcstol wcstol_l wcstold
-wcstold_l wcstoll wcstoll_l wcstombs wcstoq wcstoul wcstoul_l wcstoull wcstoull_l wcstouq wcswcs
-wcswidth wcsxfrm wcsxfrm_l wctob wctomb wcwidth wint_t wmemchr wmemcmp wmemcpy wmemmove wmempcpy
-wmemset wprintf write wscanf y0 y0f y0f32 y0f32x y0f64 y0f64x y0l y1 y1f y1f32 y1f32x y1f64
-y1f64x y1l yn ynf ynf32 ynf32x ynf64 ynf64x ynl
+vswprintf vswscanf vwprintf vwscanf warpSize wcpcpy wcpncpy wcrtomb wcscasecmp wcscasecmp_l
+wcscat wcschr wcschrnul wcscmp wcscoll wcscoll_l wcscpy wcscspn wcsdup wcsftime wcsftime_l
+wcslen wcsncasecmp wcsncasecmp_l wcsncat wcsncmp wcsncpy wcsnlen wcsnrtombs wcspbrk wcsrchr
+wcsrtombs wcsspn wcsstr wcstod wcstod_l wcstof wcstof32 wcstof32_l wcstof32x wcstof32x_l
+wcstof64 wcstof64_l wcstof64x wcstof64x_l wcstof_l wcstok wcstol wcstol_l wcstold wcstold_l
+wcstoll wcstoll_l wcstombs wcstoq wcstoul wcstoul_l wcstoull wcstoull_l wcstouq wcswcs wcswidth
+wcsxfrm wcsxfrm_l wctob wctomb wcwidth wint_t wmemchr wmemcmp wmemcpy wmemmove wmempcpy wmemset
+wprintf write wscanf y0 y0f y0f32 y0f32x y0f64 y0f64x y0l y1 y1f y1f32 y1f32x y1f64 y1f64x y1l
+yn ynf ynf32 ynf32x ynf64 ynf64x ynl
 """.split())

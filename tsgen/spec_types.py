@@ -29,7 +29,7 @@ _C_KEYWORDS = frozenset(
     static_cast struct switch template this thread_local throw true try typedef typeid typename
     typeof typeof_unqual union unsigned using virtual void volatile wchar_t while xor xor_eq""".split()
 )
-# Prefixes of whole families of declared names: tsgen's own (tsgen_call_begin, TSGEN_TIMEOUT_NS)
+# Prefixes of whole families of declared names: tsgen's own (namespace tsgen, TSGEN_TIMEOUT_NS)
 # and the CUDA headers' (cudaMalloc, cuMemAlloc, CUresult, nv_bfloat16, NVSHMEM..., PFN_cu...).
 _RESERVED_PREFIX = re.compile(r"(?i:tsgen)|cuda|cu[A-Z]|CU|nv[A-Z_]|nvshmem|NV|PFN_")
 

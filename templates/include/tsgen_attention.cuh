@@ -56,29 +56,30 @@
 
 #include <math.h>
 
-namespace tsgen_attention {
+namespace tsgen {
+namespace attention {
 
-using tsgen_gemm::bulk_commit_group;
-using tsgen_gemm::bulk_wait_group_all;
-using tsgen_gemm::bulk_wait_group_read;
-using tsgen_gemm::fence_mbarrier_init_release_cluster;
-using tsgen_gemm::fence_operand;
-using tsgen_gemm::fence_proxy_async_global;
-using tsgen_gemm::mbar_arrive;
-using tsgen_gemm::mbar_arrive_expect_tx;
-using tsgen_gemm::mbar_init;
-using tsgen_gemm::mbar_wait;
-using tsgen_gemm::named_barrier_sync;
-using tsgen_gemm::pack2;
-using tsgen_gemm::prefetch_tensormap;
-using tsgen_gemm::setmaxnreg_dec;
-using tsgen_gemm::setmaxnreg_inc;
-using tsgen_gemm::smem_u32;
-using tsgen_gemm::st_shared_u32;
-using tsgen_gemm::sw128_descriptor;
-using tsgen_gemm::wgmma_commit_group;
-using tsgen_gemm::wgmma_fence;
-using tsgen_gemm::wgmma_wait_group;
+using gemm::bulk_commit_group;
+using gemm::bulk_wait_group_all;
+using gemm::bulk_wait_group_read;
+using gemm::fence_mbarrier_init_release_cluster;
+using gemm::fence_operand;
+using gemm::fence_proxy_async_global;
+using gemm::mbar_arrive;
+using gemm::mbar_arrive_expect_tx;
+using gemm::mbar_init;
+using gemm::mbar_wait;
+using gemm::named_barrier_sync;
+using gemm::pack2;
+using gemm::prefetch_tensormap;
+using gemm::setmaxnreg_dec;
+using gemm::setmaxnreg_inc;
+using gemm::smem_u32;
+using gemm::st_shared_u32;
+using gemm::sw128_descriptor;
+using gemm::wgmma_commit_group;
+using gemm::wgmma_fence;
+using gemm::wgmma_wait_group;
 
 // ---------------------------------------------------------------------------
 // PTX wrappers beyond the GEMM's
@@ -126,7 +127,7 @@ static __device__ __forceinline__ float log2_approx(float x) {
 // spill); the producer's waits keep the timeout (mbar_wait), and the producer waits at the
 // end until the consumers have released everything, so a stuck pipeline still traps.
 static __device__ __forceinline__ void mbar_wait_no_timeout(uint32_t bar, uint32_t parity) {
-  while (!tsgen_gemm::mbar_try_wait(bar, parity)) {
+  while (!gemm::mbar_try_wait(bar, parity)) {
   }
 }
 
@@ -655,9 +656,9 @@ template <class C>
 static cudaError_t encode_heads(CUtensorMap* map, const void* base, uint64_t batch, uint64_t rows, uint64_t heads,
                                 uint32_t box_rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode;
-  const cudaError_t err = tsgen_gemm::tensor_map_encoder(&encode);
+  const cudaError_t err = gemm::tensor_map_encoder(&encode);
   if (err != cudaSuccess) return err;
-  constexpr CUtensorMapDataType dtype = tsgen_gemm::tensor_map_dtype<typename C::Element>();
+  constexpr CUtensorMapDataType dtype = gemm::tensor_map_dtype<typename C::Element>();
   const uint64_t row_bytes = (uint64_t)C::HEAD_DIM * 2;
   cuuint64_t dims[4], strides[3];
   cuuint32_t box[4];
@@ -772,6 +773,7 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_attention
+}  // namespace attention
+}  // namespace tsgen
 
 #endif  // TSGEN_ATTENTION_CUH

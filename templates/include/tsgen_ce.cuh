@@ -30,6 +30,9 @@
     if (tsgen_err_ != cudaSuccess) return tsgen_err_; \
   } while (0)
 
+namespace tsgen {
+namespace ce {
+
 // ---------------------------------------------------------------------------
 // Device side: the sync kernel body and the reduce kernel body
 // ---------------------------------------------------------------------------
@@ -37,43 +40,43 @@
 // Raise the signals of step `sig` (after its copy or reduce finished earlier on
 // this stream), then wait for the waits of step `wait` (before the next op on
 // this stream). One thread per counter, one block.
-static __device__ __forceinline__ void tsgen_ce_sync(const tsgen_step* steps, int sig, int wait,
-                                                     int rank, uint64_t epoch, char* const* bufs,
-                                                     char* const* peers,
-                                                     const char* const* names) {
+static __device__ __forceinline__ void sync(const step* steps, int sig, int wait,
+                                            int rank, uint64_t epoch, char* const* bufs,
+                                            char* const* peers,
+                                            const char* const* names) {
   if (sig >= 0 && threadIdx.x < steps[sig].nsignal) {
     // The copy engine's writes completed before this kernel started (stream
     // order); the fence makes that order visible at system scope as well.
     __threadfence_system();
-    const tsgen_signal s = steps[sig].signal[threadIdx.x];
+    const step_signal s = steps[sig].signal[threadIdx.x];
     uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-    red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank), 1ull);
+    red_add_release_sys_global_u64(s.rank == rank ? c : peer_ptr(c, peers, rank, s.rank), 1ull);
   }
   if (wait >= 0 && threadIdx.x < steps[wait].nwait) {
-    const tsgen_wait w = steps[wait].wait[threadIdx.x];
+    const step_wait w = steps[wait].wait[threadIdx.x];
     wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                        tsgen_make_site(names[w.buf], rank, rank, w.index));
+                        make_site(names[w.buf], rank, rank, w.index));
   }
 }
 
 // The reduction of one step, spread over every thread of the grid (its waits
 // and signals are done by sync kernels around it on the same stream).
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_ce_reduce(const tsgen_step& st, int rank,
-                                                       uint64_t count, char* const* bufs,
-                                                       char* const* peers) {
+static __device__ __forceinline__ void reduce(const step& st, int rank,
+                                              uint64_t count, char* const* bufs,
+                                              char* const* peers) {
   uint64_t lo, hi;
-  tsgen_share_range<T>(st.dst, count, 0, 1, &lo, &hi);
+  share_range<T>(st.dst, count, 0, 1, &lo, &hi);
   if (hi <= lo) return;
   T* srcs[TSGEN_MAX_SRCS];
   TSGEN_FOR_SRC(j, st.nsrc) {
     uint64_t slo, shi;
-    tsgen_share_range<T>(st.src[j], count, 0, 1, &slo, &shi);
-    srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+    share_range<T>(st.src[j], count, 0, 1, &slo, &shi);
+    srcs[j] = slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
   }
-  tsgen_reduce_elems<T, UNROLL>(tsgen_slice_ptr<T>(st.dst, bufs, peers, rank) + lo, srcs, st.nsrc,
-                                hi - lo, blockIdx.x * blockDim.x + threadIdx.x,
-                                gridDim.x * blockDim.x);
+  reduce_elems<T, UNROLL>(slice_ptr<T>(st.dst, bufs, peers, rank) + lo, srcs, st.nsrc,
+                          hi - lo, blockIdx.x * blockDim.x + threadIdx.x,
+                          gridDim.x * blockDim.x);
 }
 
 // ---------------------------------------------------------------------------
@@ -84,18 +87,18 @@ static __device__ __forceinline__ void tsgen_ce_reduce(const tsgen_step& st, int
 // with the events that fork them from it and join them back. Made on the
 // first call of each rank this process drives (ranks that share a GPU must not share
 // them) and kept for the life of the process.
-struct tsgen_ce_lanes {
+struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
   cudaEvent_t join[TSGEN_CE_MAX_STREAMS];
   bool ready;
 };
 
-static cudaError_t tsgen_ce_lanes_get(int rank, tsgen_ce_lanes** out) {
-  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_RANKS];
+static cudaError_t lanes_get(int rank, lanes** out) {
+  static lanes all[TSGEN_CE_MAX_RANKS];
   static std::mutex made;  // ranks launch from threads of their own
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
-  tsgen_ce_lanes* l = &lanes[rank];
+  lanes* l = &all[rank];
   std::lock_guard<std::mutex> lock(made);
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
@@ -110,14 +113,14 @@ static cudaError_t tsgen_ce_lanes_get(int rank, tsgen_ce_lanes** out) {
 }
 
 // Streams 1..n-1 start after everything already queued on `stream`.
-static cudaError_t tsgen_ce_fork(cudaStream_t stream, tsgen_ce_lanes* l, int n) {
+static cudaError_t fork(cudaStream_t stream, lanes* l, int n) {
   TSGEN_CE_TRY(cudaEventRecord(l->fork, stream));
   for (int i = 1; i < n; ++i) TSGEN_CE_TRY(cudaStreamWaitEvent(l->side[i], l->fork, 0));
   return cudaSuccess;
 }
 
 // `stream` continues after everything queued on streams 1..n-1.
-static cudaError_t tsgen_ce_join(cudaStream_t stream, tsgen_ce_lanes* l, int n) {
+static cudaError_t join(cudaStream_t stream, lanes* l, int n) {
   for (int i = 1; i < n; ++i) {
     TSGEN_CE_TRY(cudaEventRecord(l->join[i], l->side[i]));
     TSGEN_CE_TRY(cudaStreamWaitEvent(stream, l->join[i], 0));
@@ -128,24 +131,27 @@ static cudaError_t tsgen_ce_join(cudaStream_t stream, tsgen_ce_lanes* l, int n) 
 // Address of slice `s` as this process sees it: local buffers directly, a
 // peer's through its heap base in `peers_host` (same offset in every heap).
 template <typename T>
-static T* tsgen_ce_slice_ptr(const tsgen_slice& s, char* const* bufs, char* const* peers_host,
-                             int rank, uint64_t elem) {
+static T* slice_ptr(const slice& s, char* const* bufs, char* const* peers_host,
+                    int rank, uint64_t elem) {
   char* local = bufs[s.buf] + elem * sizeof(T);
   return (T*)(s.rank == rank ? local : peers_host[s.rank] + (local - peers_host[rank]));
 }
 
 // The copy of one plan step (dst = src) as a DMA transfer.
 template <typename T>
-static cudaError_t tsgen_ce_copy(cudaStream_t stream, const tsgen_slice& dst, const tsgen_slice& src,
-                                 char* const* bufs, char* const* peers_host, int rank,
-                                 uint64_t count) {
+static cudaError_t copy(cudaStream_t stream, const slice& dst, const slice& src,
+                        char* const* bufs, char* const* peers_host, int rank,
+                        uint64_t count) {
   uint64_t lo, hi, slo, shi;
-  tsgen_share_range<T>(dst, count, 0, 1, &lo, &hi);
-  tsgen_share_range<T>(src, count, 0, 1, &slo, &shi);
+  share_range<T>(dst, count, 0, 1, &lo, &hi);
+  share_range<T>(src, count, 0, 1, &slo, &shi);
   if (hi <= lo) return cudaSuccess;
-  return cudaMemcpyAsync(tsgen_ce_slice_ptr<T>(dst, bufs, peers_host, rank, lo),
-                         tsgen_ce_slice_ptr<T>(src, bufs, peers_host, rank, slo),
+  return cudaMemcpyAsync(slice_ptr<T>(dst, bufs, peers_host, rank, lo),
+                         slice_ptr<T>(src, bufs, peers_host, rank, slo),
                          (hi - lo) * sizeof(T), cudaMemcpyDefault, stream);
 }
+
+}  // namespace ce
+}  // namespace tsgen
 
 #endif  // TSGEN_CE_CUH

@@ -17,9 +17,11 @@
 
 #include <stdint.h>
 
+namespace tsgen {
+
 template <int UNROLL, bool SRC_READ_ONLY>
-static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, uint64_t nbytes,
-                                                  uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy(void* dst_, const void* src_, uint64_t nbytes,
+                                            uint32_t tid, uint32_t nthreads) {
   uint4* dst = (uint4*)dst_;
   const uint4* src = (const uint4*)src_;
   const uint64_t nvec = nbytes / 16;
@@ -41,8 +43,8 @@ static __device__ __forceinline__ void tsgen_copy(void* dst_, const void* src_, 
 
 // Split nbytes into `parts` chunks whose starts are multiples of 16 bytes;
 // part p covers [*begin, *end). Parts past the end are empty.
-static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
-                                                   uint64_t* begin, uint64_t* end) {
+static __device__ __forceinline__ void chunk(uint64_t nbytes, uint64_t parts, uint64_t p,
+                                             uint64_t* begin, uint64_t* end) {
   uint64_t chunk = (nbytes + parts - 1) / parts;
   chunk = (chunk + 15) & ~15ull;
   const uint64_t b = p * chunk;
@@ -52,28 +54,30 @@ static __device__ __forceinline__ void tsgen_chunk(uint64_t nbytes, uint64_t par
 
 // One warp copies nbytes (call with the whole warp; lanes split the work).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_warp(void* dst_peer, const void* src_local,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void put_warp(void* dst_peer, const void* src_local,
+                                                uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x & 31u, 32u);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_warp(void* dst_local, const void* src_peer,
-                                                      uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
+static __device__ __forceinline__ void get_warp(void* dst_local, const void* src_peer,
+                                                uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x & 31u, 32u);
 }
 
 // One block copies nbytes (call with the whole block).
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_put_block(void* dst_peer, const void* src_local,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void put_block(void* dst_peer, const void* src_local,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, true>(dst_peer, src_local, nbytes, threadIdx.x, blockDim.x);
 }
 
 template <int UNROLL>
-static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const void* src_peer,
-                                                       uint64_t nbytes) {
-  tsgen_copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
+static __device__ __forceinline__ void get_block(void* dst_local, const void* src_peer,
+                                                 uint64_t nbytes) {
+  copy<UNROLL, false>(dst_local, src_peer, nbytes, threadIdx.x, blockDim.x);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_COPY_CUH

@@ -26,14 +26,15 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace tsgen_cp {
+namespace tsgen {
+namespace cp {
 
 constexpr int MAX_WORLD = 8;
-constexpr int FREE = 0;                          // = tsgen_fused::FREE
+constexpr int FREE = 0;                          // = fused::FREE
 constexpr int READY = MAX_WORLD;                 // sig[READY + c], c < 2 MAX_WORLD (zig-zag: 2 chunks a rank)
 constexpr int ARRIVED = READY + 2 * MAX_WORLD;   // sig[ARRIVED + d]
 constexpr int SIGNALS = ARRIVED + MAX_WORLD;     // tsgen/ops/cp_attention.py SIGNALS
-static_assert(FREE == tsgen_fused::FREE && MAX_WORLD == tsgen_fused::MAX_WORLD, "tsgen_fused's FREE exchange");
+static_assert(FREE == fused::FREE && MAX_WORLD == fused::MAX_WORLD, "tsgen_fused's FREE exchange");
 
 // Where rows live (the same on every rank; tsgen/ops/cp_attention.py `segments`).
 struct Geometry {
@@ -111,11 +112,11 @@ static __device__ __forceinline__ void push_body(char* const* peers, int rank, c
   for (int i = 0; i < WORLD; ++i) {
     const int d = (rank + i) % WORLD;
     if (d != rank) {  // d's previous call no longer reads its gathered buffers
-      if (threadIdx.x == 0) wait_ge_acquire_sys(sig + FREE + d, epoch, tsgen_make_site("sig.free", rank, rank, FREE + d));
+      if (threadIdx.x == 0) wait_ge_acquire_sys(sig + FREE + d, epoch, make_site("sig.free", rank, rank, FREE + d));
       __syncthreads();
     }
-    char* kd = tsgen_peer_ptr(k_full, peers, rank, d);
-    char* vd = tsgen_peer_ptr(v_full, peers, rank, d);
+    char* kd = peer_ptr(k_full, peers, rank, d);
+    char* vd = peer_ptr(v_full, peers, rank, d);
     for (int s = 0; s < segments(g); ++s) {
       const Segment x = segment(g, rank, d, s);
       copy_piece(kd, k, g, x);
@@ -128,7 +129,7 @@ static __device__ __forceinline__ void push_body(char* const* peers, int rank, c
       if (before + 1 == (uint64_t)gridDim.x) {  // every CTA's share landed (acquired through the counter)
         st_relaxed_gpu_global_u64(sig + ARRIVED + d, 0ull);  // for the next call (stream order)
         fence_acq_rel_sys();
-        uint64_t* at = tsgen_peer_ptr(sig, peers, rank, d);
+        uint64_t* at = peer_ptr(sig, peers, rank, d);
         for (int s = 0; s < segments(g); ++s) st_release_sys_global_u64(at + READY + segment(g, rank, d, s).chunk, epoch);
       }
     }
@@ -142,10 +143,11 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
   __threadfence_system();
   if (threadIdx.x != 0) return;
-  uint64_t* at = tsgen_peer_ptr(sig, peers, rank, target);
+  uint64_t* at = peer_ptr(sig, peers, rank, target);
   for (int s = 0; s < segments(g); ++s) st_release_sys_global_u64(at + READY + segment(g, rank, target, s).chunk, epoch);
 }
 
-}  // namespace tsgen_cp
+}  // namespace cp
+}  // namespace tsgen
 
 #endif  // TSGEN_CP_CUH

@@ -25,7 +25,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace tsgen_fused {
+namespace tsgen {
+namespace fused {
 
 constexpr int MAX_WORLD = 8;
 constexpr int FREE = 0;               // sig[FREE + s]
@@ -33,7 +34,7 @@ constexpr int READY = MAX_WORLD;      // sig[READY + s]
 constexpr int SIGNALS = 2 * MAX_WORLD;
 
 // ---------------------------------------------------------------------------
-// Device: the GEMM producer's hook (tsgen_gemm::NoHook describes the interface).
+// Device: the GEMM producer's hook (gemm::NoHook describes the interface).
 // Batch s of the GEMM = the rows of source rank s; the walk starts at this rank's own
 // rows, read from `a` directly (its own map), then rank + 1, rank + 2, ... from a_full.
 // WAIT: wait for sig[READY + s] >= epoch before the first tile of source s (overlapped);
@@ -51,7 +52,7 @@ struct GatherHook {
   __device__ __forceinline__ void wait(uint32_t batch) {
     if constexpr (WAIT) {
       if (batch != rank && !((waited >> batch) & 1u)) {
-        tsgen_gemm::wait_signal_ge_sys(ready + batch, epoch);
+        gemm::wait_signal_ge_sys(ready + batch, epoch);
         waited |= 1u << batch;
       }
     }
@@ -105,7 +106,7 @@ struct ScatterHook {
   __device__ __forceinline__ void wait(uint32_t batch) {
     if constexpr (OVERLAP) {
       if (batch != rank && !((waited >> batch) & 1u)) {
-        tsgen_gemm::wait_signal_ge_sys(sig + FREE + batch, epoch);
+        gemm::wait_signal_ge_sys(sig + FREE + batch, epoch);
         waited |= 1u << batch;
       }
     }
@@ -120,14 +121,14 @@ struct ScatterHook {
       if (!leader || batch == rank) return;
       // this warpgroup's TMA stores of the tile are done (written, in the owner's memory with
       // push: the consumer waited for them); order them before what follows (generic proxy)
-      tsgen_gemm::fence_proxy_async_global();
+      gemm::fence_proxy_async_global();
       const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
       if (before + 1 == (uint64_t)expected) {
         // every tile of block q is stored (acquired through the counter): reset it for the
         // next call (ordered after this kernel by the stream) and announce the block at q
         st_relaxed_gpu_global_u64(sig + TILES + batch, 0ull);
         fence_acq_rel_sys();
-        st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
+        st_release_sys_global_u64(peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
       }
     }
   }
@@ -161,7 +162,7 @@ struct AddHook : ScatterHook<true> {
     const uint64_t stride = (uint64_t)gridDim.x * n;
     for (uint64_t i = (uint64_t)blockIdx.x * n + t; i < vectors; i += stride) c[i] = make_uint4(0u, 0u, 0u, 0u);
     __threadfence();  // our zeros, before the CTA is counted below
-    tsgen_gemm::named_barrier_sync(tsgen_gemm::SIDE_BARRIER, n);
+    gemm::named_barrier_sync(gemm::SIDE_BARRIER, n);
     if (t != 0) return;
     const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + ZEROING, 1ull);
     if (before + 1 == (uint64_t)gridDim.x) {  // every CTA's share is zero (acquired through the counter)
@@ -169,12 +170,12 @@ struct AddHook : ScatterHook<true> {
       fence_acq_rel_sys();
       st_release_gpu_global_u64(sig + ZEROED, epoch);
       for (uint32_t q = 0; q < world; ++q)
-        if (q != rank) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)q) + FREE + rank, epoch);
+        if (q != rank) st_release_sys_global_u64(peer_ptr(sig, peers, (int)rank, (int)q) + FREE + rank, epoch);
     }
   }
   __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) {
     if (!((zeroed >> batch) & 1u)) {  // q's c is zero for this call (then: toward the async proxy)
-      tsgen_gemm::wait_signal_ge_sys(batch == rank ? sig + ZEROED : sig + FREE + batch, epoch);
+      gemm::wait_signal_ge_sys(batch == rank ? sig + ZEROED : sig + FREE + batch, epoch);
       zeroed |= 1u << batch;
     }
     z = 0;  // the owner's c: one batch
@@ -215,8 +216,8 @@ struct Vec8<__half> {
 
 template <class T>
 static __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  return make_uint4(tsgen_gemm::pack2<T>(f[0], f[1]), tsgen_gemm::pack2<T>(f[2], f[3]),
-                    tsgen_gemm::pack2<T>(f[4], f[5]), tsgen_gemm::pack2<T>(f[6], f[7]));
+  return make_uint4(gemm::pack2<T>(f[0], f[1]), gemm::pack2<T>(f[2], f[3]),
+                    gemm::pack2<T>(f[4], f[5]), gemm::pack2<T>(f[6], f[7]));
 }
 
 // acc (fp32, 8 per vector) as two float4
@@ -283,7 +284,7 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     const T* src[WORLD];
 #pragma unroll
     for (int i = 0; i < WORLD; ++i)
-      src[i] = tsgen_peer_ptr(partial, peers, rank, (rank + i) % WORLD) + (uint64_t)rank * elems;
+      src[i] = peer_ptr(partial, peers, rank, (rank + i) % WORLD) + (uint64_t)rank * elems;
     reduce_pass<T, WORLD, UNROLL, false, false>(src, acc, c, vectors);
   } else if (mode == FINISH) {
     const T* src[1] = {partial + (uint64_t)rank * elems};
@@ -292,7 +293,7 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     // slot s of our partial = source s's part of our block, stored there by s's GEMM
     if (threadIdx.x < WORLD && threadIdx.x != rank)
       wait_ge_acquire_sys(sig + READY + threadIdx.x, epoch,
-                          tsgen_make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
+                          make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
     __syncthreads();
     const T* src[WORLD];
 #pragma unroll
@@ -303,9 +304,9 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
     for (int j = 1; j < WORLD; ++j) {
       const int s = (rank - j + WORLD) % WORLD;
       if (threadIdx.x == 0)
-        wait_ge_acquire_sys(sig + READY + s, epoch, tsgen_make_site("sig.ready", rank, rank, READY + s));
+        wait_ge_acquire_sys(sig + READY + s, epoch, make_site("sig.ready", rank, rank, READY + s));
       __syncthreads();
-      const T* src[1] = {tsgen_peer_ptr(partial, peers, rank, s) + (uint64_t)rank * elems};
+      const T* src[1] = {peer_ptr(partial, peers, rank, s) + (uint64_t)rank * elems};
       if (j == 1) {
         reduce_pass<T, 1, UNROLL, false, true>(src, acc, c, vectors);
       } else {
@@ -337,7 +338,7 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     __syncthreads();  // everyone has read calls[0] before thread 0 advances it
     if (t == 0) st_relaxed_gpu_global_u64(calls, epoch);
     if (mode == ENTRY && t < WORLD && t != rank)
-      st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
+      st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
     return;
   }
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
@@ -345,19 +346,19 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     const int base = mode == WAIT_FREE ? FREE : READY;
     if (t < WORLD && t != rank)
       wait_ge_acquire_sys(sig + base + t, epoch,
-                          tsgen_make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
+                          make_site(mode == WAIT_FREE ? "sig.free" : "sig.ready", rank, rank, base + t));
     return;
   }
   // The copy engine's writes completed before this kernel started (stream order); the
   // fence makes them visible at system scope before the release that announces them.
   __threadfence_system();
   if (mode == SIGNAL) {
-    if (t == 0) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, target) + READY + rank, epoch);
+    if (t == 0) st_release_sys_global_u64(peer_ptr(sig, peers, rank, target) + READY + rank, epoch);
     return;
   }
-  if (t < WORLD && t != rank) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + READY + rank, epoch);
+  if (t < WORLD && t != rank) st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + READY + rank, epoch);
   if (t < WORLD && t != rank)
-    wait_ge_acquire_sys(sig + READY + t, epoch, tsgen_make_site("sig.ready", rank, rank, READY + t));
+    wait_ge_acquire_sys(sig + READY + t, epoch, make_site("sig.ready", rank, rank, READY + t));
 }
 
 // ---------------------------------------------------------------------------
@@ -433,6 +434,7 @@ struct MapCache {
   }
 };
 
-}  // namespace tsgen_fused
+}  // namespace fused
+}  // namespace tsgen
 
 #endif  // TSGEN_FUSED_CUH

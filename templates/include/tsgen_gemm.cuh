@@ -57,7 +57,8 @@
 #include <type_traits>
 #include <utility>  // std::declval
 
-namespace tsgen_gemm {
+namespace tsgen {
+namespace gemm {
 
 // ---------------------------------------------------------------------------
 // PTX wrappers (sm_90a). Shared-memory addresses are 32-bit shared-window
@@ -954,6 +955,7 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
   return cudaGetLastError();
 }
 
-}  // namespace tsgen_gemm
+}  // namespace gemm
+}  // namespace tsgen
 
 #endif  // TSGEN_GEMM_CUH

@@ -20,7 +20,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace tsgen_grid {
+namespace tsgen {
+namespace grid {
 
 constexpr int MAX_Q = 8;
 constexpr int MAX_WORLD = MAX_Q * MAX_Q;
@@ -39,7 +40,7 @@ struct CopyStep {
 };
 
 // ---------------------------------------------------------------------------
-// Device: the GEMM producer's hook (tsgen_gemm::NoHook + k_block). The GEMM's K is the q
+// Device: the GEMM producer's hook (gemm::NoHook + k_block). The GEMM's K is the q
 // panels of K/q (KBP K blocks each); rank (i, j) starts at panel (i + j) mod q
 // (`start` = its first K block) and wraps around. Before the first load of panel p the
 // producer waits for A_READY[p] and B_READY[p] >= epoch (then remembers it).
@@ -67,8 +68,8 @@ struct PanelHook {
     const uint32_t k = rotate((uint32_t)kb, start);
     const uint32_t p = k / KBP;
     if (!((waited >> p) & 1u)) {
-      tsgen_gemm::wait_signal_ge_sys(sig + A_READY + p, epoch);
-      tsgen_gemm::wait_signal_ge_sys(sig + B_READY + p, epoch);
+      gemm::wait_signal_ge_sys(sig + A_READY + p, epoch);
+      gemm::wait_signal_ge_sys(sig + B_READY + p, epoch);
       waited |= 1u << p;
     }
     return (int)k;
@@ -95,23 +96,23 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
     __syncthreads();  // everyone has read calls[0] before thread 0 advances it
     if (t == 0) st_relaxed_gpu_global_u64(calls, epoch);
     if (t < WORLD && t != rank)
-      st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
+      st_release_sys_global_u64(peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
     return;
   }
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
   if (mode == WAIT_FREE) {
     if (t < WORLD && t != rank)
-      wait_ge_acquire_sys(sig + FREE + t, epoch, tsgen_make_site("sig.free", rank, rank, FREE + t));
+      wait_ge_acquire_sys(sig + FREE + t, epoch, make_site("sig.free", rank, rank, FREE + t));
     return;
   }
   if (mode == WAIT_READY) {
-    if (t == 0) wait_ge_acquire_sys(sig + index, epoch, tsgen_make_site("sig.ready", rank, rank, index));
+    if (t == 0) wait_ge_acquire_sys(sig + index, epoch, make_site("sig.ready", rank, rank, index));
     return;
   }
   // SIGNAL: the copy engine's writes completed before this kernel started (stream order);
   // the fence makes them visible at system scope before the release that announces them.
   __threadfence_system();
-  if (t == 0) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, target) + index, epoch);
+  if (t == 0) st_release_sys_global_u64(peer_ptr(sig, peers, rank, target) + index, epoch);
 }
 
 // ---------------------------------------------------------------------------
@@ -158,6 +159,7 @@ static T* host_peer_ptr(T* local, char* const* peers_host, int rank, int peer) {
   return (T*)(peers_host[peer] + ((const char*)local - peers_host[rank]));
 }
 
-}  // namespace tsgen_grid
+}  // namespace grid
+}  // namespace tsgen
 
 #endif  // TSGEN_GRID_CUH

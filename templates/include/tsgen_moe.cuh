@@ -39,7 +39,8 @@
 
 #include <stdint.h>
 
-namespace tsgen_moe {
+namespace tsgen {
+namespace moe {
 
 // sig layout (uint64, WMAX each): counts rows arrived, data arrivals, combine arrivals
 enum { SIG_COUNTS = 0, SIG_DATA = 1, SIG_COMB = 2 };
@@ -156,9 +157,9 @@ static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, u
 #pragma unroll
     for (int d = 0; d < C::WORLD; ++d) {
       if (!((mm >> d) & 1u)) continue;
-      uint2* dq = reinterpret_cast<uint2*>(tsgen_peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
+      uint2* dq = reinterpret_cast<uint2*>(peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
       dq[v0] = q;
-      if ((lane & 15) == 0) tsgen_peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + v0 / 16] = scale;
+      if ((lane & 15) == 0) peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + v0 / 16] = scale;
     }
   }
 }
@@ -226,20 +227,20 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
   if (blockIdx.x == 0) {  // this rank's counts row and per-expert counts, into every destination
     for (int i = tid; i < W * W; i += C::THREADS) {
       const int d = i / W, j = i % W;
-      tsgen_peer_ptr(b.cnt, peers, rank, d)[rank * WMAX + j] = s_total[j];
+      peer_ptr(b.cnt, peers, rank, d)[rank * WMAX + j] = s_total[j];
     }
     for (int i = tid; i < E; i += C::THREADS) {
       const int d = i / L, l = i % L;
-      tsgen_peer_ptr(b.cnt, peers, rank, d)[WMAX * WMAX + rank * E + l] = s_ecount[i];
+      peer_ptr(b.cnt, peers, rank, d)[WMAX * WMAX + rank * E + l] = s_ecount[i];
     }
     __syncthreads();
     if (tid < W)
-      st_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_COUNTS * WMAX + rank, epoch);
+      st_release_sys_global_u64(peer_ptr(b.sig, peers, rank, tid) + SIG_COUNTS * WMAX + rank, epoch);
   }
 
   // 2. every rank's counts row
   if (tid < W)
-    wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, epoch, tsgen_make_site("moe.counts", rank, rank, tid));
+    wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, epoch, make_site("moe.counts", rank, rank, tid));
   __syncthreads();
   if (tid < W) {
     int base = 0, into = 0;
@@ -299,7 +300,7 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
 #pragma unroll
         for (int d = 0; d < W; ++d) {
           if (!((mm >> d) & 1u)) continue;
-          uint4* dst = reinterpret_cast<uint4*>(tsgen_peer_ptr(b.recv_x, peers, rank, d) +
+          uint4* dst = reinterpret_cast<uint4*>(peer_ptr(b.recv_x, peers, rank, d) +
                                                 (size_t)s_pos[i][d] * C::HIDDEN);
 #pragma unroll
           for (int u = 0; u < C::UNROLL; ++u)
@@ -315,10 +316,10 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
         const size_t row = (size_t)s_pos[i][d];
         const bool here = e >= 0 && e < E && e / L == d;
         if (lane < K) {
-          tsgen_peer_ptr(b.recv_idx, peers, rank, d)[row * K + lane] = here ? e - d * L : -1;
-          tsgen_peer_ptr(b.recv_w, peers, rank, d)[row * K + lane] = here ? w : 0.f;
+          peer_ptr(b.recv_idx, peers, rank, d)[row * K + lane] = here ? e - d * L : -1;
+          peer_ptr(b.recv_w, peers, rank, d)[row * K + lane] = here ? w : 0.f;
         } else if (lane >= 30) {
-          tsgen_peer_ptr(b.handle, peers, rank, d)[row * 2 + (lane - 30)] = lane == 30 ? rank : tok;
+          peer_ptr(b.handle, peers, rank, d)[row * 2 + (lane - 30)] = lane == 30 ? rank : tok;
         }
       }
     }
@@ -327,11 +328,11 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
 
   // 4. arrivals
   __syncthreads();
-  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_DATA * WMAX + rank, 1ull);
+  if (tid < W) red_add_release_sys_global_u64(peer_ptr(b.sig, peers, rank, tid) + SIG_DATA * WMAX + rank, 1ull);
   if (blockIdx.x != 0) return;
   if (tid < W)
     wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, epoch * (uint64_t)gridDim.x,
-                        tsgen_make_site("moe.data", rank, rank, tid));
+                        make_site("moe.data", rank, rank, tid));
   __syncthreads();
   const int received = s_into[rank];
   int dropped = 0;
@@ -367,14 +368,14 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   for (int r = gwarp; r < rows; r += nwarps) {
     const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
     if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
-    copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
+    copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
                 y + (size_t)r * C::HIDDEN, lane);
   }
   __syncthreads();
-  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.sig, peers, rank, tid) + SIG_COMB * WMAX + rank, 1ull);
+  if (tid < W) red_add_release_sys_global_u64(peer_ptr(b.sig, peers, rank, tid) + SIG_COMB * WMAX + rank, 1ull);
   if (tid < W)
     wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, epoch * (uint64_t)gridDim.x,
-                        tsgen_make_site("moe.comb", rank, rank, tid));
+                        make_site("moe.comb", rank, rank, tid));
   __syncthreads();
 
   // 2. sums, one warp per token
@@ -461,8 +462,8 @@ static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank,
   for (int e = blockIdx.x; e < E; e += gridDim.x) {
     const int d = e / L, l = e % L;
     const size_t slot = ((size_t)par * E + (size_t)l * W + rank) * SLOT;  // first row of our slot on d
-    __nv_bfloat16* rx = tsgen_peer_ptr(b.recv_x, peers, rank, d) + slot * C::HIDDEN;
-    int32_t* rs = tsgen_peer_ptr(b.recv_src, peers, rank, d) + slot;
+    __nv_bfloat16* rx = peer_ptr(b.recv_x, peers, rank, d) + slot * C::HIDDEN;
+    int32_t* rs = peer_ptr(b.recv_src, peers, rank, d) + slot;
     if (tid == 0) s_run = 0;
     __syncthreads();
     for (int round = 0; round < tokens; round += C::THREADS) {
@@ -501,7 +502,7 @@ static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank,
       __syncthreads();
     }
     if (tid == 0)  // the rows (ordered before by __syncthreads) and the count, released together
-      st_release_sys_global_u64(tsgen_peer_ptr(b.lsig, peers, rank, d) + l * W + rank,
+      st_release_sys_global_u64(peer_ptr(b.lsig, peers, rank, d) + l * W + rank,
                                 epoch << 32 | (uint64_t)(uint32_t)s_run);
   }
   if (blockIdx.x != 0) return;
@@ -509,7 +510,7 @@ static __device__ __forceinline__ void ll_dispatch(char* const* peers, int rank,
   if (tid == 0) s_total = s_over = 0;
   __syncthreads();
   for (int i = tid; i < E; i += C::THREADS) {  // i = l * W + s
-    const uint64_t v = wait_ge_acquire_sys(b.lsig + i, epoch << 32, tsgen_make_site("moe.ll_rows", rank, rank, i));
+    const uint64_t v = wait_ge_acquire_sys(b.lsig + i, epoch << 32, make_site("moe.ll_rows", rank, rank, i));
     const int n = (int)(uint32_t)v;
     b.recv_counts[2 + WMAX + i] = n;
     atomicAdd(&s_total, n);
@@ -542,14 +543,14 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
     for (int r = warp; r < n; r += NWARPS) {
       const int p = src[r], t = p >> 5, k = p & 31;
       if ((unsigned)t >= (unsigned)C::CAP || k >= K) continue;  // not a handle dispatch wrote
-      copy_row<C>(tsgen_peer_ptr(b.comb, peers, rank, s) + ((size_t)t * K + k) * C::HIDDEN,
+      copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * K + k) * C::HIDDEN,
                   y + ((size_t)i * SLOT + r) * C::HIDDEN, lane);
     }
   }
   __syncthreads();
-  if (tid < W) red_add_release_sys_global_u64(tsgen_peer_ptr(b.csig, peers, rank, tid) + rank, 1ull);
+  if (tid < W) red_add_release_sys_global_u64(peer_ptr(b.csig, peers, rank, tid) + rank, 1ull);
   if (tid < W)
-    wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, tsgen_make_site("moe.ll_comb", rank, rank, tid));
+    wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, make_site("moe.ll_comb", rank, rank, tid));
   __syncthreads();
   // 2. weighted sums, one warp per token
   const int gwarp = blockIdx.x * NWARPS + warp, nwarps = gridDim.x * NWARPS;
@@ -582,6 +583,7 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
   }
 }
 
-}  // namespace tsgen_moe
+}  // namespace moe
+}  // namespace tsgen
 
 #endif  // TSGEN_MOE_CUH

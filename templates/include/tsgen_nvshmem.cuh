@@ -35,10 +35,13 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+namespace tsgen {
+namespace nvshmem {
+
 // The rank the runtime passes is the PE this kernel runs as: NVSHMEM names
 // target PEs by number, the plan by rank. A mismatch would send every put to
 // the wrong GPU, so it traps with a message instead.
-static __device__ __noinline__ void tsgen_nvshmem_check_pe(int rank, int world) {
+static __device__ __noinline__ void check_pe(int rank, int world) {
   const int pe = nvshmem_my_pe(), npes = nvshmem_n_pes();
   if (pe != rank || npes != world) {
     printf("tsgen: nvshmem: kernel for world size %d launched as rank %d, but NVSHMEM says PE %d of %d "
@@ -49,7 +52,7 @@ static __device__ __noinline__ void tsgen_nvshmem_check_pe(int rank, int world) 
   }
 }
 
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_nvshmem_remote_reduce_trap(int rank,
+static __device__ __noinline__ __attribute__((noreturn)) void remote_reduce_trap(int rank,
                                                                                        int owner) {
   printf("tsgen: nvshmem: rank %d: a reduce step touches the memory of rank %d; the nvshmem transport "
          "reduces local memory only (the spec check should have refused this plan)\n",
@@ -63,27 +66,26 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_nvshmem_remo
 // returns at once but runs the transport's consistency step (over IB/IBGDA,
 // data that arrived before the signal is made visible to this GPU's loads),
 // which a plain acquire load cannot do for NIC writes.
-static __device__ __forceinline__ void tsgen_nvshmem_wait_ge(uint64_t* sig, uint64_t expected,
-                                                             tsgen_site site) {
-  wait_ge_acquire_sys(sig, expected, site);
+static __device__ __forceinline__ void wait_ge(uint64_t* sig, uint64_t expected, site at) {
+  wait_ge_acquire_sys(sig, expected, at);
   nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, expected);
 }
 
 // Every block of every PE meets here: the blocks of this grid first
-// (tsgen_barrier_blocks, generation 2g - 1), then block 0 meets the other PEs
+// (barrier_blocks, generation 2g - 1), then block 0 meets the other PEs
 // with nvshmemx_barrier_all_block (which also completes this PE's puts), then
 // the grid again (2g). One block calls the NVSHMEM barrier: collectives on a
 // team must not run concurrently.
-static __device__ __forceinline__ void tsgen_nvshmem_barrier_all(uint64_t* counter, int rank,
-                                                                 uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0) {
     // block 0 has acquired every block's arrival: its fence makes their stores
     // visible system-wide before the barrier tells the other PEs to go on
     __threadfence_system();
     nvshmemx_barrier_all_block();
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 #ifdef TSGEN_PLAN_CUH  // the plan executor
@@ -93,11 +95,11 @@ static __device__ __forceinline__ void tsgen_nvshmem_barrier_all(uint64_t* count
 // fence.sc.sys after that bar.sync makes the whole block's stores (local
 // ones, read by a peer's get or by NVLink) visible before the signal, which
 // nvshmemx_signal_op alone does not order (over NVLink it is a relaxed atomic).
-static __device__ __forceinline__ void tsgen_nvshmem_signal(const tsgen_step& st, int from,
-                                                            char* const* bufs) {
+static __device__ __forceinline__ void signal(const step& st, int from,
+                                              char* const* bufs) {
   const int i = (int)threadIdx.x + from;
   if (i < st.nsignal) {
-    const tsgen_signal s = st.signal[i];
+    const step_signal s = st.signal[i];
     __threadfence_system();
     nvshmemx_signal_op((uint64_t*)bufs[s.buf] + s.index, 1ull, NVSHMEM_SIGNAL_ADD, s.rank);
   }
@@ -105,46 +107,46 @@ static __device__ __forceinline__ void tsgen_nvshmem_signal(const tsgen_step& st
 
 // Index of the first signal a put to `pe` can carry (a counter on the same
 // PE), or -1.
-static __device__ __forceinline__ int tsgen_nvshmem_fusable(const tsgen_step& st, int pe) {
+static __device__ __forceinline__ int fusable(const step& st, int pe) {
   for (int i = 0; i < st.nsignal && i < TSGEN_MAX_SIGNALS; ++i)
     if (st.signal[i].rank == pe) return i;
   return -1;
 }
 
-// Execute this block's shares of the plan (see tsgen_run_plan for the p2p
+// Execute this block's shares of the plan (see run_plan for the p2p
 // form). Every thread of the block runs every share: the *_block NVSHMEM
 // calls are collective over the block.
 template <typename T, int UNROLL, int WORLD>
-static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* steps,
-                                                              const tsgen_share* shares, int first,
-                                                              int last, int rank, uint64_t epoch,
-                                                              uint64_t count, char* const* bufs,
-                                                              const char* const* names) {
-  if (threadIdx.x == 0) tsgen_nvshmem_check_pe(rank, WORLD);
+static __device__ __forceinline__ void run_plan(const step* steps,
+                                                const share* shares, int first,
+                                                int last, int rank, uint64_t epoch,
+                                                uint64_t count, char* const* bufs,
+                                                const char* const* names) {
+  if (threadIdx.x == 0) check_pe(rank, WORLD);
   for (int k = first; k < last; ++k) {
-    const tsgen_share sh = shares[k];
-    const tsgen_step& st = steps[sh.step];
+    const share sh = shares[k];
+    const step& st = steps[sh.step];
     if (threadIdx.x < st.nwait) {  // one thread per counter, all in this PE's memory
-      const tsgen_wait w = st.wait[threadIdx.x];
-      tsgen_nvshmem_wait_ge((uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                            tsgen_make_site(names[w.buf], rank, rank, w.index));
+      const step_wait w = st.wait[threadIdx.x];
+      wait_ge((uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
+              make_site(names[w.buf], rank, rank, w.index));
     }
     __syncthreads();
     int signalled = 0;  // signals [0, signalled) travelled with a put
     int fused = -1;
     if (st.op != TSGEN_OP_NONE) {
       uint64_t lo, hi;
-      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
+      share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = (T*)bufs[st.dst.buf] + lo;  // symmetric address: this PE's copy
       if (st.op == TSGEN_OP_COPY) {
         uint64_t slo, shi;
-        tsgen_share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
+        share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
         T* src = (T*)bufs[st.src[0].buf] + slo;
         const size_t bytes = (size_t)(hi > lo ? hi - lo : 0) * sizeof(T);
         if (st.dst.rank != rank) {  // put (the source is ours: the spec check refuses remote -> remote)
-          fused = tsgen_nvshmem_fusable(st, st.dst.rank);
+          fused = fusable(st, st.dst.rank);
           if (fused >= 0) {
-            const tsgen_signal s = st.signal[fused];
+            const step_signal s = st.signal[fused];
             // Data then signal, in that order at the target: the share's +1 is
             // the put's own signal. An empty share still signals (0 bytes).
             if (bytes)
@@ -165,19 +167,19 @@ static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* 
         } else if (st.src[0].rank != rank) {  // get: blocking, the data is here when it returns
           if (bytes) nvshmemx_getmem_block(dst, src, bytes, st.src[0].rank);
         } else if (hi > lo) {  // local copy
-          tsgen_copy_elems<T, UNROLL>(dst, src, hi - lo, st.src[0].read_only, threadIdx.x, blockDim.x);
+          copy_elems<T, UNROLL>(dst, src, hi - lo, st.src[0].read_only, threadIdx.x, blockDim.x);
         }
       } else if (hi > lo) {  // reduce: local operands only
-        if (st.dst.rank != rank) tsgen_nvshmem_remote_reduce_trap(rank, st.dst.rank);
+        if (st.dst.rank != rank) remote_reduce_trap(rank, st.dst.rank);
         T* srcs[TSGEN_MAX_SRCS];
         TSGEN_FOR_SRC(j, st.nsrc) {
-          if (st.src[j].rank != rank) tsgen_nvshmem_remote_reduce_trap(rank, st.src[j].rank);
+          if (st.src[j].rank != rank) remote_reduce_trap(rank, st.src[j].rank);
           uint64_t slo, shi;
-          tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
+          share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
           srcs[j] = (T*)bufs[st.src[j].buf] + slo;
         }
-        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                                            blockDim.x);
+        reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                                      blockDim.x);
       }
     }
     __syncthreads();
@@ -186,13 +188,13 @@ static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* 
     } else if (fused > 0) {
       // A fused signal that is not first: raise the others around it.
       if (threadIdx.x < st.nsignal && (int)threadIdx.x != fused) {
-        const tsgen_signal s = st.signal[threadIdx.x];
+        const step_signal s = st.signal[threadIdx.x];
         __threadfence_system();
         nvshmemx_signal_op((uint64_t*)bufs[s.buf] + s.index, 1ull, NVSHMEM_SIGNAL_ADD, s.rank);
       }
       continue;
     }
-    tsgen_nvshmem_signal(st, signalled, bufs);
+    signal(st, signalled, bufs);
   }
   // A non-blocking put may still be reading its source when the kernel would
   // end (over IB: the NIC reads it later). The caller may then overwrite the
@@ -201,5 +203,8 @@ static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* 
 }
 
 #endif  // TSGEN_PLAN_CUH
+
+}  // namespace nvshmem
+}  // namespace tsgen
 
 #endif  // TSGEN_NVSHMEM_CUH

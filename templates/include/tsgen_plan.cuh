@@ -24,9 +24,11 @@
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
+namespace tsgen {
+
 // Part of a data buffer: unit `unit` of `count` elements, piece `piece` of
 // `pieces` (piece boundaries are multiples of 16 bytes within the unit).
-struct tsgen_slice {
+struct slice {
   int8_t rank;      // whose memory
   uint8_t buf;      // index into the kernel's buffer table
   uint8_t read_only;  // source not written while the kernel runs: ld.global.nc
@@ -35,61 +37,61 @@ struct tsgen_slice {
   uint16_t piece;
 };
 
-struct tsgen_wait {
+struct step_wait {
   uint8_t buf;       // signal buffer (this rank's memory)
   uint8_t pad;
   uint16_t index;
   uint32_t per_call; // adds the counter receives per call
 };
 
-struct tsgen_signal {
+struct step_signal {
   int8_t rank;  // whose memory holds the counter
   uint8_t buf;
   uint16_t index;
 };
 
-struct tsgen_step {
+struct step {
   uint8_t op, nsrc, nwait, nsignal, nalso;
-  tsgen_slice dst;
-  tsgen_slice src[TSGEN_MAX_SRCS];
-  tsgen_slice also[TSGEN_MAX_ALSO];  // (reduce) more destinations, written with dst's values
-  tsgen_wait wait[TSGEN_MAX_WAITS];
-  tsgen_signal signal[TSGEN_MAX_SIGNALS];
+  slice dst;
+  slice src[TSGEN_MAX_SRCS];
+  slice also[TSGEN_MAX_ALSO];  // (reduce) more destinations, written with dst's values
+  step_wait wait[TSGEN_MAX_WAITS];
+  step_signal signal[TSGEN_MAX_SIGNALS];
 };
 
 // Loop over sources, unrolled to the table limit so that arrays indexed by j
 // stay in registers (a run-time index would move them to local memory).
 #define TSGEN_FOR_SRC(j, n) _Pragma("unroll") for (int j = 0; j < TSGEN_MAX_SRCS; ++j) if (j < (n))
 
-struct tsgen_share {
+struct share {
   uint16_t step, share, shares;
 };
 
 // A share table as the source writes it, run-length encoded: a run stands for the n entries
-// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. tsgen_share_table<N> holds the
+// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. share_table<N> holds the
 // expanded table, computed at compile time (the device sees the plain entries).
-struct tsgen_share_run {
+struct share_run {
   uint16_t step, share, shares, n;
   int16_t dstep, dshare;
 };
 template <int N>
-struct tsgen_share_table {
-  tsgen_share v[N];
+struct share_table {
+  share v[N];
 };
 template <int N, int R>
-static __host__ __device__ constexpr tsgen_share_table<N> tsgen_expand_shares(const tsgen_share_run (&runs)[R]) {
-  tsgen_share_table<N> t{};
+static __host__ __device__ constexpr share_table<N> expand_shares(const share_run (&runs)[R]) {
+  share_table<N> t{};
   int k = 0;
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < runs[i].n; ++j)
-      t.v[k++] = tsgen_share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
+      t.v[k++] = share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
                              runs[i].shares};
   return t;
 }
 
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
-static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
+static __host__ __device__ __forceinline__ void share_range(const slice& s, uint64_t count,
                                                          int share, int shares, uint64_t* lo,
                                                          uint64_t* hi) {
   constexpr uint64_t VEC = 16 / sizeof(T);
@@ -106,34 +108,34 @@ static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_sl
 }
 
 template <typename T>
-static __device__ __forceinline__ T* tsgen_slice_ptr(const tsgen_slice& s, char* const* bufs,
-                                                     char* const* peers, int rank) {
+static __device__ __forceinline__ T* slice_ptr(const slice& s, char* const* bufs,
+                                               char* const* peers, int rank) {
   T* local = (T*)bufs[s.buf];
-  return s.rank == rank ? local : tsgen_peer_ptr(local, peers, rank, s.rank);
+  return s.rank == rank ? local : peer_ptr(local, peers, rank, s.rank);
 }
 
 // Copy n elements; fast path when both ends share their alignment mod 16.
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_copy_elems(T* dst, const T* src, uint64_t n,
-                                                        bool read_only, uint32_t tid,
-                                                        uint32_t nthreads) {
+static __device__ __forceinline__ void copy_elems(T* dst, const T* src, uint64_t n,
+                                                  bool read_only, uint32_t tid,
+                                                  uint32_t nthreads) {
   const uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
   if (((d ^ s) & 15) == 0) {
     uint64_t head = ((16 - (d & 15)) & 15) / sizeof(T);
     head = head < n ? head : n;
     for (uint64_t i = tid; i < head; i += nthreads) dst[i] = src[i];
     if (read_only)
-      tsgen_copy<UNROLL, true>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
+      copy<UNROLL, true>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
     else
-      tsgen_copy<UNROLL, false>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
+      copy<UNROLL, false>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
   } else {
     for (uint64_t i = tid; i < n; i += nthreads) dst[i] = src[i];  // slow path: misaligned
   }
 }
 
 // fp32 (int32) accumulation of 16-byte vectors of T.
-template <typename T> struct tsgen_vec_math;
-template <> struct tsgen_vec_math<float> {
+template <typename T> struct vec_math;
+template <> struct vec_math<float> {
   typedef float acc_t;
   static constexpr int N = 4;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -147,7 +149,7 @@ template <> struct tsgen_vec_math<float> {
   static __device__ __forceinline__ acc_t load1(const float* p) { return *p; }
   static __device__ __forceinline__ float store1(acc_t a) { return a; }
 };
-template <> struct tsgen_vec_math<int32_t> {
+template <> struct vec_math<int32_t> {
   typedef int32_t acc_t;
   static constexpr int N = 4;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -159,7 +161,7 @@ template <> struct tsgen_vec_math<int32_t> {
   static __device__ __forceinline__ acc_t load1(const int32_t* p) { return *p; }
   static __device__ __forceinline__ int32_t store1(acc_t a) { return a; }
 };
-template <> struct tsgen_vec_math<__nv_bfloat16> {
+template <> struct vec_math<__nv_bfloat16> {
   typedef float acc_t;
   static constexpr int N = 8;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -183,7 +185,7 @@ template <> struct tsgen_vec_math<__nv_bfloat16> {
   static __device__ __forceinline__ acc_t load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
   static __device__ __forceinline__ __nv_bfloat16 store1(acc_t a) { return __float2bfloat16_rn(a); }
 };
-template <> struct tsgen_vec_math<__half> {
+template <> struct vec_math<__half> {
   typedef float acc_t;
   static constexpr int N = 8;
   static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
@@ -215,9 +217,9 @@ template <> struct tsgen_vec_math<__half> {
 // flight per thread); NSRC = 0: nsrc sources known at run time, one source's
 // loads in flight at a time (a load behind `j < nsrc` cannot be hoisted).
 template <typename T, int UNROLL, int NSRC>
-static __device__ __forceinline__ void tsgen_reduce_n(T* dst, T* const* srcs, int nsrc, uint64_t n, uint32_t tid,
-                                                      uint32_t nthreads) {
-  typedef tsgen_vec_math<T> M;
+static __device__ __forceinline__ void reduce_n(T* dst, T* const* srcs, int nsrc, uint64_t n, uint32_t tid,
+                                                uint32_t nthreads) {
+  typedef vec_math<T> M;
   typedef typename M::acc_t acc_t;
   uintptr_t any = (uintptr_t)dst;
   TSGEN_FOR_SRC(j, nsrc) any |= (uintptr_t)srcs[j];
@@ -272,20 +274,20 @@ static __device__ __forceinline__ void tsgen_reduce_n(T* dst, T* const* srcs, in
 // 64 registers ptxas may give it, and spills. Straight-line code knows nsrc at compile time
 // (every source in flight, whatever the count), so there only its case is compiled in.
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs, int nsrc, uint64_t n,
-                                                          uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void reduce_elems(T* dst, T* const* srcs, int nsrc, uint64_t n,
+                                                    uint32_t tid, uint32_t nthreads) {
   if (nsrc == 2) {
-    tsgen_reduce_n<T, UNROLL, 2>(dst, srcs, 2, n, tid, nthreads);
+    reduce_n<T, UNROLL, 2>(dst, srcs, 2, n, tid, nthreads);
   } else {
-    tsgen_reduce_n<T, UNROLL, 0>(dst, srcs, nsrc, n, tid, nthreads);
+    reduce_n<T, UNROLL, 0>(dst, srcs, nsrc, n, tid, nthreads);
   }
 }
 
 // to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
 // destinations; `to` points to shared memory).
 template <typename T>
-static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
-                                                        uint32_t tid, uint32_t nthreads) {
+static __device__ __forceinline__ void copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                  uint32_t tid, uint32_t nthreads) {
   uintptr_t any = (uintptr_t)src;
   for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
   const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
@@ -304,10 +306,10 @@ static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, c
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
 // this rank's input, written before the kernel in stream order, and its last call's reads
 // of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
-static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
-                                                         char* const* peers) {
+static __device__ __forceinline__ void open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                   char* const* peers) {
   if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
-    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+    red_add_relaxed_sys_global_u64(peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
 }
 
 // This thread's entry of one of a step's lists (waits, signals, extra destinations; thread
@@ -315,7 +317,7 @@ static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, cha
 // step is a compile-time constant (straight-line plans), so is every entry, and nothing
 // is read from the tables.
 template <typename E, int MAX>
-static __device__ __forceinline__ E tsgen_entry(const E (&list)[MAX], int n) {
+static __device__ __forceinline__ E entry(const E (&list)[MAX], int n) {
   E e = list[0];
 #pragma unroll
   for (int j = 1; j < MAX; ++j)
@@ -334,73 +336,75 @@ static __device__ __forceinline__ E tsgen_entry(const E (&list)[MAX], int n) {
 // loads of every source are issued together: the interpreter, which tests j < nsrc at
 // run time, has one source's in flight at a time, in fewer registers).
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_run_share(const tsgen_step& st, int share, int shares, int rank,
-                                                       uint64_t epoch, uint64_t count, char* const* bufs,
-                                                       char* const* peers, const char* const* names) {
+static __device__ __forceinline__ void run_share(const step& st, int share, int shares, int rank,
+                                                 uint64_t epoch, uint64_t count, char* const* bufs,
+                                                 char* const* peers, const char* const* names) {
   if (threadIdx.x < st.nwait) {  // one thread per counter
-    const tsgen_wait w = tsgen_entry(st.wait, st.nwait);
+    const step_wait w = entry(st.wait, st.nwait);
     wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
-                        tsgen_make_site(names[w.buf], rank, rank, w.index));
+                        make_site(names[w.buf], rank, rank, w.index));
   }
   __syncthreads();
   if (st.op != TSGEN_OP_NONE) {
     uint64_t lo, hi;
-    tsgen_share_range<T>(st.dst, count, share, shares, &lo, &hi);
-    T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+    share_range<T>(st.dst, count, share, shares, &lo, &hi);
+    T* dst = slice_ptr<T>(st.dst, bufs, peers, rank);
     const int nalso = st.nalso;
     __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
     if (nalso) {  // the same for the whole block
       if (threadIdx.x < (unsigned)nalso) {
-        const tsgen_slice a = tsgen_entry(st.also, nalso);
+        const slice a = entry(st.also, nalso);
         uint64_t alo, ahi;
-        tsgen_share_range<T>(a, count, share, shares, &alo, &ahi);
-        more[threadIdx.x] = tsgen_slice_ptr<T>(a, bufs, peers, rank) + alo;
+        share_range<T>(a, count, share, shares, &alo, &ahi);
+        more[threadIdx.x] = slice_ptr<T>(a, bufs, peers, rank) + alo;
       }
       __syncthreads();
     }
     if (hi > lo) {
       if (st.op == TSGEN_OP_COPY) {
         uint64_t slo, shi;
-        tsgen_share_range<T>(st.src[0], count, share, shares, &slo, &shi);
-        const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
-        tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
-                                    threadIdx.x, blockDim.x);
+        share_range<T>(st.src[0], count, share, shares, &slo, &shi);
+        const T* src = slice_ptr<T>(st.src[0], bufs, peers, rank);
+        copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
+                              threadIdx.x, blockDim.x);
       } else {
         T* srcs[TSGEN_MAX_SRCS];
         TSGEN_FOR_SRC(j, st.nsrc) {
           uint64_t slo, shi;
-          tsgen_share_range<T>(st.src[j], count, share, shares, &slo, &shi);
-          srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+          share_range<T>(st.src[j], count, share, shares, &slo, &shi);
+          srcs[j] = slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
         }
-        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                                            blockDim.x);
+        reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                                      blockDim.x);
         if (nalso) {  // the sums, as this block wrote them, to the extra destinations
           __syncthreads();
-          tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
         }
       }
     }
   }
   __syncthreads();
   if (threadIdx.x < st.nsignal) {  // one thread per counter
-    const tsgen_signal s = tsgen_entry(st.signal, st.nsignal);
+    const step_signal s = entry(st.signal, st.nsignal);
     uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-    red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank), 1ull);
+    red_add_release_sys_global_u64(s.rank == rank ? c : peer_ptr(c, peers, rank, s.rank), 1ull);
   }
 }
 
 // Execute this block's shares of the plan: shares[first..last) of this rank's tables.
 template <typename T, int UNROLL>
-static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
-                                                      const tsgen_share* shares, int first,
-                                                      int last, int rank, uint64_t epoch,
-                                                      uint64_t count, char* const* bufs,
-                                                      char* const* peers,
-                                                      const char* const* names) {
+static __device__ __forceinline__ void run_plan(const step* steps,
+                                                const share* shares, int first,
+                                                int last, int rank, uint64_t epoch,
+                                                uint64_t count, char* const* bufs,
+                                                char* const* peers,
+                                                const char* const* names) {
   for (int k = first; k < last; ++k) {
-    const tsgen_share sh = shares[k];
-    tsgen_run_share<T, UNROLL>(steps[sh.step], sh.share, sh.shares, rank, epoch, count, bufs, peers, names);
+    const share sh = shares[k];
+    run_share<T, UNROLL>(steps[sh.step], sh.share, sh.shares, rank, epoch, count, bufs, peers, names);
   }
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_PLAN_CUH

@@ -4,6 +4,10 @@
 // Hand-written; inlined first into every generated source (before
 // tsgen_sync.cuh and tsgen_copy.cuh).
 //
+// Everything the tsgen headers declare is in namespace tsgen (this file:
+// tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
+// as ptx::... (docs/design/device-code.md).
+//
 // Rules (after DeepEP's and NCCL's utils):
 //   * one `asm volatile` per memory helper, with a "memory" clobber, so the
 //     compiler neither drops, merges nor moves memory operations across it
@@ -106,6 +110,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+namespace tsgen {
+namespace ptx {
 
 // ---------------------------------------------------------------------------
 // Stamping macros. Each invocation below spells out the full helper name and
@@ -555,5 +562,10 @@ TSGEN_MM_ST_B32(multimem_red_add_release_sys_u32, "multimem.red.release.sys.glob
 #undef TSGEN_CAS_U32
 #undef TSGEN_CAS_U64
 #undef TSGEN_FENCE
+
+}  // namespace ptx
+// The other tsgen headers call these by their bare names: each spells out its instruction.
+using namespace ptx;
+}  // namespace tsgen
 
 #endif  // TSGEN_PTX_CUH

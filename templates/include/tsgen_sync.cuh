@@ -18,17 +18,19 @@
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
 #endif
 
+namespace tsgen {
+
 // Where a wait happens, for the timeout message.
-struct tsgen_site {
+struct site {
   const char* what;  // name of the signal array, e.g. "ready"
   int rank;          // rank that waits
   int owner;         // rank whose memory holds the signal
   int index;         // element of the signal array
 };
 
-static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
-                                                            int owner, int index) {
-  tsgen_site s;
+static __device__ __forceinline__ site make_site(const char* what, int rank,
+                                                int owner, int index) {
+  site s;
   s.what = what;
   s.rank = rank;
   s.owner = owner;
@@ -38,12 +40,12 @@ static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, i
 
 // Out of line and noreturn: the printf stays out of the spin loop, and callers
 // need not save live registers around the call (which would count as spills).
-static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+static __device__ __noinline__ __attribute__((noreturn)) void timeout_trap(site at, const char* cmp,
                                                        uint64_t expected, uint64_t seen) {
   printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
          "rank %d) for a value %s %llu; last seen %llu\n",
-         site.rank, (int)blockIdx.x, (int)threadIdx.x,
-         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         at.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), at.what, at.index, at.owner,
          cmp, (unsigned long long)expected, (unsigned long long)seen);
   __trap();
 }
@@ -53,7 +55,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
 // seen. gpu scope for signals raised on the same GPU, sys for peers'.
 #define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
   static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
-      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+      const uint64_t* signal, uint64_t expected, site at) {                                  \
     uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
     if (seen OP expected) return seen;                                                       \
     const uint64_t start = globaltimer_ns();                                                 \
@@ -62,7 +64,7 @@ static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap
       if (seen OP expected) return seen;                                                     \
       if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
           globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
-        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+        timeout_trap(at, #OP, expected, seen);                                               \
     }                                                                                        \
   }
 
@@ -82,7 +84,7 @@ TSGEN_DEFINE_WAITS(sys)
 
 // Spin for about `ns` nanoseconds (test aid: staggers writers so that a
 // missing barrier shows up as wrong data instead of a lucky pass).
-static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+static __device__ __forceinline__ void sleep_ns(uint64_t ns) {
   const uint64_t start = globaltimer_ns();
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
@@ -91,11 +93,11 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
 // finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
 // last block to finish a call advances calls[0]. The next call on the stream
 // starts after this kernel ends, so every block of it sees the new value.
-static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+static __device__ __forceinline__ uint64_t call_begin(const uint64_t* calls) {
   return ld_relaxed_gpu_global_u64(calls) + 1;
 }
 
-static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // relaxed is enough: the next call is ordered after this kernel by the stream
@@ -108,8 +110,8 @@ static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t 
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
 template <typename T>
-static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
-                                                    int peer) {
+static __device__ __forceinline__ T* peer_ptr(T* local, char* const* peers, int rank,
+                                              int peer) {
   return (T*)(peers[peer] + ((const char*)local - peers[rank]));
 }
 
@@ -118,15 +120,15 @@ static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers
 // u64 that only grows: use number `generation` (1, 2, ...) of it waits for
 // generation * gridDim.x arrivals. A grid that uses the barrier k times per
 // call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
-static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
-                                                            uint64_t generation, int rank) {
+static __device__ __forceinline__ void barrier_blocks(uint64_t* counter,
+                                                      uint64_t generation, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // release: this block's writes (ordered before by __syncthreads) become
     // visible to every block that acquires the counter after our arrival.
     red_add_release_gpu_global_u64(counter, 1ull);
     wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
-                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+                        make_site("barrier_blocks", rank, rank, 0));
   }
   __syncthreads();
 }
@@ -134,32 +136,34 @@ static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
 // Barrier over all ranks and all their blocks. `counter` is as above (two
 // uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
 // slot r in every peer's flags to `generation`, then waits until all its own
-// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// slots reach it. Pass generation as for barrier_blocks, counting uses
 // of this barrier.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
-                                                         char* const* peers, int rank,
-                                                         uint64_t generation) {
-  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+static __device__ __forceinline__ void barrier_all(uint64_t* counter, uint64_t* flags,
+                                                   char* const* peers, int rank,
+                                                   uint64_t generation) {
+  barrier_blocks(counter, 2 * generation - 1, rank);
   if (blockIdx.x == 0 && threadIdx.x < WORLD) {
     const int peer = threadIdx.x;
-    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    st_release_sys_global_u64(peer_ptr(flags, peers, rank, peer) + rank, generation);
     wait_ge_acquire_sys(flags + peer, generation,
-                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+                        make_site("barrier_all.flags", rank, rank, peer));
   }
-  tsgen_barrier_blocks(counter, 2 * generation, rank);
+  barrier_blocks(counter, 2 * generation, rank);
 }
 
 // Host launchers: make the device that holds `local` (a buffer of the calling rank)
 // current for the CUDA runtime linked into this library, whichever thread calls:
 // the runtime launches ranks from one thread each, and a thread's current device
 // is per CUDA runtime instance.
-static inline cudaError_t tsgen_use_device_of(const void* local) {
+static inline cudaError_t use_device_of(const void* local) {
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, local);
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
 }
+
+}  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH

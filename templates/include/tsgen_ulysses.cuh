@@ -15,12 +15,15 @@
 
 #include <stdint.h>
 
+namespace tsgen {
+namespace ulysses {
+
 // Copy `rows` runs of ROW_VEC vectors, strided as above, shared by `parts` blocks (this one is
 // part `part`); every thread keeps UNROLL loads in flight before its stores. The source is the
 // caller's own input, which nothing writes during the call: read-only, non-allocating loads.
 template <int ROW_VEC, int SRC_STRIDE, int DST_STRIDE, int UNROLL>
-static __device__ __forceinline__ void tsgen_copy_rows(uint4* dst, const uint4* src, uint64_t rows, uint32_t part,
-                                                       uint32_t parts) {
+static __device__ __forceinline__ void copy_rows(uint4* dst, const uint4* src, uint64_t rows, uint32_t part,
+                                                 uint32_t parts) {
   const uint64_t n = rows * (uint64_t)ROW_VEC;
   const uint64_t step = (uint64_t)parts * blockDim.x;
   uint64_t i = (uint64_t)part * blockDim.x + threadIdx.x;
@@ -48,18 +51,18 @@ static __device__ __forceinline__ void tsgen_copy_rows(uint4* dst, const uint4* 
 // bshd [BATCH, seq, HL, head_dim] (per batch one contiguous run of count x HL heads) or
 // bhsd [BATCH, HL, seq, head_dim] (per batch and head one run of count rows). HV: vectors per head.
 template <int BATCH, int IN_HEADS, int HL, int HV, bool BHSD, int UNROLL>
-static __device__ __forceinline__ void tsgen_ulysses_scatter(uint4* dst, const uint4* src, int head0, uint64_t count,
-                                                             uint64_t seq, uint64_t seq0, uint32_t part,
-                                                             uint32_t parts) {
+static __device__ __forceinline__ void scatter(uint4* dst, const uint4* src, int head0, uint64_t count,
+                                               uint64_t seq, uint64_t seq0, uint32_t part,
+                                               uint32_t parts) {
   for (int b = 0; b < BATCH; ++b) {
     const uint4* from = src + ((uint64_t)b * count * IN_HEADS + head0) * HV;
     if (!BHSD) {
-      tsgen_copy_rows<HL * HV, IN_HEADS * HV, HL * HV, UNROLL>(dst + ((uint64_t)b * seq + seq0) * HL * HV, from,
-                                                                count, part, parts);
+      copy_rows<HL * HV, IN_HEADS * HV, HL * HV, UNROLL>(dst + ((uint64_t)b * seq + seq0) * HL * HV, from,
+                                                          count, part, parts);
     } else {
       for (int h = 0; h < HL; ++h)
-        tsgen_copy_rows<HV, IN_HEADS * HV, HV, UNROLL>(dst + (((uint64_t)b * HL + h) * seq + seq0) * HV,
-                                                       from + (uint64_t)h * HV, count, part, parts);
+        copy_rows<HV, IN_HEADS * HV, HV, UNROLL>(dst + (((uint64_t)b * HL + h) * seq + seq0) * HV,
+                                                 from + (uint64_t)h * HV, count, part, parts);
     }
   }
 }
@@ -67,19 +70,19 @@ static __device__ __forceinline__ void tsgen_ulysses_scatter(uint4* dst, const u
 // post: the tokens [seq0, seq0 + count) of src, a full-sequence tensor of HL heads (bshd or
 // bhsd as above), into heads [head0, head0 + HL) of dst [BATCH, count, OUT_HEADS, head_dim].
 template <int BATCH, int OUT_HEADS, int HL, int HV, bool BHSD, int UNROLL>
-static __device__ __forceinline__ void tsgen_ulysses_gather(uint4* dst, const uint4* src, int head0, uint64_t count,
-                                                            uint64_t seq, uint64_t seq0, uint32_t part,
-                                                            uint32_t parts) {
+static __device__ __forceinline__ void gather(uint4* dst, const uint4* src, int head0, uint64_t count,
+                                              uint64_t seq, uint64_t seq0, uint32_t part,
+                                              uint32_t parts) {
   for (int b = 0; b < BATCH; ++b) {
     uint4* to = dst + ((uint64_t)b * count * OUT_HEADS + head0) * HV;
     if (!BHSD) {
-      tsgen_copy_rows<HL * HV, HL * HV, OUT_HEADS * HV, UNROLL>(to, src + ((uint64_t)b * seq + seq0) * HL * HV,
-                                                                 count, part, parts);
+      copy_rows<HL * HV, HL * HV, OUT_HEADS * HV, UNROLL>(to, src + ((uint64_t)b * seq + seq0) * HL * HV,
+                                                           count, part, parts);
     } else {
       for (int h = 0; h < HL; ++h)
-        tsgen_copy_rows<HV, HV, OUT_HEADS * HV, UNROLL>(to + (uint64_t)h * HV,
-                                                        src + (((uint64_t)b * HL + h) * seq + seq0) * HV, count,
-                                                        part, parts);
+        copy_rows<HV, HV, OUT_HEADS * HV, UNROLL>(to + (uint64_t)h * HV,
+                                                  src + (((uint64_t)b * HL + h) * seq + seq0) * HV, count,
+                                                  part, parts);
     }
   }
 }
@@ -90,12 +93,12 @@ static __device__ __forceinline__ void tsgen_ulysses_gather(uint4* dst, const ui
 // Open: block 0 tells every peer that our call `epoch` started (our output may be written);
 // the blocks that push to `peer` wait for the peer's word. Call with the whole block.
 template <int WORLD>
-static __device__ __forceinline__ void tsgen_ulysses_open(uint64_t* entry, char* const* peers, int rank, int peer,
-                                                          uint64_t epoch) {
+static __device__ __forceinline__ void open(uint64_t* entry, char* const* peers, int rank, int peer,
+                                            uint64_t epoch) {
   if (blockIdx.x == 0 && threadIdx.x < WORLD && (int)threadIdx.x != rank)
-    st_release_sys_global_u64(tsgen_peer_ptr(entry, peers, rank, (int)threadIdx.x) + rank, epoch);
+    st_release_sys_global_u64(peer_ptr(entry, peers, rank, (int)threadIdx.x) + rank, epoch);
   if (peer != rank && threadIdx.x == 0)
-    wait_ge_acquire_sys(entry + peer, epoch, tsgen_make_site("entry", rank, rank, peer));
+    wait_ge_acquire_sys(entry + peer, epoch, make_site("entry", rank, rank, peer));
   __syncthreads();
 }
 
@@ -104,14 +107,17 @@ static __device__ __forceinline__ void tsgen_ulysses_open(uint64_t* entry, char*
 // `waiter` blocks then wait until every peer's BLOCKS_PER_PEER blocks have arrived, so the
 // output is complete when the kernel returns. Call with the whole block.
 template <int WORLD, int BLOCKS_PER_PEER>
-static __device__ __forceinline__ void tsgen_ulysses_close(uint64_t* arrive, char* const* peers, int rank, int peer,
-                                                           uint64_t epoch, bool waiter) {
+static __device__ __forceinline__ void close(uint64_t* arrive, char* const* peers, int rank, int peer,
+                                             uint64_t epoch, bool waiter) {
   __syncthreads();
   if (peer != rank && threadIdx.x == 0)
-    red_add_release_sys_global_u64(tsgen_peer_ptr(arrive, peers, rank, peer) + rank, 1ull);
+    red_add_release_sys_global_u64(peer_ptr(arrive, peers, rank, peer) + rank, 1ull);
   if (waiter && threadIdx.x < WORLD && (int)threadIdx.x != rank)
     wait_ge_acquire_sys(arrive + threadIdx.x, epoch * BLOCKS_PER_PEER,
-                        tsgen_make_site("arrive", rank, rank, (int)threadIdx.x));
+                        make_site("arrive", rank, rank, (int)threadIdx.x));
 }
+
+}  // namespace ulysses
+}  // namespace tsgen
 
 #endif  // TSGEN_ULYSSES_CUH

@@ -105,7 +105,7 @@ def scale_of(spec: AttentionSpec) -> float:
 
 
 def smem_bytes(spec: AttentionSpec) -> int:
-    """Q tile + K and V stages + barriers + alignment slack (tsgen_attention::Layout asserts it)."""
+    """Q tile + K and V stages + barriers + alignment slack (tsgen::attention::Layout asserts it)."""
     p = spec.params
     q = p.tile.m * p.head_dim * 2
     kv = p.tile.n * p.head_dim * 2

@@ -53,8 +53,8 @@ from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, ModuleAbi, OpFamily
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
-MAX_WORLD = 8  # tsgen_cp::MAX_WORLD
-SIGNALS = 4 * MAX_WORLD  # tsgen_cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
+MAX_WORLD = 8  # tsgen::cp::MAX_WORLD
+SIGNALS = 4 * MAX_WORLD  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
 ENTRY_SMS = 1  # gather sm: the SM the launcher's one-block entry kernel needs beside the push and the attention
 CE_RESERVE_SMS = 2  # gather copy_engine: SMs the attention leaves to the one-block signal kernels
 
@@ -102,7 +102,7 @@ class CpAttentionSpec(SpecBase):
 
 
 # ---------------------------------------------------------------------------
-# Positions and chunks (the same arithmetic as tsgen_cp::Geometry)
+# Positions and chunks (the same arithmetic as tsgen::cp::Geometry)
 # ---------------------------------------------------------------------------
 
 

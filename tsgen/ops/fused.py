@@ -34,8 +34,8 @@ from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
-MAX_WORLD = 8  # tsgen_fused::MAX_WORLD
-SIGNALS = 2 * MAX_WORLD  # tsgen_fused::SIGNALS
+MAX_WORLD = 8  # tsgen::fused::MAX_WORLD
+SIGNALS = 2 * MAX_WORLD  # tsgen::fused::SIGNALS
 
 
 class AllgatherGemmParams(GemmParams):
@@ -202,7 +202,7 @@ class AllgatherGemmFamily(OpFamily):
 # gemm_reduce_scatter
 # ---------------------------------------------------------------------------
 
-RS_SIGNALS = 3 * MAX_WORLD + 2  # tsgen_fused::RS_SIGNALS: FREE, READY, TILES, ZEROING, ZEROED
+RS_SIGNALS = 3 * MAX_WORLD + 2  # tsgen::fused::RS_SIGNALS: FREE, READY, TILES, ZEROING, ZEROED
 
 
 class GemmReduceScatterParams(GemmParams):

@@ -99,7 +99,7 @@ def consumers(spec: GemmSpec) -> int:
 
 def smem_bytes(spec: GemmSpec) -> int:
     """Dynamic shared memory: the stages, the epilogue buffers, the barriers, alignment slack
-    (the same sum as tsgen_gemm::Layout in the header, which static_asserts it)."""
+    (the same sum as tsgen::gemm::Layout in the header, which static_asserts it)."""
     t = spec.params.tile
     stage = (t.m * t.k + t.k * t.n) * 2
     epilogue = consumers(spec) * 2 * EPILOGUE_CHUNK_BYTES

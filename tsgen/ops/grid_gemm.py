@@ -50,9 +50,9 @@ from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
-MAX_Q = 8  # tsgen_grid::MAX_Q
-MAX_WORLD = MAX_Q * MAX_Q  # tsgen_grid::MAX_WORLD
-SIGNALS = MAX_WORLD + 2 * MAX_Q  # tsgen_grid::SIGNALS: FREE[world], A_READY[q], B_READY[q]
+MAX_Q = 8  # tsgen::grid::MAX_Q
+MAX_WORLD = MAX_Q * MAX_Q  # tsgen::grid::MAX_WORLD
+SIGNALS = MAX_WORLD + 2 * MAX_Q  # tsgen::grid::SIGNALS: FREE[world], A_READY[q], B_READY[q]
 A, B = 0, 1  # operands
 
 

@@ -210,7 +210,7 @@ class MoeFamily(OpFamily):
                 "FP8": int(p.payload == "fp8")}
 
     def template_vars(self, spec):
-        # the buffers tsgen_moe::Buffers holds, in its order
+        # the buffers tsgen::moe::Buffers holds, in its order
         held = [b for b in self.buffers(spec) if b.name != "combine_calls"]
         return {"buffer_params": ", ".join(f"{b.ctype}* {b.name}" for b in held),
                 "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec),

@@ -35,7 +35,7 @@ _OPS = {"none": "TSGEN_OP_NONE", "copy": "TSGEN_OP_COPY", "reduce": "TSGEN_OP_RE
 
 
 def c_slice(plan: CommPlan, buffer_index: dict[str, int], rank_slice: tuple[int, Slice] | None) -> str:
-    """Initializer of a tsgen_slice."""
+    """Initializer of a tsgen::slice."""
     if rank_slice is None:
         return "{0, 0, 0, 1, 0, 0}"
     rank, s = rank_slice
@@ -246,7 +246,7 @@ def stream_program(plan: CommPlan, rank: int) -> list[list[StreamOp]]:
 def share_runs(plan, hoist_opening: bool = False) -> list[list[tuple[int, int, int, int, int, int]]]:
     """The share table (every rank's blocks' shares, in table order) run-length encoded, per
     rank: runs (step, share, shares, n, dstep, dshare) that stand for the n entries
-    {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (tsgen_share_run in
+    {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (tsgen::share_run in
     tsgen_plan.cuh; the device table is expanded from them at compile time, entry for
     entry the table c_tables lists). A block's shares (the ring: steps 1, 2, 3, .. of one
     share) and consecutive blocks (share 0, 1, 2, .. of one step) each make one run."""

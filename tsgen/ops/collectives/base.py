@@ -300,7 +300,7 @@ class CollectiveFamily(OpFamily):
                 "plan_share_runs": {w: share_runs(cp, hoist) for w, cp in plans.items()}}
         if self.copy_engine(spec):
             out["stream_programs"] = {w: [stream_program(cp, r) for r in range(w)] for w, cp in plans.items()}
-            # world size -> rank -> copy step -> (destination, source) tsgen_slice initializers
+            # world size -> rank -> copy step -> (destination, source) tsgen::slice initializers
             out["copy_slices"] = {w: [{i: (c_slice(cp, index, st.dst), c_slice(cp, index, st.srcs[0]))
                                        for i, st in enumerate(rp.steps) if st.op == "copy"} for rp in cp.ranks]
                                   for w, cp in plans.items()}
