@@ -335,3 +335,23 @@ def test_table_limits_are_emitted_from_the_ir():
     assert all(f"#define {k} {v}\n" in source for k, v in limits.items())
     with pytest.raises(ValueError, match="no single `#define TSGEN_MAX_ALSO <number>` line"):
         emit_defines("tsgen_plan.cuh", header.replace("#define TSGEN_MAX_ALSO 7", ""))
+
+def test_table_structs_are_declared_as_python_writes_their_rows():
+    """tsgen_plan.cuh's table structs field by field as tsgen.plan.lower writes the rows; a header
+    that declares one otherwise (two fields swapped) is refused at render time, naming it."""
+    from tsgen.plan.lower import C_STRUCTS, c_init, check_structs, declared_structs, emit_defines, field_names
+
+    text = (ROOT / "templates" / "include" / "tsgen_plan.cuh").read_text()
+    declared = declared_structs(text)
+    for name, fields in C_STRUCTS["tsgen_plan.cuh"].items():
+        assert declared[name] == fields, name
+    check_structs("tsgen_plan.cuh", text)
+    swapped = text.replace("  uint16_t unit;\n  uint16_t piece;", "  uint16_t piece;\n  uint16_t unit;")
+    assert swapped != text
+    with pytest.raises(ValueError, match="struct slice declares .*uint16_t piece, uint16_t unit"):
+        emit_defines("tsgen_plan.cuh", swapped)
+    assert c_init("share", shares=3, step=1, share=2) == "{1, 2, 3}"
+    with pytest.raises(ValueError, match="tsgen::share has the fields step, share, shares"):
+        c_init("share", step=1, share=2)
+    # share_runs' tuples (step, share, shares, n, dstep, dshare) follow tsgen::share_run
+    assert field_names("share_run") == ("step", "share", "shares", "n", "dstep", "dshare")

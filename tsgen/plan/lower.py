@@ -17,9 +17,73 @@ C_DEFINES: dict[str, dict[str, int]] = {
 }
 
 
+# The layouts of the table structs, (C type, field) in declaration order. The initializers below
+# are built from them (c_init), share_runs' tuples follow share_run, and every render checks that
+# the header declares exactly these fields (emit_defines -> check_structs): the Python rows and
+# the C structs cannot drift apart unnoticed.
+C_STRUCTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
+    "tsgen_plan.cuh": {
+        "slice": (("int8_t", "rank"), ("uint8_t", "buf"), ("uint8_t", "read_only"), ("uint8_t", "pieces"),
+                  ("uint16_t", "unit"), ("uint16_t", "piece")),
+        "step_wait": (("uint8_t", "buf"), ("uint8_t", "pad"), ("uint16_t", "index"), ("uint32_t", "per_call")),
+        "step_signal": (("int8_t", "rank"), ("uint8_t", "buf"), ("uint16_t", "index")),
+        "step": (("uint8_t", "op"), ("uint8_t", "nsrc"), ("uint8_t", "nwait"), ("uint8_t", "nsignal"),
+                 ("uint8_t", "nalso"), ("slice", "dst"), ("slice", "src[TSGEN_MAX_SRCS]"),
+                 ("slice", "also[TSGEN_MAX_ALSO]"), ("step_wait", "wait[TSGEN_MAX_WAITS]"),
+                 ("step_signal", "signal[TSGEN_MAX_SIGNALS]")),
+        "share": (("uint16_t", "step"), ("uint16_t", "share"), ("uint16_t", "shares")),
+        "share_run": (("uint16_t", "step"), ("uint16_t", "share"), ("uint16_t", "shares"), ("uint16_t", "n"),
+                      ("int16_t", "dstep"), ("int16_t", "dshare")),
+    },
+}
+
+
+def field_names(struct: str, header: str = "tsgen_plan.cuh") -> tuple[str, ...]:
+    """The fields of tsgen::`struct` in declaration order (array extents dropped)."""
+    return tuple(re.sub(r"\[.*", "", name) for _, name in C_STRUCTS[header][struct])
+
+
+def c_init(struct: str, **fields) -> str:
+    """The `{...}` initializer of a tsgen::`struct`, its fields in declaration order; every field
+    must be given, and no other."""
+    names = field_names(struct)
+    if set(fields) != set(names):
+        raise ValueError(f"tsgen::{struct} has the fields {', '.join(names)}; got {', '.join(fields)}")
+    return "{" + ", ".join(str(fields[n]) for n in names) + "}"
+
+
+def declared_structs(text: str) -> dict[str, tuple[tuple[str, str], ...]]:
+    """`struct NAME { TYPE FIELD; ... };` of a header, (type, field) in order (comments dropped,
+    `TYPE a, b;` split); template structs and those with member functions are left out."""
+    out = {}
+    for m in re.finditer(r"^struct (\w+) \{\n(.*?)^\};", text, flags=re.M | re.S):
+        body = re.sub(r"//[^\n]*", "", m.group(2))
+        fields = []
+        for decl in filter(None, (d.strip() for d in body.split(";"))):
+            ctype, names = decl.split(None, 1)
+            fields += [(ctype, n.strip()) for n in names.split(",")]
+        out[m.group(1)] = tuple(fields)
+    return out
+
+
+def check_structs(header: str, text: str) -> None:
+    """ValueError naming the struct unless `text` declares C_STRUCTS[header]'s structs exactly."""
+    if header not in C_STRUCTS:
+        return
+    declared = declared_structs(text)
+    for name, fields in C_STRUCTS[header].items():
+        if declared.get(name) != fields:
+            have = ", ".join(" ".join(f) for f in declared.get(name, ())) or "no such struct"
+            want = ", ".join(" ".join(f) for f in fields)
+            raise ValueError(f"templates/include/{header}: struct {name} declares {have}; tsgen.plan.lower "
+                             f"writes its rows as {want}")
+
+
 def emit_defines(header: str, text: str) -> str:
     """`text` of templates/include/`header` with every define C_DEFINES lists for it set from
-    Python; ValueError when the header has no such `#define NAME <number>` line."""
+    Python, after checking its table structs against C_STRUCTS; ValueError when the header has
+    no such `#define NAME <number>` line or declares a struct otherwise."""
+    check_structs(header, text)
     for name, value in C_DEFINES.get(header, {}).items():
         text, n = re.subn(rf"^#define {name} \d+$", f"#define {name} {value}", text, flags=re.M)
         if n != 1:
@@ -37,10 +101,11 @@ _OPS = {"none": "TSGEN_OP_NONE", "copy": "TSGEN_OP_COPY", "reduce": "TSGEN_OP_RE
 def c_slice(plan: CommPlan, buffer_index: dict[str, int], rank_slice: tuple[int, Slice] | None) -> str:
     """Initializer of a tsgen::slice."""
     if rank_slice is None:
-        return "{0, 0, 0, 1, 0, 0}"
+        return c_init("slice", rank=0, buf=0, read_only=0, pieces=1, unit=0, piece=0)
     rank, s = rank_slice
     ro = 1 if plan.buffers.get(s.buffer) == "input" else 0
-    return f"{{{rank}, {buffer_index[s.buffer]}, {ro}, {s.pieces}, {s.unit}, {s.piece}}}"
+    return c_init("slice", rank=rank, buf=buffer_index[s.buffer], read_only=ro, pieces=s.pieces, unit=s.unit,
+                  piece=s.piece)
 
 
 SHARES_PER_LINE = 8
@@ -97,17 +162,20 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool =
         step_base.append(len(steps))
         for i, st in enumerate(rp.steps):
             srcs = ", ".join(sl(x) for x in st.srcs)
-            waits = ", ".join(f"{{{buffer_index[n]}, 0, {idx}, {plan.wait_target(r, n, idx)}}}" for n, idx in st.waits)
-            sigs = ", ".join(f"{{{g.rank}, {buffer_index[g.name]}, {g.index}}}" for g in st.signals)
+            waits = ", ".join(c_init("step_wait", buf=buffer_index[n], pad=0, index=idx,
+                                     per_call=plan.wait_target(r, n, idx)) for n, idx in st.waits)
+            sigs = ", ".join(c_init("step_signal", rank=g.rank, buf=buffer_index[g.name], index=g.index)
+                             for g in st.signals)
             also = ", ".join(sl(x) for x in st.also)
             what = _describe(r, st)
-            steps.append((f"{{{_OPS[st.op]}, {len(st.srcs)}, {len(st.waits)}, {len(st.signals)}, {len(st.also)}, "
-                          f"{sl(st.dst)}, {{{srcs}}}, {{{also}}}, {{{waits}}}, {{{sigs}}}}}",
+            steps.append((c_init("step", op=_OPS[st.op], nsrc=len(st.srcs), nwait=len(st.waits),
+                                 nsignal=len(st.signals), nalso=len(st.also), dst=sl(st.dst), src=f"{{{srcs}}}",
+                                 also=f"{{{also}}}", wait=f"{{{waits}}}", signal=f"{{{sigs}}}"),
                           f"rank {r} step {i}: {what}"))
         row = []
         for b, lst in enumerate(blocks):
             row.append(nshares)
-            entries = [f"{{{sh.step}, {sh.share}, {sh.shares}}}" for sh in lst]
+            entries = [c_init("share", step=sh.step, share=sh.share, shares=sh.shares) for sh in lst]
             lines = [", ".join(entries[i:i + SHARES_PER_LINE]) for i in range(0, len(entries), SHARES_PER_LINE)]
             if lines:
                 shares.append((f"rank {r} block {b}: shares {nshares}..{nshares + len(lst) - 1} ({{step, share, of}})",
