@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import spec_problems
+from conftest import ROOT, spec_problems
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, e4m3_decode, e4m3_encode,
                            fp8_dequantize, fp8_error_bound, fp8_quantize, layout, ll_combine_reference,
@@ -562,3 +562,19 @@ def test_combine_tolerance_is_one_bf16_unit():
         got = (ref.astype(np.int32) + delta).astype(np.uint16)
         diff = np.abs(to_f64(got, "bfloat16") - to_f64(ref, "bfloat16"))
         assert (diff <= out_tolerance(ref)).all() == ok, delta
+
+
+def test_every_negative_control_edits_the_source_it_loads(tmp_path):
+    """Each GPU negative control's edit applies to the rendered .cu (exactly once) through the same
+    path the GPU test loads (render_to_cache, then harness._mutated on the source): an edit that
+    left the source unchanged, or one applied to the manifest, would make the control vacuous."""
+    import test_moe_gpu as gpu
+    from tsgen.harness import _mutated, render_to_cache
+    from tsgen.spec import load_spec
+
+    controls = [(gpu.SPEC, *gpu.COUNTS_WAIT), (gpu.LL_SPEC, *gpu.LL_SLOT_WAIT)] + list(gpu.MORE_CONTROLS.values())
+    for spec, old, new in controls:
+        cached = render_to_cache(load_spec(ROOT / spec))
+        assert cached.source.read_text().count(old) == 1, (spec, old)
+        edited = _mutated(cached.source, lambda text: text.replace(old, new))
+        assert new in edited.read_text() and old not in edited.read_text()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import need_gpus
-from tsgen.harness import _mutated, materialize, poison_byte, shared_gpu_variant
+from tsgen.harness import _mutated, poison_byte, render_to_cache, shared_gpu_variant
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.moe import (combine_reference, counts_array, out_tolerance, dispatch_reference, fp8_dequantize, fp8_error_bound,
                            fp8_quantize, ll_combine_reference, ll_counts_array, ll_dispatch_reference, low_latency,
@@ -51,11 +51,10 @@ class Moe:
     def __init__(self, world, loaded, skew=None, mutate=None, echo=print):
         fitted = shared_gpu_variant(loaded, world, echo)
         self.spec = fitted.model
-        manifest = materialize(fitted, skew=skew)
-        if mutate is not None:
-            manifest = _mutated(manifest, mutate)
+        cached = render_to_cache(fitted, skew)
+        source = cached.source if mutate is None else _mutated(cached.source, mutate)  # the .cu, not the manifest
         self.world = world
-        self.module = world.load(manifest)
+        self.module = world.load(cached.manifest, source=source)
         lib = ctypes.CDLL(str(self.module.binary))
         name = self.module.kernel.name
         self.dispatch_fn = getattr(lib, f"{name}_dispatch_launch")
