@@ -882,7 +882,7 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 // --------------------------------------------------------------------------
 // Inlined from templates/include/tsgen_moe.cuh
 // --------------------------------------------------------------------------
-// tsgen_moe.cuh -- MoE expert-parallel dispatch and combine (normal mode, bf16).
+// tsgen_moe.cuh -- MoE expert-parallel dispatch and combine: normal mode (bf16 or fp8 rows) and low-latency mode.
 //
 // Hand-written; inlined into generated MoE sources after tsgen_copy.cuh.
 //
@@ -1313,12 +1313,16 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
 //   this rank's pairs for e (so a slot holds its source's rows in token order), with the handle
 //   token * 32 + k; then raises d's lsig[l * W + rank] to (epoch << 32) | pairs (release): the
 //   count travels with the signal. Pairs past SLOT are dropped and reported. Block 0 waits for
-//   every (l, s) signal of this call and writes recv_counts. parity = epoch & 1: rows of call n
-//   and n + 1 never share a slot, so a rank may dispatch again before its peers are done
-//   reading the previous call's rows.
-// ll_combine: the rows of the last dispatch (its parity from the dispatch call counter) go back to its source as comb[token][k]; each block then
-//   raises the source's csig[rank] by one; a source waits for every rank's arrivals and writes
-//   out[t] = sum over valid k of topk_weights[t][k] * comb[t][k] (fp32, k order), bf16.
+//   every (l, s) signal of this call and writes recv_counts. parity = epoch & 1 keeps the rows
+//   of calls n and n + 1 in different slots. It does NOT let a rank dispatch again before its
+//   peers have read the previous call's rows: the count rides on ONE signal word per (l, s),
+//   and call n + 1's value would satisfy a late reader's wait for call n with the wrong count.
+//   Correctness rests on the call order (dispatch, combine, dispatch: a rank's next dispatch
+//   starts after its combine, which waited for every peer's rows of this call).
+// ll_combine: the rows of the last dispatch (its parity from the dispatch call counter) go back
+//   to its source as comb[token][k]; each block then raises the source's csig[rank] by one; a
+//   source waits for every rank's arrivals and writes out[t] = sum over valid k of
+//   topk_weights[t][k] * comb[t][k] (fp32, k order), bf16.
 // ---------------------------------------------------------------------------
 struct LLBuffers {
   const __nv_bfloat16* x;

@@ -1,4 +1,4 @@
-"""moe: mixture-of-experts expert-parallel dispatch and combine (normal mode, bf16).
+"""moe: mixture-of-experts expert-parallel dispatch and combine: normal mode (bf16 or fp8 rows) and low-latency mode.
 
 E experts are placed in contiguous runs of L = E / W per rank (rank d holds experts
 [d L, (d + 1) L)). From `topk_idx` [tokens, topk] (expert ids; -1, or any id outside
