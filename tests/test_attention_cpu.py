@@ -398,3 +398,35 @@ def test_gpu_tool_report(tool):
     assert "| 128 | 32 | no | 8192 | 660 | 330 | 680 | 0.97 | 1.0e-03 |" in text
     assert "| a | seq 77 | 1 | 2.0e-03 | 1.0e-07 | 0 | 0 | 0 | PASS |" in text
     assert "CRASHED: CUDA error: unspecified launch failure" in text and "All checks: FAIL" in text
+
+
+def test_o_tolerance_holds_the_kernels_rounding_and_catches_zero_and_stale_outputs():
+    """o_tolerance against a float64 emulation of what the kernel rounds (P to bf16 before P V, O
+    to bf16): every element within it, with room; an all-zero O and O computed with one stale
+    chunk of V (another call's values) fail in many elements (at world 8 the old bound, two units
+    of max|v|, let an all-zero O pass in most elements)."""
+    from tsgen.ops.attention import attention_reference, o_tolerance
+    from tsgen.ops.collectives import from_f64, to_f64
+
+    def bf16(x):
+        return to_f64(from_f64(np.ascontiguousarray(x).reshape(-1), "bfloat16"), "bfloat16").reshape(x.shape)
+
+    rng = np.random.default_rng(5)
+    b, s, h, d = 1, 256, 2, 64
+    q, k, v = (bf16(rng.standard_normal((b, s, h, d))) for _ in range(3))
+    scale = d ** -0.5
+    o, _, o_abs = attention_reference(q, k, v, scale, False, with_abs=True)
+    tol = o_tolerance(o, o_abs, "bfloat16")
+    # the kernel: P = exp(s - m) rounded to bf16 for P V, the sum l in fp32 of the unrounded P
+    worst = 0.0
+    for hi in range(h):
+        sc = scale * q[0, :, hi] @ k[0, :, hi].T
+        p = np.exp(sc - sc.max(axis=1, keepdims=True))
+        got = bf16((bf16(p) @ v[0, :, hi]) / p.sum(axis=1, keepdims=True))
+        worst = max(worst, float((np.abs(got - o[0, :, hi]) / tol[0, :, hi]).max()))
+    assert worst < 0.5, worst  # within half the bound
+    assert (np.abs(0 - o) > tol).mean() > 0.8  # an all-zero O
+    stale = v.copy()
+    stale[:, : s // 8] = bf16(rng.standard_normal((b, s // 8, h, d)))  # one chunk of 8 from another call
+    o_stale, _ = attention_reference(q, k, stale, scale, False)
+    assert (np.abs(o_stale - o) > tol).mean() > 0.05
