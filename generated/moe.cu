@@ -1537,6 +1537,15 @@ static __device__ __forceinline__ int checked_tokens(uint64_t count, int rank, c
   return (int)count;
 }
 
+// The host launchers refuse what they can see before anything is launched (the kernels' own
+// check above is the backstop for a caller that launches them directly): a kernel that traps
+// takes down the CUDA context, and with it every rank that shares it.
+static cudaError_t refused(const char* launcher, int rank, const char* what, uint64_t count) {
+  fprintf(stderr, "tsgen: %s: rank %d: %s (count = %llu tokens, params.capacity = %d)\n", launcher, rank, what,
+          (unsigned long long)count, CAP);
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace moe
 
 // ---- world size 2: grid 32 x 512 threads per kernel ----
@@ -1557,6 +1566,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_combine(char* const*
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  if (count > (uint64_t)moe::CAP)
+    return moe::refused("moe_w2_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
@@ -1564,6 +1575,10 @@ extern "C" cudaError_t moe_w2_dispatch_launch(char* const* peers, int rank, uint
 }
 
 extern "C" cudaError_t moe_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  if (count > (uint64_t)moe::CAP)
+    return moe::refused("moe_w2_combine_launch", rank, "more tokens than the capacity", count);
+  if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
+    return moe::refused("moe_w2_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
@@ -1596,6 +1611,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_combine(char* const*
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  if (count > (uint64_t)moe::CAP)
+    return moe::refused("moe_w4_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
@@ -1603,6 +1620,10 @@ extern "C" cudaError_t moe_w4_dispatch_launch(char* const* peers, int rank, uint
 }
 
 extern "C" cudaError_t moe_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  if (count > (uint64_t)moe::CAP)
+    return moe::refused("moe_w4_combine_launch", rank, "more tokens than the capacity", count);
+  if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
+    return moe::refused("moe_w4_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
@@ -1635,6 +1656,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_combine(char* const*
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  if (count > (uint64_t)moe::CAP)
+    return moe::refused("moe_w8_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
@@ -1642,6 +1665,10 @@ extern "C" cudaError_t moe_w8_dispatch_launch(char* const* peers, int rank, uint
 }
 
 extern "C" cudaError_t moe_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  if (count > (uint64_t)moe::CAP)
+    return moe::refused("moe_w8_combine_launch", rank, "more tokens than the capacity", count);
+  if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
+    return moe::refused("moe_w8_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);

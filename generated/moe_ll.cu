@@ -1534,6 +1534,15 @@ static __device__ __forceinline__ int checked_tokens(uint64_t count, int rank, c
   return (int)count;
 }
 
+// The host launchers refuse what they can see before anything is launched (the kernels' own
+// check above is the backstop for a caller that launches them directly): a kernel that traps
+// takes down the CUDA context, and with it every rank that shares it.
+static cudaError_t refused(const char* launcher, int rank, const char* what, uint64_t count) {
+  fprintf(stderr, "tsgen: %s: rank %d: %s (count = %llu tokens, params.capacity = %d)\n", launcher, rank, what,
+          (unsigned long long)count, CAP);
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace moe_ll
 
 // ---- world size 2: grid 32 x 512 threads per kernel ----
@@ -1556,6 +1565,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w2_combine(char* con
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_ll_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, cudaStream_t stream) {
+  if (count > (uint64_t)moe_ll::CAP)
+    return moe_ll::refused("moe_ll_w2_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls);
@@ -1563,6 +1574,8 @@ extern "C" cudaError_t moe_ll_w2_dispatch_launch(char* const* peers, int rank, u
 }
 
 extern "C" cudaError_t moe_ll_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  if (count > (uint64_t)moe_ll::CAP)
+    return moe_ll::refused("moe_ll_w2_combine_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls, y);
@@ -1597,6 +1610,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w4_combine(char* con
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_ll_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, cudaStream_t stream) {
+  if (count > (uint64_t)moe_ll::CAP)
+    return moe_ll::refused("moe_ll_w4_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls);
@@ -1604,6 +1619,8 @@ extern "C" cudaError_t moe_ll_w4_dispatch_launch(char* const* peers, int rank, u
 }
 
 extern "C" cudaError_t moe_ll_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  if (count > (uint64_t)moe_ll::CAP)
+    return moe_ll::refused("moe_ll_w4_combine_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls, y);
@@ -1638,6 +1655,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w8_combine(char* con
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
 extern "C" cudaError_t moe_ll_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, cudaStream_t stream) {
+  if (count > (uint64_t)moe_ll::CAP)
+    return moe_ll::refused("moe_ll_w8_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls);
@@ -1645,6 +1664,8 @@ extern "C" cudaError_t moe_ll_w8_dispatch_launch(char* const* peers, int rank, u
 }
 
 extern "C" cudaError_t moe_ll_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+  if (count > (uint64_t)moe_ll::CAP)
+    return moe_ll::refused("moe_ll_w8_combine_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
   moe_ll_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_src, comb, lsig, csig, combine_calls, y);

@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import ROOT, spec_problems
+from conftest import ROOT, compile_test, missing_tool, spec_problems
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, e4m3_decode, e4m3_encode,
                            fp8_dequantize, fp8_error_bound, fp8_quantize, layout, ll_combine_reference,
                            ll_counts_array, ll_dispatch_reference, routing)
 from tsgen.spec import load_spec
+from tsgen.toolchain import compile_source, find_nvcc
 
 
 def _inputs(case, world, experts, topk, hidden, tokens, seed):
@@ -578,3 +579,27 @@ def test_every_negative_control_edits_the_source_it_loads(tmp_path):
         assert cached.source.read_text().count(old) == 1, (spec, old)
         edited = _mutated(cached.source, lambda text: text.replace(old, new))
         assert new in edited.read_text() and old not in edited.read_text()
+
+
+@compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
+def test_launchers_refuse_too_many_tokens_and_a_null_y_before_touching_cuda(capfd):
+    """The host launchers check what they can see (count against params.capacity; normal mode's
+    y) and return cudaErrorInvalidValue with a message before any CUDA call: callable without a
+    GPU. (On the device the same count would trap and take the shared context down.)"""
+    import ctypes
+    import json
+
+    manifest = json.loads((ROOT / "generated" / "moe.json").read_text())
+    kernel, cap = manifest["kernels"][0]["name"], manifest["constants"]["CAP"]
+    nargs = len(manifest["kernels"][0]["launcher_args"])
+    lib = ctypes.CDLL(str(compile_source(ROOT / "generated" / "moe.cu", mode="shared").output))
+
+    def args(count):
+        return [None, ctypes.c_int(1), None, ctypes.c_uint64(count)] + [None] * (nargs - 4)
+
+    dispatch, combine = getattr(lib, f"{kernel}_dispatch_launch"), getattr(lib, f"{kernel}_combine_launch")
+    dispatch.restype = combine.restype = ctypes.c_int
+    assert dispatch(*args(cap + 1), None) == 1  # cudaErrorInvalidValue
+    assert f"{kernel}_dispatch_launch: rank 1: more tokens than the capacity (count = {cap + 1}" in capfd.readouterr().err
+    assert combine(*args(cap), None, None) == 1
+    assert f"{kernel}_combine_launch: rank 1: y is null" in capfd.readouterr().err
