@@ -3401,22 +3401,32 @@ cp_attention_w8_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* si
 // Host launcher (see the top of this file): world size WORLD's kernels; the extern "C"
 // NAME_wW_launch below are its instances.
 namespace cp_attention {
+// A call the launcher refuses before it starts anything, with what and where on stderr.
+static cudaError_t refused(int world, int rank, uint64_t count, const char* why, cudaError_t err) {
+  fprintf(stderr, "tsgen: cp_attention_w%d_launch: rank %d, count %llu: %s\n", world, rank, (unsigned long long)count,
+          why);
+  return err;
+}
+
 template <int WORLD, auto SYNC>
 static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) {
   using namespace tsgen::fused;
   if (count == 0) return cudaSuccess;
+  if (rank < 0 || rank >= WORLD) return refused(WORLD, rank, count, "rank out of range", cudaErrorInvalidValue);
+  if (count > tsgen::attention::MAX_LEN / WORLD)
+    return refused(WORLD, rank, count, "more rows per rank than tsgen::attention::MAX_LEN / world", cudaErrorInvalidValue);
+  if (ZIGZAG && count % 2)
+    return refused(WORLD, rank, count, "zig-zag needs an even row count (two chunks of count / 2)", cudaErrorInvalidValue);
   TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
-  if (rank < 0 || rank >= WORLD || count > tsgen::attention::MAX_LEN / WORLD) return cudaErrorInvalidValue;
-  if (ZIGZAG && count % 2) return cudaErrorInvalidValue;  // two zig-zag chunks of count / 2
   const tsgen::cp::Geometry g = geometry(WORLD, count);
-  int grid = BLOCKS;
-  if (grid == 0) {  // every SM but those the gather's kernels need
-    int device, sms;
-    TSGEN_FUSED_TRY(cudaGetDevice(&device));
-    TSGEN_FUSED_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    grid = sms - RESERVE_SMS;
-    if (grid < 1) return cudaErrorLaunchOutOfResources;
-  }
+  int device, sms;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  TSGEN_FUSED_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // The persistent attention CTAs take whole SMs and wait for the gather: they must leave its SMs free.
+  const int grid = BLOCKS ? BLOCKS : sms - RESERVE_SMS;
+  if (grid < 1 || grid > sms - RESERVE_SMS)
+    return refused(WORLD, rank, count, "the attention grid (launch.blocks) must leave the gather's SMs free",
+                   cudaErrorLaunchOutOfResources);
   // query positions: causal contiguous from rank x count; zig-zag two chunks; not causal: any
   const int64_t c = (int64_t)count, half = c / 2;
   const int64_t q_offset = !CAUSAL ? 0 : ZIGZAG ? rank * half : rank * c;

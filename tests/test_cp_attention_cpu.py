@@ -237,3 +237,23 @@ def test_compiles_without_spills(name):
     for k, entry in kernels.items():
         assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (k, entry)
     assert kernels[f"{name}_attention"]["stack_frame"] == 0
+
+
+@compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
+def test_launcher_refuses_bad_calls_with_a_message_before_touching_cuda(capfd):
+    """A rank out of range and an odd zig-zag row count are refused with what and where, before
+    anything is launched (callable without a GPU)."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(compile_source(ROOT / "generated" / "cp_attention_zigzag_causal_sm.cu", mode="shared").output))
+    fn = lib.cp_attention_zigzag_causal_sm_w2_launch
+    fn.restype = ctypes.c_int
+
+    def call(rank, count):
+        return fn(None, None, ctypes.c_int(rank), None, ctypes.c_uint64(count), *([None] * 8), None)
+
+    assert call(0, 333) == 1  # cudaErrorInvalidValue
+    assert "cp_attention_zigzag_causal_sm_w2_launch: rank 0, count 333: zig-zag needs an even row count" \
+        in capfd.readouterr().err
+    assert call(2, 334) == 1
+    assert "rank 2, count 334: rank out of range" in capfd.readouterr().err
