@@ -603,3 +603,16 @@ def test_launchers_refuse_too_many_tokens_and_a_null_y_before_touching_cuda(capf
     assert f"{kernel}_dispatch_launch: rank 1: more tokens than the capacity (count = {cap + 1}" in capfd.readouterr().err
     assert combine(*args(cap), None, None) == 1
     assert f"{kernel}_combine_launch: rank 1: y is null" in capfd.readouterr().err
+
+
+def test_static_shared_memory_over_the_limit_is_a_spec_error():
+    """Low-latency dispatch keeps threads x topk pairs in static shared memory: 1024 threads with
+    top-16 need 65,668 bytes (ptxas reported 65,676), over the 48 KiB a block may declare."""
+    from tsgen.errors import SpecError
+    from tsgen.ops.moe import dispatch_static_smem
+    from tsgen.spec import spec_variant
+
+    shipped = load_spec(ROOT / "specs" / "moe_ll.yaml")
+    assert dispatch_static_smem(shipped.model, 8) == 16452  # ptxas: 16.1 KB (docs/design/moe.md)
+    with pytest.raises(SpecError, match=r"launch.threads: 1024 threads need 65668 bytes of static shared memory"):
+        spec_variant(shipped, {"params": {"topk": 16}, "launch": {"threads": 1024}})

@@ -99,6 +99,20 @@ def slot_rows(spec) -> int:
     return p.slot_tokens if p.slot_tokens is not None else p.capacity
 
 
+STATIC_SMEM_LIMIT = 48 * 1024  # bytes of __shared__ arrays a block may declare statically
+
+
+def dispatch_static_smem(spec, world: int) -> int:
+    """Bytes of the dispatch kernel's __shared__ arrays (tsgen_moe.cuh) at one world size: normal
+    mode s_total..s_run [W] x 5, s_ecount [E], s_warp [warps][W], s_pos [threads][W], s_mask
+    [threads]; low-latency s_warp [warps], s_run, s_pair [threads * topk]. 4 bytes each."""
+    p, threads = spec.params, spec.launch.threads
+    warps = threads // 32
+    if low_latency(spec):
+        return 4 * (warps + 1 + threads * p.topk)
+    return 4 * (5 * world + p.experts + warps * world + threads * world + threads)
+
+
 def low_latency(spec) -> bool:
     return spec.params.mode == "low_latency"
 
@@ -149,6 +163,13 @@ class MoeFamily(OpFamily):
                              f"{p.capacity}"))
         if spec.launch.blocks > 132:
             problems.append((("launch", "blocks"), "its blocks wait on peers: at most 132 (one per SM)"))
+        for w in spec.world_sizes:
+            need = dispatch_static_smem(spec, w)
+            if need > STATIC_SMEM_LIMIT:
+                problems.append((("launch", "threads"), f"{spec.launch.threads} threads need {need} bytes of static "
+                                 f"shared memory in dispatch at world size {w} (at most {STATIC_SMEM_LIMIT}): "
+                                 "use fewer threads" + (" or a smaller topk" if low_latency(spec) else "")))
+                break
         return problems
 
     def shared_fit(self, spec, colocated, sms):
