@@ -3466,13 +3466,14 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
   PUSH<<<GATHER_BLOCKS, GATHER_THREADS, 0, l->copy>>>(peers, rank, calls, sig, k, v, k_full, v_full, count);
   TSGEN_FUSED_TRY(cudaGetLastError());
-  TSGEN_FUSED_TRY(tsgen::attention::launch<Config>(cp_attention_zigzag_causal_sm_attention, q, k_full, v_full, o, lse, BATCH, count,
-                                                   WORLD * count, q_offset, q_split, q_offset2, 0,
-                                                   sig + tsgen::cp::READY, tsgen::cp::kv_chunk(g), 0, grid, stream, calls,
-                                                   unwaited));
+  // Its error (if any) is returned after the side streams are joined back into `stream`: a
+  // capture must not end with a fork open.
+  const cudaError_t launched = tsgen::attention::launch<Config>(
+      cp_attention_zigzag_causal_sm_attention, q, k_full, v_full, o, lse, BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
+      sig + tsgen::cp::READY, tsgen::cp::kv_chunk(g), 0, grid, stream, calls, unwaited);
   TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
-  return cudaSuccess;
+  return launched;
 }
 }  // namespace cp_attention_zigzag_causal_sm
 
