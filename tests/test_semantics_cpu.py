@@ -111,3 +111,18 @@ def test_plan_expectations_compute_the_reference(op, params, w, in_place, pieces
             out[sl.unit * pieces + sl.piece] = sum(int(inputs[b][q][u * pieces + i]) for q, b, u, i in contributions)
         np.testing.assert_array_equal(out, ref[r].astype(np.int64))
     assert isinstance(expected, dict) and all(isinstance(c, Counter) for c in expected.values())
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("algorithm", ["ring", None])
+def test_tolerance_bounds_the_reduced_elements_only(op, in_place, algorithm):
+    w, count = 3, 7
+    params = {"algorithm": algorithm} if algorithm else {}
+    fam, spec = _spec(op, params, in_place, w, dtype="bfloat16")
+    inputs = fam.make_inputs(spec, w, count, np.random.default_rng(5), pattern=False)
+    ref, tol = fam.reference(spec, w, count, inputs)["dst"], fam.tolerance(spec, w, count, inputs)["dst"]
+    for r in range(w):
+        assert tol[r].shape == ref[r].shape
+        mine = slice(r * count, (r + 1) * count) if op == "reduce_scatter" and in_place else slice(None)
+        assert (tol[r][mine] > 0).all() and tol[r].sum() == tol[r][mine].sum()

@@ -339,7 +339,7 @@ class CollectiveFamily(OpFamily):
         ins = sem.inputs_of(world, count, inputs, spec.params.in_place)
         return {"dst": [sem.place(world, count, inputs, spec.params.in_place, r,
                                   _reduce_tolerance(spec.dtype, sem.parts(world, count, ins, r), roundings),
-                                  rest=np.zeros(len(inputs["dst"][r]))) for r in range(world)]}
+                                  zeros=True) for r in range(world)]}
 
 
 # ---------------------------------------------------------------------------

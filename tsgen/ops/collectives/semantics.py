@@ -80,12 +80,12 @@ class Semantics:
         return out
 
     def place(self, w: int, count: int, inputs: dict, in_place: bool, r: int, values: np.ndarray,
-              rest: np.ndarray | None = None) -> np.ndarray:
+              zeros: bool = False) -> np.ndarray:
         """Rank r's whole output buffer with `values` as its output: in place, the rest of dst
-        keeps the input (or is `rest`)."""
+        keeps the input (or, `zeros`, is 0: a tolerance)."""
         if not in_place or self.n_out(w) * count == len(inputs["dst"][r]):
             return values
-        full = inputs["dst"][r].copy() if rest is None else rest
+        full = np.zeros(len(inputs["dst"][r])) if zeros else inputs["dst"][r].copy()
         full[self.out_unit(r) * count:(self.out_unit(r) + self.n_out(w)) * count] = values
         return full
 
