@@ -195,49 +195,22 @@ def skip_reason(backend: str, op: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# rank-seeded data: small integers, exact in bf16/fp16/fp32/int32.
-# The functions take ints, NumPy arrays or torch tensors alike.
+# rank-seeded data: small integers, exact in bf16/fp16/fp32/int32, and what each output
+# must then hold: both from the op's statement (its family's `semantics`,
+# tsgen/ops/collectives/semantics.py). idx: NumPy arrays or torch tensors alike.
 # ---------------------------------------------------------------------------
-
-
-def _red_val(rank, j):
-    return (j + rank) % 8  # sums over <= 36 ranks stay <= 252: exact in bf16
-
-
-def _mov_val(rank, j):
-    return (j % 16 + 16 * rank) % 251
-
-
-def _a2a_val(src, dst, j, world):
-    return ((src * world + dst) * 2 + j % 2) % 251
 
 
 def input_values(op: str, rank: int, world: int, idx, n_in: int):
     """Rank `rank`'s input element values at indices `idx` (0 <= idx < n_in)."""
-    op = normalize_op(op)
-    if op in ("all_reduce", "reduce_scatter"):
-        return _red_val(rank, idx)
-    if op in ("allgather", "broadcast"):
-        return _mov_val(rank, idx)
-    c = n_in // world  # all_to_all: chunk d goes to rank d
-    return _a2a_val(rank, idx // c, idx % c, world)
+    sem = get_family(normalize_op(op)).semantics
+    return sem.values(world, rank, idx, n_in // sem.n_in(world))
 
 
 def expected_values(op: str, rank: int, world: int, idx, n_out: int):
-    """What rank `rank`'s output must hold at indices `idx` (0 <= idx < n_out)."""
-    op = normalize_op(op)
-    if op == "all_reduce":
-        return sum(_red_val(s, idx) for s in range(world))
-    if op == "reduce_scatter":
-        g = idx + rank * n_out
-        return sum(_red_val(s, g) for s in range(world))
-    if op == "allgather":
-        c = n_out // world
-        return _mov_val(idx // c, idx % c)
-    if op == "broadcast":
-        return _mov_val(0, idx)
-    c = n_out // world  # all_to_all: chunk s came from rank s
-    return _a2a_val(idx // c, rank, idx % c, world)
+    """What rank `rank`'s output must hold at indices `idx` (0 <= idx < n_out); broadcast's root is 0."""
+    sem = get_family(normalize_op(op)).semantics
+    return sem.expected_values(world, rank, idx, n_out // sem.n_out(world))
 
 
 OUTPUT_SENTINEL = -1  # never a valid output value

@@ -1,6 +1,7 @@
 """Collectives as plans: allgather, reduce_scatter, all_to_all, all_reduce, broadcast.
 
-One module per collective (its params and family), what they share in base.py.
+One module per collective (its params, family and SEMANTICS: what it computes, stated once),
+what they share in base.py, the derivations from a SEMANTICS in semantics.py.
 
 Each family builds, for every world size, a CommPlan (tsgen/plan/ir.py): the
 steps every rank takes, the signals between them, and the contributions

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from typing import Literal
 
 from pydantic import Field
 
 from ...plan.ir import SignalRef, Slice, Step
 from .bench import AllReduceBench
-from .base import CollectiveFamily, CollectiveParams, _entry, _final, _reduce_tolerance, _ring, _sum
+from .base import CollectiveFamily, CollectiveParams, _entry, _final, _ring
+from .semantics import Semantics, reduce_values
+
+
+def _sources(w, r, idx, count):
+    return [(q, idx) for q in range(w)]  # every rank's output: the sum of every rank's input
+
+
+SEMANTICS = Semantics(_sources, reduces=True, in_units=1, out_units=1, values=reduce_values)
 
 
 class AllReduceParams(CollectiveParams):
@@ -29,6 +36,7 @@ class AllReduceFamily(CollectiveFamily):
     bench = AllReduceBench()  # + PyTorch SymmetricMemory's one- and two-shot all-reduce
     summary = "every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)"
     multimem_switch = ("algorithm", "multimem")
+    semantics = SEMANTICS
 
     def summary_of(self, spec):
         how = {"one_shot": "every rank reads and reduces every peer's input",
@@ -109,9 +117,7 @@ class AllReduceFamily(CollectiveFamily):
             s += _final([("gathered", c * P + i) for c in range(w) if c != r for i in range(P)],
                         "wait for every reduced part")
             steps.append(s)
-        expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
-                    for r in range(w) for k in range(n)}
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w, n))
 
     def _two_shot_pull(self, spec, w):
         """Entry; reduce our part straight from every rank's input (peer reads), storing
@@ -140,9 +146,7 @@ class AllReduceFamily(CollectiveFamily):
             s += _final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
                         "wait for every peer's reduced parts (and their reads of our input)")
             steps.append(s)
-        expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
-                    for r in range(w) for k in range(n)}
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w, n))
 
     def _one_shot(self, spec, w):
         p = spec.params
@@ -166,8 +170,7 @@ class AllReduceFamily(CollectiveFamily):
                               signals=done, blocks=nb, note="sum every rank's input"))
                 s += (_final([("done", q) for q in range(w) if q != r], "wait until every peer has read our input"))
             steps.append(s)
-        expected = {(r, Slice("dst", 0)): Counter({(q, buf, 0, 0): 1 for q in range(w)}) for r in range(w)}
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w, 1))
 
     def _two_shot(self, spec, w):
         p = spec.params
@@ -200,16 +203,4 @@ class AllReduceFamily(CollectiveFamily):
             s += (_final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
                             "wait for every peer's reduced parts"))
             steps.append(s)
-        expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
-                    for r in range(w) for k in range(n)}
-        return self._schedule(spec, w, steps, expected)
-
-    def reference(self, spec, world, count, inputs):
-        parts = inputs["dst" if spec.params.in_place else "src"]
-        total = _sum(spec.dtype, parts)
-        return {"dst": [total.copy() for _ in range(world)]}
-
-    def tolerance(self, spec, world, count, inputs):
-        parts = inputs["dst" if spec.params.in_place else "src"]
-        tol = _reduce_tolerance(spec.dtype, parts, roundings=world if spec.params.algorithm == "ring" else 1)
-        return {"dst": [tol for _ in range(world)]}
+        return self._schedule(spec, w, steps, self._expected(spec, w, n))

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
-import numpy as np
-
 from ...plan.ir import SignalRef, Slice, Step
 from .base import CollectiveFamily, CollectiveParams, _entry, _final, _ring
+from .semantics import Semantics, a2a_values
+
+
+def _sources(w, r, idx, count):
+    return [(idx // count, r * count + idx % count)]  # chunk j of rank r's output: chunk r of rank j's input
+
+
+SEMANTICS = Semantics(_sources, reduces=False, in_units="W", out_units="W", values=a2a_values)
 
 
 class AllToAllFamily(CollectiveFamily):
     kind = "all_to_all"
     Params = CollectiveParams
     summary = "chunk q of rank r's input lands as chunk r of rank q's output (push)"
+    semantics = SEMANTICS
 
     def data_buffers(self, spec):
         if spec.params.in_place:
@@ -50,12 +55,4 @@ class AllToAllFamily(CollectiveFamily):
                               note="own chunk"))
                 s += (_final([("arrive", q) for q in range(w) if q != r], "wait for every peer's chunk"))
             steps.append(s)
-        origin = "dst" if p.in_place else "src"
-        expected = {(q, Slice("dst", j)): Counter({(j, origin, q, 0): 1}) for q in range(w) for j in range(w)
-                    if not (p.in_place and q == j)}
-        return self._schedule(spec, w, steps, expected)
-
-    def reference(self, spec, world, count, inputs):
-        src = inputs["dst" if spec.params.in_place else "src"]
-        return {"dst": [np.concatenate([src[j][q * count:(q + 1) * count] for j in range(world)])
-                        for q in range(world)]}
+        return self._schedule(spec, w, steps, self._expected(spec, w, 1))

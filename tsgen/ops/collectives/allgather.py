@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Literal
 
 import numpy as np
@@ -10,6 +9,15 @@ from pydantic import Field
 
 from ...plan.ir import SignalRef, Slice, Step
 from .base import CollectiveFamily, CollectiveParams, _entry, _final, _ring
+from .semantics import Semantics, move_values
+
+
+def _sources(w, r, idx, count):
+    return [(idx // count, idx % count)]  # element j of chunk q is rank q's input element j
+
+
+SEMANTICS = Semantics(_sources, reduces=False, in_units=1, out_units="W", values=move_values,
+                      in_unit=lambda r: r)  # in place, rank r's input is its chunk r of dst
 
 
 class AllgatherParams(CollectiveParams):
@@ -25,6 +33,7 @@ class AllgatherFamily(CollectiveFamily):
     Params = AllgatherParams
     summary = "every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)"
     multimem_switch = ("direction", "multimem")
+    semantics = SEMANTICS
 
     def summary_of(self, spec):
         how = {"push": "each rank writes its input into every peer", "pull": "each rank reads every peer's input",
@@ -68,10 +77,7 @@ class AllgatherFamily(CollectiveFamily):
             s += _final([("arrive", c * P + i) for c in range(w) if c != r for i in range(P)],
                         "wait for every chunk")
             steps.append(s)
-        origin = "dst" if p.in_place else "src"
-        expected = {(q, Slice("dst", j, i, P)): Counter({(j, origin, j if p.in_place else 0, i): 1})
-                    for q in range(w) for j in range(w) for i in range(P) if not (p.in_place and q == j)}
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w, P))
 
     def comm_plan(self, spec, w):
         p = spec.params
@@ -101,18 +107,7 @@ class AllgatherFamily(CollectiveFamily):
             s += (_final([(name, q) for q in range(w) if q != r],
                             "wait for every peer's data" if p.direction == "push" else "wait until every peer has read our input"))
             steps.append(s)
-        origin = "dst" if p.in_place else "src"
-        expected = {(q, Slice("dst", j)): Counter({(j, origin, j if p.in_place else 0, 0): 1})
-                    for q in range(w) for j in range(w) if not (p.in_place and q == j)}
-        return self._schedule(spec, w, steps, expected)
-
-    def reference(self, spec, world, count, inputs):
-        if spec.params.in_place:
-            mine = [inputs["dst"][r][r * count:(r + 1) * count] for r in range(world)]
-        else:
-            mine = inputs["src"]
-        full = np.concatenate([m[:count] for m in mine])
-        return {"dst": [full.copy() for _ in range(world)]}
+        return self._schedule(spec, w, steps, self._expected(spec, w, 1))
 
     def bytes_moved(self, spec, world, count):
         return count * np.dtype("uint16" if spec.dtype == "bfloat16" else spec.dtype).itemsize * world

@@ -19,6 +19,7 @@ from ...plan.lower import (STRAIGHT_LINE_MAX_CALLS, ShareGroup, c_slice, c_table
 from ...spec_types import Launch, SpecBase, StrictModel
 from ..base import CALLS, Arg, Buffer, ModuleAbi, OpFamily, fill
 from .bench import CollectiveBench
+from .semantics import Semantics
 
 CollectiveDtype = Literal["bfloat16", "float16", "float32", "int32"]
 
@@ -307,13 +308,38 @@ class CollectiveFamily(OpFamily):
             out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in abi.kernels[0].launcher_args)
         return out
 
-    # -- reference ----------------------------------------------------------
+    # -- what it computes: stated once, in each family's `semantics` (semantics.py) --
+    semantics: Semantics
+
+    def semantics_of(self, spec: Any) -> Semantics:
+        return self.semantics
+
+    def _expected(self, spec: Any, w: int, pieces: int) -> dict:
+        """A plan's expected contributions, every count cut into `pieces` pieces."""
+        return self.semantics_of(spec).plan_expected(w, pieces, spec.params.in_place)
+
     def make_inputs(self, spec, world, count, rng, pattern):
         out = {}
         for b in self.buffers(spec):
             if b.role in ("input", "inout"):
                 out[b.name] = [_values(spec.dtype, b.elems(count, world), rng, pattern, r) for r in range(world)]
         return out
+
+    def reference(self, spec, world, count, inputs):
+        sem = self.semantics_of(spec)
+        combine = (lambda parts: _sum(spec.dtype, parts)) if sem.reduces else sem.combine
+        return {"dst": sem.outputs(world, count, inputs, spec.params.in_place, combine)}
+
+    def tolerance(self, spec, world, count, inputs):
+        """A reduction's rounding bound (a ring rounds its partial sums to dtype once per hop)."""
+        sem = self.semantics_of(spec)
+        if not sem.reduces:
+            return None
+        roundings = world if getattr(spec.params, "algorithm", None) == "ring" else 1
+        ins = sem.inputs_of(world, count, inputs, spec.params.in_place)
+        return {"dst": [sem.place(world, count, inputs, spec.params.in_place, r,
+                                  _reduce_tolerance(spec.dtype, sem.parts(world, count, ins, r), roundings),
+                                  zeros=True) for r in range(world)]}
 
 
 # ---------------------------------------------------------------------------

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Literal
 
 from pydantic import Field
 
 from ...plan.ir import SignalRef, Slice, Step
 from .base import CollectiveFamily, CollectiveParams, _entry, _final, _ring
+from .semantics import Semantics, move_values
+
+
+def broadcast_semantics(root: int) -> Semantics:
+    """Every rank's output: the root's input."""
+    return Semantics(lambda w, r, idx, count: [(root, idx)], reduces=False, in_units=1, out_units=1,
+                     values=move_values)
 
 
 class BroadcastParams(CollectiveParams):
@@ -24,6 +30,10 @@ class BroadcastFamily(CollectiveFamily):
     kind = "broadcast"
     Params = BroadcastParams
     summary = "every rank ends with the root's input (the root pushes to every peer)"
+    semantics = broadcast_semantics(0)  # NCCL's baseline broadcasts from rank 0
+
+    def semantics_of(self, spec):
+        return broadcast_semantics(spec.params.root)
 
     def summary_of(self, spec):
         how = {"push": "the root pushes to every peer",
@@ -71,9 +81,7 @@ class BroadcastFamily(CollectiveFamily):
                 s.append(Step("copy", dst=(r, Slice("dst", 0)), srcs=((r, Slice("src", 0)),), blocks=bpp,
                               note="local copy"))
             steps.append(s)
-        expected = {(q, Slice("dst", 0)): Counter({(root, buf, 0, 0): 1}) for q in range(w)
-                    if not (p.in_place and q == root)}
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w, 1))
 
     def _chain(self, spec, w):
         """root -> root+1 -> ... -> root-1, piece by piece, each forwarded as it lands."""
@@ -97,9 +105,7 @@ class BroadcastFamily(CollectiveFamily):
                 s += [Step("copy", dst=(r, Slice("dst", 0, i, P)), srcs=((r, Slice("src", 0, i, P)),), blocks=bpp,
                            lane="local", note=f"local copy, piece {i}") for i in range(P)]
             steps.append(s)
-        expected = {(q, Slice("dst", 0, i, P)): Counter({(root, buf, 0, i): 1}) for q in range(w) for i in range(P)
-                    if not (p.in_place and q == root)}
-        return self._schedule(spec, w, steps, expected)
+        return self._schedule(spec, w, steps, self._expected(spec, w, P))
 
     def _scatter_allgather(self, spec, w):
         """The message is cut into w - 1 parts, one per non-root rank: part k travels
@@ -131,10 +137,4 @@ class BroadcastFamily(CollectiveFamily):
                 waits = [("scattered", 0)] + [("gathered", q) for q in others if q != r]
                 s += _final(waits, "wait for our part from the root and every other part from its owner")
             steps.append(s)
-        expected = {(q, Slice("dst", 0, k, n)): Counter({(root, buf, 0, k): 1}) for q in range(w) for k in range(n)
-                    if not (p.in_place and q == root)}
-        return self._schedule(spec, w, steps, expected)
-
-    def reference(self, spec, world, count, inputs):
-        src = inputs["dst" if spec.params.in_place else "src"]
-        return {"dst": [src[spec.params.root].copy() for _ in range(world)]}
+        return self._schedule(spec, w, steps, self._expected(spec, w, n))

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from typing import Literal
-
-import numpy as np
 from pydantic import Field
 
 from ...plan.ir import SignalRef, Slice, Step
-from .base import CollectiveFamily, CollectiveParams, _entry, _reduce_tolerance, _ring, _sum
+from .base import CollectiveFamily, CollectiveParams, _entry, _ring
+from .semantics import Semantics, reduce_values
+
+
+def _sources(w, r, idx, count):
+    return [(q, r * count + idx) for q in range(w)]  # rank r's output: the sum of every rank's chunk r
+
+
+SEMANTICS = Semantics(_sources, reduces=True, in_units="W", out_units=1, values=reduce_values,
+                      out_unit=lambda r: r)  # in place, rank r's output is its chunk r of dst
 
 
 class ReduceScatterParams(CollectiveParams):
@@ -25,6 +31,7 @@ class ReduceScatterFamily(CollectiveFamily):
     Params = ReduceScatterParams
     summary = ("rank r ends with the sum over ranks of chunk r (push chunks into peers' inboxes, "
                "pipelined in pieces, reduce locally in fp32)")
+    semantics = SEMANTICS
 
     def summary_of(self, spec):
         if spec.params.algorithm == "ring":
@@ -62,16 +69,7 @@ class ReduceScatterFamily(CollectiveFamily):
                               waits=tuple(("arrive", q * P + i) for q in range(w) if q != r),
                               blocks=bpp, lane="reduce", note=f"reduce piece {i}"))
             steps.append(s)
-        return self._schedule(spec, w, steps, self._expected(spec, w))
-
-    @staticmethod
-    def _expected(spec, w):
-        """What every plan of it computes: piece i of rank r's output is the sum of piece i of
-        every rank's chunk r (in place: rank r's own chunk r of dst)."""
-        p, P = spec.params, spec.params.pieces
-        src_buf = "dst" if p.in_place else "src"
-        return {(r, Slice("dst", r, i, P) if p.in_place else Slice("dst", 0, i, P)):
-                Counter({(q, src_buf, r, i): 1 for q in range(w)}) for r in range(w) for i in range(P)}
+        return self._schedule(spec, w, steps, self._expected(spec, w, P))
 
     def _ring(self, spec, w):
         """Chunk c starts at rank c+1 and ends at rank c: at hop h rank r adds its part of
@@ -104,31 +102,4 @@ class ReduceScatterFamily(CollectiveFamily):
                               waits=(("arrive", r * P + i),), blocks=bpp, lane="final",
                               note=f"our chunk, piece {i}: last partial sum + our part"))
             steps.append(s)
-        return self._schedule(spec, w, steps, self._expected(spec, w))
-
-    def _parts(self, spec, world, count, inputs, r):
-        src = inputs["dst" if spec.params.in_place else "src"]
-        return [src[q][r * count:(r + 1) * count] for q in range(world)]
-
-    def reference(self, spec, world, count, inputs):
-        out = []
-        for r in range(world):
-            total = _sum(spec.dtype, self._parts(spec, world, count, inputs, r))
-            if spec.params.in_place:
-                full = inputs["dst"][r].copy()
-                full[r * count:(r + 1) * count] = total
-                total = full
-            out.append(total)
-        return {"dst": out}
-
-    def tolerance(self, spec, world, count, inputs):
-        out = []
-        for r in range(world):
-            tol = _reduce_tolerance(spec.dtype, self._parts(spec, world, count, inputs, r),
-                                    roundings=world if spec.params.algorithm == "ring" else 1)
-            if spec.params.in_place:
-                full = np.zeros(world * count)
-                full[r * count:(r + 1) * count] = tol
-                tol = full
-            out.append(tol)
-        return {"dst": out}
+        return self._schedule(spec, w, steps, self._expected(spec, w, P))
