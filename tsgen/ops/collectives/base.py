@@ -94,7 +94,6 @@ class CollectiveFamily(OpFamily):
     gpu_sweep = "collective"
     variant_worlds = (2, 3, 4, 8)
     blocks_wait = True
-    reduces = False
     bench = CollectiveBench()  # nccl-tests conventions, NCCL baseline (bench.py)
 
     def __init__(self):
