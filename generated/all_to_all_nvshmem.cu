@@ -30,6 +30,14 @@
 //   dst      __nv_bfloat16  output world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   50: the hand-written library, inlined: tsgen_ptx.cuh 50, tsgen_sync.cuh 625, tsgen_copy.cuh 798, tsgen_plan.cuh 885, tsgen_nvshmem.cuh 1299
+//   1516: the op's own code (namespace all_to_all_nvshmem: constants, tables, device code)
+//   entry points (extern "C"):
+//     all_to_all_nvshmem_w2 2078, all_to_all_nvshmem_w3 2085, all_to_all_nvshmem_w4 2092
+//     all_to_all_nvshmem_w8 2099, all_to_all_nvshmem_w2_launch 2115, all_to_all_nvshmem_w3_launch 2116
+//     all_to_all_nvshmem_w4_launch 2117, all_to_all_nvshmem_w8_launch 2118
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

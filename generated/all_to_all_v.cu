@@ -26,6 +26,14 @@
 //   dst      __nv_bfloat16  output world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 794, tsgen_plan.cuh 881
+//   1298: the op's own code (namespace all_to_all_v: constants, tables, device code)
+//   entry points (extern "C"):
+//     all_to_all_v_w2 1352, all_to_all_v_w3 1359, all_to_all_v_w4 1366, all_to_all_v_w8 1373
+//     all_to_all_v_w2_launch 1389, all_to_all_v_w3_launch 1390, all_to_all_v_w4_launch 1391
+//     all_to_all_v_w8_launch 1392
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -24,6 +24,17 @@
 //   dst      __nv_bfloat16  output world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 795, tsgen_plan.cuh 882, tsgen_ce.cuh 1296
+//   1460: the op's own code (namespace allgather_ce: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_ce_w2_sync 1895, allgather_ce_w2_reduce 1900, allgather_ce_w2_end 1907
+//     allgather_ce_w2_launch 1914, allgather_ce_w3_sync 1966, allgather_ce_w3_reduce 1971
+//     allgather_ce_w3_end 1978, allgather_ce_w3_launch 1985, allgather_ce_w4_sync 2054
+//     allgather_ce_w4_reduce 2059, allgather_ce_w4_end 2066, allgather_ce_w4_launch 2073
+//     allgather_ce_w8_sync 2165, allgather_ce_w8_reduce 2170, allgather_ce_w8_end 2177
+//     allgather_ce_w8_launch 2184
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -33,6 +33,14 @@
 //   c        __nv_bfloat16  output 2048 * world * count
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
+// Contents (line numbers of this file):
+//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 801, tsgen_gemm.cuh 888, tsgen_fused.cuh 1853
+//   2300: the op's own code (namespace allgather_gemm: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_gemm_w2_gemm 2384, allgather_gemm_w2_sync 2394, allgather_gemm_w3_gemm 2401
+//     allgather_gemm_w3_sync 2411, allgather_gemm_w4_gemm 2418, allgather_gemm_w4_sync 2428
+//     allgather_gemm_w2_launch 2491, allgather_gemm_w3_launch 2492, allgather_gemm_w4_launch 2493
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

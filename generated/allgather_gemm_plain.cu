@@ -28,6 +28,16 @@
 //   c        __nv_bfloat16  output 2048 * world * count
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
+// Contents (line numbers of this file):
+//   50: the hand-written library, inlined: tsgen_ptx.cuh 50, tsgen_sync.cuh 625, tsgen_copy.cuh 798, tsgen_gemm.cuh 885, tsgen_fused.cuh 1850
+//   2297: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_gemm_plain_w2_gemm 2381, allgather_gemm_plain_w2_sync 2391
+//     allgather_gemm_plain_w3_gemm 2398, allgather_gemm_plain_w3_sync 2408
+//     allgather_gemm_plain_w4_gemm 2415, allgather_gemm_plain_w4_sync 2425
+//     allgather_gemm_plain_w2_launch 2477, allgather_gemm_plain_w3_launch 2478
+//     allgather_gemm_plain_w4_launch 2479
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

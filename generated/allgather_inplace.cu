@@ -19,6 +19,14 @@
 //   dst      __nv_bfloat16  inout  world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   39: the hand-written library, inlined: tsgen_ptx.cuh 39, tsgen_sync.cuh 614, tsgen_copy.cuh 787, tsgen_plan.cuh 874
+//   1291: the op's own code (namespace allgather_inplace: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_inplace_w2 1993, allgather_inplace_w3 2000, allgather_inplace_w4 2007
+//     allgather_inplace_w8 2014, allgather_inplace_w2_launch 2030, allgather_inplace_w3_launch 2031
+//     allgather_inplace_w4_launch 2032, allgather_inplace_w8_launch 2033
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -23,6 +23,14 @@
 //   src      __nv_bfloat16  input  count
 //   dst      __nv_bfloat16  output world * count
 //   barrier  uint64_t       signal 1
+// Contents (line numbers of this file):
+//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 791, tsgen_plan.cuh 878
+//   1295: the op's own code (namespace allgather_multimem: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_multimem_w2 1362, allgather_multimem_w4 1369, allgather_multimem_w8 1376
+//     allgather_multimem_w2_launch 1392, allgather_multimem_w4_launch 1393
+//     allgather_multimem_w8_launch 1394
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -31,6 +31,14 @@
 //   dst      __nv_bfloat16  output world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 799, tsgen_plan.cuh 886, tsgen_nvshmem.cuh 1300
+//   1517: the op's own code (namespace allgather_nvshmem: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_nvshmem_w2 2079, allgather_nvshmem_w3 2086, allgather_nvshmem_w4 2093
+//     allgather_nvshmem_w8 2100, allgather_nvshmem_w2_launch 2116, allgather_nvshmem_w3_launch 2117
+//     allgather_nvshmem_w4_launch 2118, allgather_nvshmem_w8_launch 2119
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

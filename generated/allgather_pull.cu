@@ -20,6 +20,14 @@
 //   dst      __nv_bfloat16  output world * count
 //   entry    uint64_t       signal 8
 //   done     uint64_t       signal 8
+// Contents (line numbers of this file):
+//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 788, tsgen_plan.cuh 875
+//   1292: the op's own code (namespace allgather_pull: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_pull_w2 2130, allgather_pull_w3 2137, allgather_pull_w4 2144, allgather_pull_w8 2151
+//     allgather_pull_w2_launch 2167, allgather_pull_w3_launch 2168, allgather_pull_w4_launch 2169
+//     allgather_pull_w8_launch 2170
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -24,6 +24,14 @@
 //   dst      __nv_bfloat16  output world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 32
+// Contents (line numbers of this file):
+//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 792, tsgen_plan.cuh 879
+//   1296: the op's own code (namespace allgather_ring: constants, tables, device code)
+//   entry points (extern "C"):
+//     allgather_ring_w2 2970, allgather_ring_w3 2977, allgather_ring_w4 2984, allgather_ring_w8 2991
+//     allgather_ring_w2_launch 3007, allgather_ring_w3_launch 3008, allgather_ring_w4_launch 3009
+//     allgather_ring_w8_launch 3010
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

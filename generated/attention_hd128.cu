@@ -34,6 +34,12 @@
 //   v        __nv_bfloat16  input  4096 * count
 //   o        __nv_bfloat16  output 4096 * count
 //   lse      float          output 32 * count
+// Contents (line numbers of this file):
+//   52: the hand-written library, inlined: tsgen_ptx.cuh 52, tsgen_sync.cuh 627, tsgen_copy.cuh 800, tsgen_gemm.cuh 887, tsgen_attention.cuh 1852
+//   2638: the op's own code (namespace attention_hd128: constants, tables, device code)
+//   entry points (extern "C"):
+//     attention_hd128_w1_kernel 2730, attention_hd128_w1_forward 2738, attention_hd128_w1_launch 2749
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -34,6 +34,13 @@
 //   v        __nv_bfloat16  input  1024 * count
 //   o        __nv_bfloat16  output 4096 * count
 //   lse      float          output 32 * count
+// Contents (line numbers of this file):
+//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 801, tsgen_gemm.cuh 888, tsgen_attention.cuh 1853
+//   2639: the op's own code (namespace attention_hd128_causal_gqa: constants, tables, device code)
+//   entry points (extern "C"):
+//     attention_hd128_causal_gqa_w1_kernel 2731, attention_hd128_causal_gqa_w1_forward 2739
+//     attention_hd128_causal_gqa_w1_launch 2750
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -34,6 +34,13 @@
 //   v        __nv_bfloat16  input  2048 * count
 //   o        __nv_bfloat16  output 2048 * count
 //   lse      float          output 32 * count
+// Contents (line numbers of this file):
+//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 801, tsgen_gemm.cuh 888, tsgen_attention.cuh 1853
+//   2639: the op's own code (namespace attention_hd64_causal: constants, tables, device code)
+//   entry points (extern "C"):
+//     attention_hd64_causal_w1_kernel 2723, attention_hd64_causal_w1_forward 2731
+//     attention_hd64_causal_w1_launch 2742
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -35,6 +35,12 @@
 //   v        __nv_bfloat16  input  512 * count
 //   o        __nv_bfloat16  output 4096 * count
 //   lse      float          output 32 * count
+// Contents (line numbers of this file):
+//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 801, tsgen_gemm.cuh 888, tsgen_attention.cuh 1853
+//   2639: the op's own code (namespace attention_sp: constants, tables, device code)
+//   entry points (extern "C"):
+//     attention_sp_w1_kernel 2740, attention_sp_w1_forward 2748, attention_sp_w1_launch 2759
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

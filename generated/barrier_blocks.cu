@@ -22,6 +22,13 @@
 //   stage    uint32_t       scratch count
 //   dst      uint32_t       output count
 //   counter  uint64_t       signal 1
+// Contents (line numbers of this file):
+//   41: the hand-written library, inlined: tsgen_ptx.cuh 41, tsgen_sync.cuh 616, tsgen_copy.cuh 789
+//   879: the op's own code (namespace barrier_blocks: constants, tables, device code)
+//   entry points (extern "C"):
+//     barrier_blocks_w2 906, barrier_blocks_w3 913, barrier_blocks_w4 920, barrier_blocks_w2_launch 936
+//     barrier_blocks_w3_launch 937, barrier_blocks_w4_launch 938
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -37,6 +37,12 @@
 //   a_pan    __nv_bfloat16  scratch 8192 * count
 //   b_pan    __nv_bfloat16  scratch 33554432
 //   sig      uint64_t       signal 80
+// Contents (line numbers of this file):
+//   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_gemm.cuh 890, tsgen_grid.cuh 1855
+//   2027: the op's own code (namespace cannon: constants, tables, device code)
+//   entry points (extern "C"):
+//     cannon_w4_gemm 2120, cannon_w4_sync 2131, cannon_w4_launch 2137
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -37,6 +37,14 @@
 //   k_full   __nv_bfloat16  scratch 1024 * world * count
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
 //   sig      uint64_t       signal 32
+// Contents (line numbers of this file):
+//   57: the hand-written library, inlined: tsgen_ptx.cuh 57, tsgen_sync.cuh 632, tsgen_copy.cuh 805, tsgen_gemm.cuh 892, tsgen_attention.cuh 1857, tsgen_fused.cuh 2640, tsgen_cp.cuh 3084
+//   3244: the op's own code (namespace cp_attention: constants, tables, device code)
+//   entry points (extern "C"):
+//     cp_attention_attention 3366, cp_attention_w2_sync 3376, cp_attention_w4_sync 3388
+//     cp_attention_w8_sync 3400, cp_attention_w2_launch 3485, cp_attention_w4_launch 3486
+//     cp_attention_w8_launch 3487
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -38,6 +38,15 @@
 //   k_full   __nv_bfloat16  scratch 512 * world * count
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
+// Contents (line numbers of this file):
+//   59: the hand-written library, inlined: tsgen_ptx.cuh 59, tsgen_sync.cuh 634, tsgen_copy.cuh 807, tsgen_gemm.cuh 894, tsgen_attention.cuh 1859, tsgen_fused.cuh 2642, tsgen_cp.cuh 3086
+//   3246: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
+//   entry points (extern "C"):
+//     cp_attention_zigzag_causal_attention 3368, cp_attention_zigzag_causal_w2_sync 3378
+//     cp_attention_zigzag_causal_w4_sync 3390, cp_attention_zigzag_causal_w8_sync 3402
+//     cp_attention_zigzag_causal_w2_launch 3487, cp_attention_zigzag_causal_w4_launch 3488
+//     cp_attention_zigzag_causal_w8_launch 3489
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -37,6 +37,16 @@
 //   k_full   __nv_bfloat16  scratch 512 * world * count
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
+// Contents (line numbers of this file):
+//   59: the hand-written library, inlined: tsgen_ptx.cuh 59, tsgen_sync.cuh 634, tsgen_copy.cuh 807, tsgen_gemm.cuh 894, tsgen_attention.cuh 1859, tsgen_fused.cuh 2642, tsgen_cp.cuh 3086
+//   3246: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
+//   entry points (extern "C"):
+//     cp_attention_zigzag_causal_sm_attention 3368, cp_attention_zigzag_causal_sm_w2_sync 3378
+//     cp_attention_zigzag_causal_sm_w2_push 3388, cp_attention_zigzag_causal_sm_w4_sync 3398
+//     cp_attention_zigzag_causal_sm_w4_push 3408, cp_attention_zigzag_causal_sm_w8_sync 3418
+//     cp_attention_zigzag_causal_sm_w8_push 3428, cp_attention_zigzag_causal_sm_w2_launch 3490
+//     cp_attention_zigzag_causal_sm_w4_launch 3491, cp_attention_zigzag_causal_sm_w8_launch 3492
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

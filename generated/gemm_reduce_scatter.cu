@@ -35,6 +35,14 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   acc      float          scratch 8192 * count
 //   sig      uint64_t       signal 26
+// Contents (line numbers of this file):
+//   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_gemm.cuh 890, tsgen_fused.cuh 1855
+//   2302: the op's own code (namespace gemm_reduce_scatter: constants, tables, device code)
+//   entry points (extern "C"):
+//     gemm_reduce_scatter_w2_gemm 2391, gemm_reduce_scatter_w2_reduce 2403, gemm_reduce_scatter_w2_sync 2410
+//     gemm_reduce_scatter_w4_gemm 2417, gemm_reduce_scatter_w4_reduce 2429, gemm_reduce_scatter_w4_sync 2436
+//     gemm_reduce_scatter_w2_launch 2500, gemm_reduce_scatter_w4_launch 2501
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

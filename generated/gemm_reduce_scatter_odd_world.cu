@@ -35,6 +35,17 @@
 //   c        __nv_bfloat16  output 8192 * count
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
+// Contents (line numbers of this file):
+//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_gemm.cuh 893, tsgen_fused.cuh 1858
+//   2305: the op's own code (namespace gemm_reduce_scatter_odd_world: constants, tables, device code)
+//   entry points (extern "C"):
+//     gemm_reduce_scatter_odd_world_w2_gemm 2395, gemm_reduce_scatter_odd_world_w2_reduce 2407
+//     gemm_reduce_scatter_odd_world_w2_sync 2414, gemm_reduce_scatter_odd_world_w3_gemm 2421
+//     gemm_reduce_scatter_odd_world_w3_reduce 2433, gemm_reduce_scatter_odd_world_w3_sync 2440
+//     gemm_reduce_scatter_odd_world_w4_gemm 2447, gemm_reduce_scatter_odd_world_w4_reduce 2459
+//     gemm_reduce_scatter_odd_world_w4_sync 2466, gemm_reduce_scatter_odd_world_w2_launch 2527
+//     gemm_reduce_scatter_odd_world_w3_launch 2528, gemm_reduce_scatter_odd_world_w4_launch 2529
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -30,6 +30,15 @@
 //   c        __nv_bfloat16  output 8192 * count
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
+// Contents (line numbers of this file):
+//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 799, tsgen_gemm.cuh 886, tsgen_fused.cuh 1851
+//   2298: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
+//   entry points (extern "C"):
+//     gemm_reduce_scatter_plain_w2_gemm 2387, gemm_reduce_scatter_plain_w2_reduce 2399
+//     gemm_reduce_scatter_plain_w2_sync 2406, gemm_reduce_scatter_plain_w4_gemm 2413
+//     gemm_reduce_scatter_plain_w4_reduce 2425, gemm_reduce_scatter_plain_w4_sync 2432
+//     gemm_reduce_scatter_plain_w2_launch 2491, gemm_reduce_scatter_plain_w4_launch 2492
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -34,6 +34,14 @@
 //   b        __nv_bfloat16  input  67108864
 //   c        __nv_bfloat16  output 8192 * count
 //   sig      uint64_t       signal 26
+// Contents (line numbers of this file):
+//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_fused.cuh 1854
+//   2301: the op's own code (namespace gemm_reduce_scatter_push_add: constants, tables, device code)
+//   entry points (extern "C"):
+//     gemm_reduce_scatter_push_add_w2_gemm 2391, gemm_reduce_scatter_push_add_w2_sync 2403
+//     gemm_reduce_scatter_push_add_w4_gemm 2410, gemm_reduce_scatter_push_add_w4_sync 2422
+//     gemm_reduce_scatter_push_add_w2_launch 2472, gemm_reduce_scatter_push_add_w4_launch 2473
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -35,6 +35,16 @@
 //   c        __nv_bfloat16  output 8192 * count
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
+// Contents (line numbers of this file):
+//   57: the hand-written library, inlined: tsgen_ptx.cuh 57, tsgen_sync.cuh 632, tsgen_copy.cuh 805, tsgen_gemm.cuh 892, tsgen_fused.cuh 1857
+//   2304: the op's own code (namespace gemm_reduce_scatter_push_interleaved: constants, tables, device code)
+//   entry points (extern "C"):
+//     gemm_reduce_scatter_push_interleaved_w2_gemm 2394, gemm_reduce_scatter_push_interleaved_w2_reduce 2406
+//     gemm_reduce_scatter_push_interleaved_w2_sync 2413, gemm_reduce_scatter_push_interleaved_w4_gemm 2420
+//     gemm_reduce_scatter_push_interleaved_w4_reduce 2432, gemm_reduce_scatter_push_interleaved_w4_sync 2439
+//     gemm_reduce_scatter_push_interleaved_w2_launch 2500
+//     gemm_reduce_scatter_push_interleaved_w4_launch 2501
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

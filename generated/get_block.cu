@@ -21,6 +21,13 @@
 //   calls    uint64_t       signal 2
 //   src      uint8_t        input  count
 //   dst      uint8_t        output count
+// Contents (line numbers of this file):
+//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 788
+//   878: the op's own code (namespace get_block: constants, tables, device code)
+//   entry points (extern "C"):
+//     get_block_w2 904, get_block_w3 911, get_block_w4 918, get_block_w2_launch 934, get_block_w3_launch 935
+//     get_block_w4_launch 936
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -34,6 +34,15 @@
 //   cnt      int32_t        scratch 576
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
+// Contents (line numbers of this file):
+//   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_moe.cuh 890
+//   935: the op's own code (namespace moe: constants, tables, device code)
+//   entry points (extern "C"):
+//     moe_w2_dispatch 1561, moe_w2_combine 1569, moe_w2_dispatch_launch 1577, moe_w2_combine_launch 1586
+//     moe_w2_launch 1599, moe_w4_dispatch 1606, moe_w4_combine 1614, moe_w4_dispatch_launch 1622
+//     moe_w4_combine_launch 1631, moe_w4_launch 1644, moe_w8_dispatch 1651, moe_w8_combine 1659
+//     moe_w8_dispatch_launch 1667, moe_w8_combine_launch 1676, moe_w8_launch 1689
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -35,6 +35,17 @@
 //   cnt      int32_t        scratch 576
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
+// Contents (line numbers of this file):
+//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_moe.cuh 893
+//   1493: the op's own code (namespace moe_fp8: constants, tables, device code)
+//   entry points (extern "C"):
+//     moe_fp8_w2_dispatch 1566, moe_fp8_w2_combine 1574, moe_fp8_w2_dequantize 1582
+//     moe_fp8_w2_dispatch_launch 1587, moe_fp8_w2_combine_launch 1596, moe_fp8_w2_launch 1609
+//     moe_fp8_w4_dispatch 1620, moe_fp8_w4_combine 1628, moe_fp8_w4_dequantize 1636
+//     moe_fp8_w4_dispatch_launch 1641, moe_fp8_w4_combine_launch 1650, moe_fp8_w4_launch 1663
+//     moe_fp8_w8_dispatch 1674, moe_fp8_w8_combine 1682, moe_fp8_w8_dequantize 1690
+//     moe_fp8_w8_dispatch_launch 1695, moe_fp8_w8_combine_launch 1704, moe_fp8_w8_launch 1717
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -33,6 +33,16 @@
 //   lsig     uint64_t       signal 64
 //   csig     uint64_t       signal 8
 //   combine_calls uint64_t       signal 2
+// Contents (line numbers of this file):
+//   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_moe.cuh 890
+//   1490: the op's own code (namespace moe_ll: constants, tables, device code)
+//   entry points (extern "C"):
+//     moe_ll_w2_dispatch 1559, moe_ll_w2_combine 1568, moe_ll_w2_dispatch_launch 1577
+//     moe_ll_w2_combine_launch 1586, moe_ll_w2_launch 1597, moe_ll_w4_dispatch 1604, moe_ll_w4_combine 1613
+//     moe_ll_w4_dispatch_launch 1622, moe_ll_w4_combine_launch 1631, moe_ll_w4_launch 1642
+//     moe_ll_w8_dispatch 1649, moe_ll_w8_combine 1658, moe_ll_w8_dispatch_launch 1667
+//     moe_ll_w8_combine_launch 1676, moe_ll_w8_launch 1687
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

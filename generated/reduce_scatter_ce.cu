@@ -25,6 +25,17 @@
 //   inbox    __nv_bfloat16  scratch world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 32
+// Contents (line numbers of this file):
+//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 796, tsgen_plan.cuh 883, tsgen_ce.cuh 1297
+//   1461: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
+//   entry points (extern "C"):
+//     reduce_scatter_ce_w2_sync 2421, reduce_scatter_ce_w2_reduce 2426, reduce_scatter_ce_w2_end 2433
+//     reduce_scatter_ce_w2_launch 2440, reduce_scatter_ce_w3_sync 2516, reduce_scatter_ce_w3_reduce 2521
+//     reduce_scatter_ce_w3_end 2528, reduce_scatter_ce_w3_launch 2535, reduce_scatter_ce_w4_sync 2658
+//     reduce_scatter_ce_w4_reduce 2663, reduce_scatter_ce_w4_end 2670, reduce_scatter_ce_w4_launch 2677
+//     reduce_scatter_ce_w8_sync 2865, reduce_scatter_ce_w8_reduce 2870, reduce_scatter_ce_w8_end 2877
+//     reduce_scatter_ce_w8_launch 2884
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -23,6 +23,14 @@
 //   inbox    __nv_bfloat16  scratch world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 64
+// Contents (line numbers of this file):
+//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 791, tsgen_plan.cuh 878
+//   1295: the op's own code (namespace reduce_scatter_large: constants, tables, device code)
+//   entry points (extern "C"):
+//     reduce_scatter_large_w2 3829, reduce_scatter_large_w3 3836, reduce_scatter_large_w4 3843
+//     reduce_scatter_large_w8 3850, reduce_scatter_large_w2_launch 3866, reduce_scatter_large_w3_launch 3867
+//     reduce_scatter_large_w4_launch 3868, reduce_scatter_large_w8_launch 3869
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -27,6 +27,14 @@
 //   inbox    __nv_bfloat16  scratch world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 64
+// Contents (line numbers of this file):
+//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 795, tsgen_plan.cuh 882
+//   1299: the op's own code (namespace reduce_scatter_ring: constants, tables, device code)
+//   entry points (extern "C"):
+//     reduce_scatter_ring_w2 3637, reduce_scatter_ring_w3 3644, reduce_scatter_ring_w4 3651
+//     reduce_scatter_ring_w8 3658, reduce_scatter_ring_w2_launch 3674, reduce_scatter_ring_w3_launch 3675
+//     reduce_scatter_ring_w4_launch 3676, reduce_scatter_ring_w8_launch 3677
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

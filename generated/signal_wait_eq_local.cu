@@ -22,6 +22,14 @@
 //   inbox    uint32_t       scratch count
 //   dst      uint32_t       output count
 //   signal   uint64_t       signal 1
+// Contents (line numbers of this file):
+//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 790
+//   880: the op's own code (namespace signal_wait_eq_local: constants, tables, device code)
+//   entry points (extern "C"):
+//     signal_wait_eq_local_w2 916, signal_wait_eq_local_w3 923, signal_wait_eq_local_w4 930
+//     signal_wait_eq_local_w2_launch 946, signal_wait_eq_local_w3_launch 947
+//     signal_wait_eq_local_w4_launch 948
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

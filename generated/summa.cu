@@ -36,6 +36,12 @@
 //   a_pan    __nv_bfloat16  scratch 8192 * count
 //   b_pan    __nv_bfloat16  scratch 33554432
 //   sig      uint64_t       signal 80
+// Contents (line numbers of this file):
+//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_grid.cuh 1854
+//   2026: the op's own code (namespace summa: constants, tables, device code)
+//   entry points (extern "C"):
+//     summa_w4_gemm 2119, summa_w4_sync 2130, summa_w4_launch 2136
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

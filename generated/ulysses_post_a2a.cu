@@ -24,6 +24,16 @@
 //   dst      __nv_bfloat16  output 6144 * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 794, tsgen_ulysses.cuh 881
+//   1011: the op's own code (namespace ulysses_post_a2a: constants, tables, device code)
+//   entry points (extern "C"):
+//     ulysses_post_a2a_w2 1051, ulysses_post_a2a_w3 1058, ulysses_post_a2a_w4 1065, ulysses_post_a2a_w8 1072
+//     ulysses_post_a2a_w2_launch 1088, ulysses_post_a2a_w3_launch 1089, ulysses_post_a2a_w4_launch 1090
+//     ulysses_post_a2a_w8_launch 1091, ulysses_post_a2a_w2_launch_seq 1096
+//     ulysses_post_a2a_w3_launch_seq 1104, ulysses_post_a2a_w4_launch_seq 1112
+//     ulysses_post_a2a_w8_launch_seq 1120
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

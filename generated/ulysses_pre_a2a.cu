@@ -24,6 +24,15 @@
 //   dst      __nv_bfloat16  output 6144 * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   45: the hand-written library, inlined: tsgen_ptx.cuh 45, tsgen_sync.cuh 620, tsgen_copy.cuh 793, tsgen_ulysses.cuh 880
+//   1010: the op's own code (namespace ulysses_pre_a2a: constants, tables, device code)
+//   entry points (extern "C"):
+//     ulysses_pre_a2a_w2 1053, ulysses_pre_a2a_w3 1060, ulysses_pre_a2a_w4 1067, ulysses_pre_a2a_w8 1074
+//     ulysses_pre_a2a_w2_launch 1090, ulysses_pre_a2a_w3_launch 1091, ulysses_pre_a2a_w4_launch 1092
+//     ulysses_pre_a2a_w8_launch 1093, ulysses_pre_a2a_w2_launch_seq 1098, ulysses_pre_a2a_w3_launch_seq 1106
+//     ulysses_pre_a2a_w4_launch_seq 1114, ulysses_pre_a2a_w8_launch_seq 1122
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -27,6 +27,15 @@
 //   v        __nv_bfloat16  output 128 * world * count
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
+// Contents (line numbers of this file):
+//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 796, tsgen_ulysses.cuh 883
+//   1013: the op's own code (namespace ulysses_pre_a2a_gqa: constants, tables, device code)
+//   entry points (extern "C"):
+//     ulysses_pre_a2a_gqa_w2 1071, ulysses_pre_a2a_gqa_w4 1078, ulysses_pre_a2a_gqa_w8 1085
+//     ulysses_pre_a2a_gqa_w2_launch 1101, ulysses_pre_a2a_gqa_w4_launch 1102
+//     ulysses_pre_a2a_gqa_w8_launch 1103, ulysses_pre_a2a_gqa_w2_launch_seq 1108
+//     ulysses_pre_a2a_gqa_w4_launch_seq 1116, ulysses_pre_a2a_gqa_w8_launch_seq 1124
+//
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -344,3 +344,25 @@ def test_banner_summary_is_the_variants():
     assert "(ring: " in op_line("allgather_ring") and "(pull: " in op_line("allgather_pull")
     assert "(ring: " in op_line("reduce_scatter_ring") and "inboxes" not in op_line("reduce_scatter_ring")
     assert "(ring: " in op_line("broadcast_ring") and "pushes" not in op_line("broadcast_ring")
+
+
+def test_every_generated_file_maps_its_library_op_and_entry_points_by_line():
+    """The banner's map (render.with_contents) points at the right lines in every shipped source:
+    each inlined header's first line, the op's namespace, each extern "C" entry point; every entry
+    point is listed."""
+    import re
+
+    for path in sorted((ROOT / "generated").glob("*.cu")):
+        lines = path.read_text().split("\n")
+        start = lines.index("// Contents (line numbers of this file):")
+        block = lines[start:lines.index("//", start)]
+        for name, number in re.findall(r"(tsgen_\w+\.cuh) (\d+)", block[1]):
+            assert lines[int(number)] == f"// Inlined from templates/include/{name}", (path.name, name)
+        op = re.search(r"//   (\d+): the op's own code \(namespace (\w+):", "\n".join(block))
+        assert op and lines[int(op.group(1)) - 1] == f"namespace {op.group(2)} {{", path.name
+        listed = re.findall(r"(\w+) (\d+)", "\n".join(block[block.index('//   entry points (extern "C"):') + 1:]))
+        for name, number in listed:
+            declaration = " ".join(lines[int(number) - 1:int(number) + 1])  # the name may be on the next line
+            assert lines[int(number) - 1].startswith('extern "C"') and f" {name}(" in declaration, (path.name, name)
+        defined = [i for i, line in enumerate(lines) if line.startswith('extern "C"')]
+        assert len(listed) == len(defined), path.name

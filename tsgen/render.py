@@ -8,6 +8,8 @@ one block: the op's device body.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -79,7 +81,54 @@ def render_source(lowered: Lowered, skew: int | None = None) -> str:
     (tests only, never in shipped sources): every block of every rank waits a seeded, varying
     time before its call's work (templates/module.cu.j2), so on a shared GPU a missing wait
     or fence shows up as it would over NVLink. Ops with their own entry points ignore it."""
-    return environment().get_template(f"ops/{lowered.template}").render(**lowered.template_inputs, skew=skew)
+    text = environment().get_template(f"ops/{lowered.template}").render(**lowered.template_inputs, skew=skew)
+    return with_contents(text, lowered.name)
+
+
+_INLINED = re.compile(r"^// Inlined from templates/include/(\S+)$")
+_ENTRY = re.compile(r'^extern "C" [^(]*?(\w+)\(')
+_ATTRIBUTES = re.compile(r"__\w+__\([^)]*\)\s*")  # __launch_bounds__(...), __cluster_dims__(...)
+
+
+def with_contents(text: str, module: str) -> str:
+    """`text` with a map inserted after its banner: the line where the inlined library begins
+    (and each of its headers), where the op's own code begins (`namespace MODULE {` after the
+    library) and where each extern "C" entry point is defined, as line numbers of the returned
+    text. The library must come first in one self-contained C++ file; the map lets a reader go
+    to the op first. Pure and deterministic."""
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if not line.startswith("//")), 0)
+    headers = [(i - 1, m.group(1)) for i, line in enumerate(lines) if (m := _INLINED.match(line))]
+    after = headers[-1][0] if headers else at
+    op = next((i for i, line in enumerate(lines) if i > after and line.startswith(f"namespace {module} {{")), None)
+    # an entry point's declaration may break after its attributes: its name is on the next line
+    entries = [(i, m.group(1)) for i, line in enumerate(lines) if line.startswith('extern "C"')
+               and (m := _ENTRY.match(_ATTRIBUTES.sub("", " ".join(lines[i:i + 2]))))]
+
+    def block(shift: int) -> list[str]:
+        n = lambda i: i + 1 + shift  # noqa: E731 - a line number of the returned text
+        out = ["// Contents (line numbers of this file):"]
+        if headers:
+            out.append(f"//   {n(headers[0][0])}: the hand-written library, inlined: "
+                       + ", ".join(f"{name} {n(i)}" for i, name in headers))
+        if op is not None:
+            out.append(f"//   {n(op)}: the op's own code (namespace {module}: constants, tables, device code)")
+        if entries:
+            out.append("//   entry points (extern \"C\"):")
+            row = "//    "
+            for i, name in entries:
+                item = f" {name} {n(i)},"
+                if len(row) + len(item) > 110:
+                    out.append(row.rstrip(","))
+                    row = "//    "
+                row += item
+            out.append(row.rstrip(","))
+        return out + ["//"]
+
+    size = len(block(0))
+    while len(block(size)) != size:  # the numbers' widths can change the wrapping
+        size = len(block(size))
+    return "\n".join(lines[:at] + block(size) + lines[at:])
 
 
 def render(spec: LoadedSpec | Lowered, base: Path | None = None, skew: int | None = None) -> Rendered:
