@@ -290,18 +290,35 @@ def fill(dtype: str, n: int, rng: np.random.Generator, pattern: bool, rank: int)
     return rng.integers(info.min, info.max, size=n, endpoint=True, dtype=npdt)
 
 
-def one_kernel_abi(family: OpFamily, spec: Any, smem: int, constants: dict[str, int]) -> ModuleAbi:
+def with_peers_host(args: tuple[Arg, ...]) -> tuple[Arg, ...]:
+    """A host launcher's arguments: the kernel's, with the host copy of the peer table after
+    `peers` (for what the host addresses in peers' memory: copies, TMA descriptors)."""
+    return args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + args[1:]
+
+
+def one_kernel_abi(family: OpFamily, spec: Any, smem: int, constants: dict[str, int],
+                   peers_host: bool = False) -> ModuleAbi:
     """The ABI of a module with one kernel per world size taking the calling convention
-    (LEADING_ARGS, then one pointer per buffer) on a grid of launch.blocks x launch.threads."""
+    (LEADING_ARGS, then one pointer per buffer) on a grid of launch.blocks x launch.threads;
+    `peers_host`: its host launcher also takes the host copy of the peer table (with_peers_host)."""
     # Every module's heap starts with its call counter: [0] calls completed,
     # [1] blocks finished (the last block of a call advances [0]).
     buffers = (CALLS,) + tuple(family.buffers(spec))
     args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
         Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS
     )
+    launcher_args = with_peers_host(args) if peers_host else None
     kernels = tuple(
         Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-               smem=smem, args=args)
+               smem=smem, args=args, launcher_args=launcher_args)
         for w in spec.world_sizes
     )
     return ModuleAbi(family, spec, buffers, kernels, constants)
+
+
+def launcher_vars(abi: ModuleAbi) -> dict[str, str]:
+    """Template inputs of a host launcher's signature: its parameters and their names."""
+    k = abi.kernels[0]
+    args = k.launcher_args or k.args
+    return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
+            "launcher_arg_names": ", ".join(a.name for a in args)}

@@ -49,7 +49,7 @@ from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
 from .attention import (AttentionFamily, AttentionTile, attention_reference, flops, from_bshd, o_tolerance, scale_of,
                         smem_bytes, to_bshd)
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, ModuleAbi, OpFamily
+from .base import Buffer, OpFamily, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
@@ -291,22 +291,12 @@ class CpAttentionFamily(OpFamily):
         }
 
     def abi(self, spec):
-        buffers = (CALLS,) + self.buffers(spec)
-        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
-            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
         # the copy engine's copies address peers' k_full / v_full from the host: the host copy of the table
-        launcher_args = args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + args[1:]
-        kernels = tuple(
-            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-                   smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
-            for w in spec.world_sizes)
-        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
+        return one_kernel_abi(self, spec, smem_bytes(spec), self.constants(spec), peers_host=True)
 
     def template_vars(self, spec):
-        args = self.abi(spec).kernels[0].launcher_args
         scale = scale_of(spec)
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
-                "launcher_arg_names": ", ".join(a.name for a in args),
+        return {**launcher_vars(self.abi(spec)),
                 "softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
 
     # -- reference ----------------------------------------------------------

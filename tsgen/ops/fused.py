@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import Field
 
 from ..spec_types import SpecBase, WorldSizes
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, ModuleAbi
+from .base import Buffer, OpFamily, launcher_vars, one_kernel_abi
 from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
@@ -140,22 +140,12 @@ class AllgatherGemmFamily(OpFamily):
         return GemmFamily().constants(spec)
 
     def abi(self, spec):
-        buffers = (CALLS,) + self.buffers(spec)
-        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
-            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
         # the launcher also addresses peers' a_full for cudaMemcpyAsync: the host copy of the table
-        launcher_args = args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + args[1:]
-        kernels = tuple(
-            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-                   smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
-            for w in spec.world_sizes)
-        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
+        return one_kernel_abi(self, spec, smem_bytes(spec), self.constants(spec), peers_host=True)
 
     # -- reference ----------------------------------------------------------
     def template_vars(self, spec):
-        args = self.abi(spec).kernels[0].launcher_args
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
-                "launcher_arg_names": ", ".join(a.name for a in args)}
+        return launcher_vars(self.abi(spec))
 
     def make_inputs(self, spec, world, count, rng, pattern):
         p = spec.params
@@ -353,23 +343,12 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
         return tuple(bufs)
 
     def abi(self, spec):
-        # the launcher takes every op's leading arguments + one pointer per buffer
-        buffers = (CALLS,) + self.buffers(spec)
-        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
-            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
         # push: the launcher encodes a tensor map of every owner's partial: the host copy of the table
-        launcher_args = (args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + args[1:]
-                         if spec.params.overlap == "push" else None)
-        kernels = tuple(
-            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-                   smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
-            for w in spec.world_sizes)
-        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
+        return one_kernel_abi(self, spec, smem_bytes(spec), self.constants(spec),
+                              peers_host=spec.params.overlap == "push")
 
     def template_vars(self, spec):
-        k = self.abi(spec).kernels[0]
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in (k.launcher_args or k.args)),
-                "launcher_arg_names": ", ".join(a.name for a in (k.launcher_args or k.args))}
+        return launcher_vars(self.abi(spec))
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):

@@ -44,7 +44,7 @@ import numpy as np
 from pydantic import Field
 
 from ..spec_types import SpecBase, WorldSizes
-from .base import CALLS, LEADING_ARGS, Arg, Buffer, Kernel, OpFamily, ModuleAbi
+from .base import Buffer, OpFamily, launcher_vars, one_kernel_abi
 from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
@@ -242,19 +242,10 @@ class CannonFamily(OpFamily):
         return c
 
     def abi(self, spec):
-        buffers = (CALLS,) + self.buffers(spec)
-        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
-            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
-        launcher_args = args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + args[1:]
-        kernels = tuple(
-            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-                   smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
-            for w in spec.world_sizes)
-        return ModuleAbi(self, spec, buffers, kernels, self.constants(spec))
+        return one_kernel_abi(self, spec, smem_bytes(spec), self.constants(spec), peers_host=True)
 
     def template_vars(self, spec):
-        args = self.abi(spec).kernels[0].launcher_args
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args),
+        return {**launcher_vars(self.abi(spec)),
                 "schedules": {w: schedule(self.kind, grid_side(w)) for w in spec.world_sizes},
                 "grid_sides": {w: grid_side(w) for w in spec.world_sizes}}
 

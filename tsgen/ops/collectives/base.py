@@ -17,7 +17,7 @@ from ...plan.ir import MAX_WAITS, CommPlan, SignalRef, Step, schedule
 from ...plan.lower import (STRAIGHT_LINE_MAX_CALLS, ShareGroup, c_slice, c_tables, share_runs, straight_line_groups,
                            stream_program)
 from ...spec_types import Launch, SpecBase, StrictModel
-from ..base import CALLS, Arg, Buffer, ModuleAbi, OpFamily, fill
+from ..base import CALLS, Buffer, ModuleAbi, OpFamily, fill, with_peers_host
 from .bench import CollectiveBench
 from .semantics import Semantics
 
@@ -155,8 +155,7 @@ class CollectiveFamily(OpFamily):
             # The host launcher also needs the peer table in host memory (memcpy addresses).
             kernels = []
             for k in abi.kernels:
-                args = k.args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + k.args[1:]
-                kernels.append(dataclasses.replace(k, launcher_args=args))
+                kernels.append(dataclasses.replace(k, launcher_args=with_peers_host(k.args)))
             abi.kernels = tuple(kernels)
         # Straight-line code keeps every source of a reduction in flight at once, which takes
         # more registers than the interpreter; ptxas's default may cap them at what a second
