@@ -17,21 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from .timing import TorchClock, time_calls
+from .workers import nccl_process
 
 
 def moe_worker(cfg: dict, rank: int) -> list[dict]:
-    import os
-
-    import torch
-    import torch.distributed as dist
-
     from ..ops.moe import routing
 
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, device_id=dev)
+    torch, dist, dev, world = nccl_process(rank)
     clock = TorchClock(torch, dist, dev)
     experts, topk, hidden = cfg["experts"], cfg["topk"], cfg["hidden"]
     per_rank = experts // world

@@ -16,7 +16,7 @@ each with the timing core (TorchClock), the slowest rank's time.
 from __future__ import annotations
 
 from .timing import Timing, TorchClock, time_calls
-from .workers import launch_workers
+from .workers import launch_workers, nccl_process
 
 
 def _torch():
@@ -74,16 +74,7 @@ def run_fused(conv, op: str, params, dtype: str, world: int, sizes: list[int], *
 
 
 def fused_worker(cfg: dict, rank: int) -> list[dict]:
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, device_id=dev)
+    torch, dist, dev, world = nccl_process(rank)
     group = dist.group.WORLD
     fused, fused_err = None, ""
     try:
@@ -179,19 +170,11 @@ def cp_worker(cfg: dict, rank: int) -> list[dict]:
     """Per S: this rank's S / world queries, K and V ([batch, S / world, heads, d]); K and V
     gathered with all_gather_into_tensor (rank order), then SDPA of the local queries over the
     whole sequence (causal: a boolean mask of the gathered keys' positions, zig-zag included)."""
-    import os
-
-    import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from ..ops.cp_attention import positions
 
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, device_id=dev)
+    torch, dist, dev, world = nccl_process(rank)
     clock = TorchClock(torch, dist, dev)
     tdt = getattr(torch, cfg["dtype"])
     sync = torch.zeros(1, device=dev)

@@ -19,7 +19,7 @@ run it (tsgen bench times no baseline there: the runner says so).
 from __future__ import annotations
 
 from .timing import TorchClock, time_calls
-from .workers import launch_workers
+from .workers import launch_workers, nccl_process
 
 
 IMPL = "torch all_to_all_single + permute"
@@ -56,16 +56,8 @@ def _to_heads(torch, x, world: int):
 
 
 def worker(cfg: dict, rank: int) -> list[dict]:
-    import os
 
-    import torch
-    import torch.distributed as dist
-
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, device_id=dev)
+    torch, dist, dev, world = nccl_process(rank)
     clock = TorchClock(torch, dist, dev)
     dt = getattr(torch, cfg["dtype"])
     b, h, d, bhsd = cfg["batch"], cfg["heads"], cfg["head_dim"], cfg["layout"] == "bhsd"

@@ -97,6 +97,20 @@ def launch_workers(cfg: dict, world: int, timeout: float = 300.0, argv: Sequence
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def nccl_process(rank: int):
+    """In a baseline worker: this rank's GPU made current and the NCCL process group started;
+    (torch, torch.distributed, the device, the world size)."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, device_id=dev)
+    return torch, dist, dev, world
+
+
 def worker_main(cfg_path: str) -> None:
     """One rank: run cfg["kind"]'s worker, rank 0 writes the rows; leave without teardown."""
     force_no_multicast()
