@@ -56,7 +56,6 @@ def _to_heads(torch, x, world: int):
 
 
 def worker(cfg: dict, rank: int) -> list[dict]:
-
     torch, dist, dev, world = nccl_process(rank)
     clock = TorchClock(torch, dist, dev)
     dt = getattr(torch, cfg["dtype"])
