@@ -187,14 +187,17 @@ class MoeFamily(OpFamily):
 
     def buffers(self, spec):
         p, wmax, recv = spec.params, max(spec.world_sizes), recv_rows(spec)
+        ends = (  # both modes: the tokens, their routing and the combined result, the counts
+            Buffer("x", "bfloat16", "input", per_count=p.hidden),
+            Buffer("topk_idx", "int32", "input", per_count=p.topk),
+            Buffer("topk_weights", "float32", "input", per_count=p.topk),
+            Buffer("out", "bfloat16", "output", per_count=p.hidden),
+            Buffer("recv_counts", "int32", "output", per_count=0, fixed=2 + wmax + p.experts),
+        )
         if low_latency(spec):
             rows = 2 * p.experts * slot_rows(spec)  # two halves (call parity) of L x W = E slots
             return (
-                Buffer("x", "bfloat16", "input", per_count=p.hidden),
-                Buffer("topk_idx", "int32", "input", per_count=p.topk),
-                Buffer("topk_weights", "float32", "input", per_count=p.topk),
-                Buffer("out", "bfloat16", "output", per_count=p.hidden),
-                Buffer("recv_counts", "int32", "output", per_count=0, fixed=2 + wmax + p.experts),
+                *ends,
                 Buffer("recv_x", "bfloat16", "scratch", per_count=0, fixed=rows * p.hidden),
                 Buffer("recv_src", "int32", "scratch", per_count=0, fixed=rows),
                 Buffer("comb", "bfloat16", "scratch", per_count=0, fixed=p.capacity * p.topk * p.hidden),
@@ -209,11 +212,7 @@ class MoeFamily(OpFamily):
         else:
             payload = (Buffer("recv_x", "bfloat16", "scratch", per_count=0, fixed=recv * p.hidden),)
         return (
-            Buffer("x", "bfloat16", "input", per_count=p.hidden),
-            Buffer("topk_idx", "int32", "input", per_count=p.topk),
-            Buffer("topk_weights", "float32", "input", per_count=p.topk),
-            Buffer("out", "bfloat16", "output", per_count=p.hidden),
-            Buffer("recv_counts", "int32", "output", per_count=0, fixed=2 + wmax + p.experts),
+            *ends,
             *payload,
             Buffer("recv_idx", "int32", "scratch", per_count=0, fixed=recv * p.topk),
             Buffer("recv_w", "float32", "scratch", per_count=0, fixed=recv * p.topk),
