@@ -56,6 +56,12 @@ class MoeBench(BenchConventions):
     metric = "time_us"
     baselines = ("torch_moe",)
 
+    def group_shape(self, spec):
+        """The baseline moves what the routing and row shape say: a variant of another shape (or
+        mode, or payload) is timed against its own baseline."""
+        p = spec.params
+        return f"/e{p.experts}/h{p.hidden}/k{p.topk}/{p.mode}/{p.payload}{'/weighted' if p.weighted else ''}"
+
     def case(self, family, spec, world, size):
         sent = traffic(spec, world, self.bench_inputs(family, spec, world, size, np.random.default_rng(12345)))
         total = [d + c for d, c in zip(sent["dispatch"], sent["combine"])]

@@ -206,6 +206,12 @@ class UlyssesBench(BenchConventions):
     metric = "busbw_GBps"
     baselines = ("torch_a2a",)
 
+    def group_shape(self, spec):
+        """Rows exchanged and their layout: a variant of another shape gets its own baseline."""
+        p = spec.params
+        kv = f"/qkv{p.kv_heads}" if getattr(p, "packed_qkv", False) else ""  # pre only
+        return f"/b{p.batch}/h{p.heads}{kv}/d{p.head_dim}/{p.layout}"
+
     def case(self, family, spec, world, size):
         count = tokens_per_rank(size, world, spec.name)
         t = family.traffic(spec, world, count)
