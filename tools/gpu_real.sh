@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU test suite on this machine's GPUs, one GPU per rank (TSGEN_SHARE_GPUS unset: worlds
+# larger than the GPU count skip, with the reason): every family at the world sizes the machine
+# has, the ipc and nvshmem backends with one process per GPU. Test processes compile in parallel
+# and take turns on the GPUs (TSGEN_GPU_LOCK: two processes' contexts time-sliced on one GPU slow
+# each other's spinning kernels past their wait timeouts). Verbose, so that a test whose worker
+# died is named. Logs under $OUT.   bash tools/gpu_real.sh [PYTEST_ARGS...]
+# JOBS (default 12) workers, PER_TEST (default 150) seconds per test.
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+unset TSGEN_SHARE_GPUS
+export TSGEN_GPU_LOCK=/tmp/tsgen-gpu-real.lock
+{ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader; date -u +%FT%TZ; } \
+  | tee "$OUT/device.txt"
+start=$(date +%s)
+python3 -m pytest -m gpu tests/ -v -n "${JOBS:-12}" -p no:cacheprovider --timeout "${PER_TEST:-150}" -rfEs \
+  --durations=10 "$@" > "$OUT/pytest_real.txt" 2>&1
+code=$?
+echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$OUT/device.txt"
+grep -E "^(FAILED|ERROR)|crashed|passed|failed" "$OUT/pytest_real.txt" | tail -n 30 | cut -c1-240
+exit "$code"
