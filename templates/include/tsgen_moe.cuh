@@ -165,18 +165,37 @@ static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, u
 }
 
 // recv_bf16[r] = recv_q[r] * recv_scale[r] (bf16) for the rows the last dispatch delivered: the fp8 rows
-// as bf16 (`tsgen test`'s identity expert).
+// as bf16 (`tsgen test`'s identity expert). A thread converts 16 channels (one 16-byte load, two
+// 16-byte stores; 16 divides 128, so they share one scale); launched with many more blocks than the
+// dispatch grid (DEQUANT_BLOCKS): a memory-bound pass over every received row.
+// dequantize's grid: a memory-bound pass needs every SM, several blocks each (no peer waits: any
+// number of blocks is safe, also where ranks share a GPU).
+constexpr int DEQUANT_BLOCKS = 1024;
+
 template <class C>
 static __device__ __forceinline__ void dequantize(const Buffers& b) {
-  constexpr int GROUPS = C::HIDDEN / 128, PAIRS = C::HIDDEN / 2;
-  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * PAIRS;
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(b.recv_q);
-  __nv_bfloat162* y = reinterpret_cast<__nv_bfloat162*>(b.recv_bf16);
-  for (size_t i = blockIdx.x * (size_t)C::THREADS + threadIdx.x; i < n; i += (size_t)gridDim.x * C::THREADS) {
-    const size_t r = i / PAIRS, c = (i % PAIRS) * 2;
-    const float s = b.recv_scale[r * GROUPS + c / 128];
-    const float2 f = e4m3x2_to_float2(q[i]);
-    y[i] = __floats2bfloat162_rn(f.x * s, f.y * s);
+  constexpr int GROUPS = C::HIDDEN / 128, V16 = C::HIDDEN / 16;
+  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * V16;
+  const uint4* q = reinterpret_cast<const uint4*>(b.recv_q);
+  uint4* y = reinterpret_cast<uint4*>(b.recv_bf16);
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / V16;
+    const int c16 = (int)(i % V16);
+    const float s = b.recv_scale[r * GROUPS + c16 / 8];
+    const uint4 v = q[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 f = e4m3x2_to_float2((uint16_t)(w[j] >> (16 * h)));
+        const __nv_bfloat162 bf = __floats2bfloat162_rn(f.x * s, f.y * s);
+        o[2 * j + h] = *reinterpret_cast<const uint32_t*>(&bf);
+      }
+    }
+    y[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
+    y[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
   }
 }
 
