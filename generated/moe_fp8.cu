@@ -37,14 +37,14 @@
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
 //   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_moe.cuh 893
-//   1493: the op's own code (namespace moe_fp8: constants, tables, device code)
+//   1512: the op's own code (namespace moe_fp8: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_fp8_w2_dispatch 1566, moe_fp8_w2_combine 1574, moe_fp8_w2_dequantize 1582
-//     moe_fp8_w2_dispatch_launch 1587, moe_fp8_w2_combine_launch 1596, moe_fp8_w2_launch 1609
-//     moe_fp8_w4_dispatch 1620, moe_fp8_w4_combine 1628, moe_fp8_w4_dequantize 1636
-//     moe_fp8_w4_dispatch_launch 1641, moe_fp8_w4_combine_launch 1650, moe_fp8_w4_launch 1663
-//     moe_fp8_w8_dispatch 1674, moe_fp8_w8_combine 1682, moe_fp8_w8_dequantize 1690
-//     moe_fp8_w8_dispatch_launch 1695, moe_fp8_w8_combine_launch 1704, moe_fp8_w8_launch 1717
+//     moe_fp8_w2_dispatch 1585, moe_fp8_w2_combine 1593, moe_fp8_w2_dequantize 1601
+//     moe_fp8_w2_dispatch_launch 1606, moe_fp8_w2_combine_launch 1615, moe_fp8_w2_launch 1628
+//     moe_fp8_w4_dispatch 1639, moe_fp8_w4_combine 1647, moe_fp8_w4_dequantize 1655
+//     moe_fp8_w4_dispatch_launch 1660, moe_fp8_w4_combine_launch 1669, moe_fp8_w4_launch 1682
+//     moe_fp8_w8_dispatch 1693, moe_fp8_w8_combine 1701, moe_fp8_w8_dequantize 1709
+//     moe_fp8_w8_dispatch_launch 1714, moe_fp8_w8_combine_launch 1723, moe_fp8_w8_launch 1736
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1060,18 +1060,37 @@ static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, u
 }
 
 // recv_bf16[r] = recv_q[r] * recv_scale[r] (bf16) for the rows the last dispatch delivered: the fp8 rows
-// as bf16 (`tsgen test`'s identity expert).
+// as bf16 (`tsgen test`'s identity expert). A thread converts 16 channels (one 16-byte load, two
+// 16-byte stores; 16 divides 128, so they share one scale); launched with many more blocks than the
+// dispatch grid (DEQUANT_BLOCKS): a memory-bound pass over every received row.
+// dequantize's grid: a memory-bound pass needs every SM, several blocks each (no peer waits: any
+// number of blocks is safe, also where ranks share a GPU).
+constexpr int DEQUANT_BLOCKS = 1024;
+
 template <class C>
 static __device__ __forceinline__ void dequantize(const Buffers& b) {
-  constexpr int GROUPS = C::HIDDEN / 128, PAIRS = C::HIDDEN / 2;
-  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * PAIRS;
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(b.recv_q);
-  __nv_bfloat162* y = reinterpret_cast<__nv_bfloat162*>(b.recv_bf16);
-  for (size_t i = blockIdx.x * (size_t)C::THREADS + threadIdx.x; i < n; i += (size_t)gridDim.x * C::THREADS) {
-    const size_t r = i / PAIRS, c = (i % PAIRS) * 2;
-    const float s = b.recv_scale[r * GROUPS + c / 128];
-    const float2 f = e4m3x2_to_float2(q[i]);
-    y[i] = __floats2bfloat162_rn(f.x * s, f.y * s);
+  constexpr int GROUPS = C::HIDDEN / 128, V16 = C::HIDDEN / 16;
+  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * V16;
+  const uint4* q = reinterpret_cast<const uint4*>(b.recv_q);
+  uint4* y = reinterpret_cast<uint4*>(b.recv_bf16);
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / V16;
+    const int c16 = (int)(i % V16);
+    const float s = b.recv_scale[r * GROUPS + c16 / 8];
+    const uint4 v = q[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 f = e4m3x2_to_float2((uint16_t)(w[j] >> (16 * h)));
+        const __nv_bfloat162 bf = __floats2bfloat162_rn(f.x * s, f.y * s);
+        o[2 * j + h] = *reinterpret_cast<const uint32_t*>(&bf);
+      }
+    }
+    y[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
+    y[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
   }
 }
 
@@ -1609,7 +1628,7 @@ extern "C" cudaError_t moe_fp8_w2_combine_launch(char* const* peers, int rank, u
 extern "C" cudaError_t moe_fp8_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   cudaError_t err = moe_fp8_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) {
-    moe_fp8_w2_dequantize<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+    moe_fp8_w2_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) err = moe_fp8_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_bf16, stream);
@@ -1663,7 +1682,7 @@ extern "C" cudaError_t moe_fp8_w4_combine_launch(char* const* peers, int rank, u
 extern "C" cudaError_t moe_fp8_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   cudaError_t err = moe_fp8_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) {
-    moe_fp8_w4_dequantize<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+    moe_fp8_w4_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) err = moe_fp8_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_bf16, stream);
@@ -1717,7 +1736,7 @@ extern "C" cudaError_t moe_fp8_w8_combine_launch(char* const* peers, int rank, u
 extern "C" cudaError_t moe_fp8_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   cudaError_t err = moe_fp8_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) {
-    moe_fp8_w8_dequantize<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+    moe_fp8_w8_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) err = moe_fp8_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_bf16, stream);

@@ -35,13 +35,13 @@
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
 //   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_moe.cuh 890
-//   1490: the op's own code (namespace moe_ll: constants, tables, device code)
+//   1509: the op's own code (namespace moe_ll: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_ll_w2_dispatch 1559, moe_ll_w2_combine 1568, moe_ll_w2_dispatch_launch 1577
-//     moe_ll_w2_combine_launch 1586, moe_ll_w2_launch 1597, moe_ll_w4_dispatch 1604, moe_ll_w4_combine 1613
-//     moe_ll_w4_dispatch_launch 1622, moe_ll_w4_combine_launch 1631, moe_ll_w4_launch 1642
-//     moe_ll_w8_dispatch 1649, moe_ll_w8_combine 1658, moe_ll_w8_dispatch_launch 1667
-//     moe_ll_w8_combine_launch 1676, moe_ll_w8_launch 1687
+//     moe_ll_w2_dispatch 1578, moe_ll_w2_combine 1587, moe_ll_w2_dispatch_launch 1596
+//     moe_ll_w2_combine_launch 1605, moe_ll_w2_launch 1616, moe_ll_w4_dispatch 1623, moe_ll_w4_combine 1632
+//     moe_ll_w4_dispatch_launch 1641, moe_ll_w4_combine_launch 1650, moe_ll_w4_launch 1661
+//     moe_ll_w8_dispatch 1668, moe_ll_w8_combine 1677, moe_ll_w8_dispatch_launch 1686
+//     moe_ll_w8_combine_launch 1695, moe_ll_w8_launch 1706
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1057,18 +1057,37 @@ static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, u
 }
 
 // recv_bf16[r] = recv_q[r] * recv_scale[r] (bf16) for the rows the last dispatch delivered: the fp8 rows
-// as bf16 (`tsgen test`'s identity expert).
+// as bf16 (`tsgen test`'s identity expert). A thread converts 16 channels (one 16-byte load, two
+// 16-byte stores; 16 divides 128, so they share one scale); launched with many more blocks than the
+// dispatch grid (DEQUANT_BLOCKS): a memory-bound pass over every received row.
+// dequantize's grid: a memory-bound pass needs every SM, several blocks each (no peer waits: any
+// number of blocks is safe, also where ranks share a GPU).
+constexpr int DEQUANT_BLOCKS = 1024;
+
 template <class C>
 static __device__ __forceinline__ void dequantize(const Buffers& b) {
-  constexpr int GROUPS = C::HIDDEN / 128, PAIRS = C::HIDDEN / 2;
-  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * PAIRS;
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(b.recv_q);
-  __nv_bfloat162* y = reinterpret_cast<__nv_bfloat162*>(b.recv_bf16);
-  for (size_t i = blockIdx.x * (size_t)C::THREADS + threadIdx.x; i < n; i += (size_t)gridDim.x * C::THREADS) {
-    const size_t r = i / PAIRS, c = (i % PAIRS) * 2;
-    const float s = b.recv_scale[r * GROUPS + c / 128];
-    const float2 f = e4m3x2_to_float2(q[i]);
-    y[i] = __floats2bfloat162_rn(f.x * s, f.y * s);
+  constexpr int GROUPS = C::HIDDEN / 128, V16 = C::HIDDEN / 16;
+  const size_t n = (size_t)min(b.recv_counts[0], C::RECV) * V16;
+  const uint4* q = reinterpret_cast<const uint4*>(b.recv_q);
+  uint4* y = reinterpret_cast<uint4*>(b.recv_bf16);
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / V16;
+    const int c16 = (int)(i % V16);
+    const float s = b.recv_scale[r * GROUPS + c16 / 8];
+    const uint4 v = q[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 f = e4m3x2_to_float2((uint16_t)(w[j] >> (16 * h)));
+        const __nv_bfloat162 bf = __floats2bfloat162_rn(f.x * s, f.y * s);
+        o[2 * j + h] = *reinterpret_cast<const uint32_t*>(&bf);
+      }
+    }
+    y[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
+    y[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
   }
 }
 
