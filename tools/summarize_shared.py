@@ -1,5 +1,6 @@
 """Turn one run of tools/gpu_shared.sh ($OUT, unpacked) into
-results/tests/shared-gpu/<date>-<commit>.{json,md}: the pytest tally and wall time, the
+results/tests/shared-gpu/<date>-<commit>.{json,md}, or of tools/gpu_real.sh (one GPU per rank: its
+pytest_real.txt) into results/tests/real-gpu/<date>-<commit>.{json,md}: the pytest tally and wall time, the
 spec x world rows by world, the dtype matrix, the negative controls (caught or not, with and
 without skew), the timeout probes, the ipc tests under MPS and the vendoring example.
 
@@ -40,10 +41,12 @@ def tally(text: str) -> dict:
 def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     device = (run / "device.txt").read_text().splitlines() if (run / "device.txt").exists() else []
     date = next((ln[:10] for ln in device if re.match(r"\d{4}-\d\d-\d\dT", ln)), "unknown")
-    suite = tally((run / "pytest_shared.txt").read_text()) if (run / "pytest_shared.txt").exists() else {}
+    real = (run / "pytest_real.txt").exists()
+    log = run / ("pytest_real.txt" if real else "pytest_shared.txt")
+    suite = tally(log.read_text()) if log.exists() else {}
     ipc = tally((run / "pytest_ipc_mps.txt").read_text()) if (run / "pytest_ipc_mps.txt").exists() else {}
-    failed = re.findall(r"^FAILED (\S+)", (run / "pytest_shared.txt").read_text(), re.M) \
-        if (run / "pytest_shared.txt").exists() else []
+    failed = re.findall(r"^FAILED (\S+)", log.read_text(), re.M) if log.exists() else []
+    families = {kind: jsonl(run, kind) for kind in ("cp_attention", "moe")}
     corr, dtypes = jsonl(run, "correctness"), jsonl(run, "dtype_matrix")
     negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
     vendor = (run / "vendor.txt").read_text().splitlines() if (run / "vendor.txt").exists() else []
@@ -56,12 +59,18 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
                                     key=lambda n: (n["spec"], n["skew"] or 0)),
         "timeout_probes": {"tests": len(probes), "passed": sum(r.get("rc") == 0 for r in probes)},  # rc 0: timed out, printed, trapped
         "vendor": [ln for ln in vendor if "PASS" in ln or "FAIL" in ln],
+        "families": {kind: {"tests": len(rows), "passed": sum(bool(r.get("pass")) for r in rows),
+                            "controls_caught": sum(bool(r.get("caught")) for r in rows),
+                            "worlds": sorted({int(r["world"]) for r in rows if r.get("world") is not None})}
+                     for kind, rows in families.items()},
     }
     meta = {"date": date, "commit": commit, "command": command, "device": device[:3],
-            "mode": "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"}
-    md = [f"# GPU suite on one GPU (shared-GPU worlds), {date}, commit {commit}", "",
-          f"Device: {'; '.join(device[:3])}. {meta['mode']}. Timings of ranks sharing a GPU measure "
-          "nothing about the ops; none are reported.", "", f"Command: `{command}`", "",
+            "mode": "one GPU per rank (TSGEN_SHARE_GPUS unset): worlds larger than the GPU count skip" if real else
+                    "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"}
+    title = "GPU suite, one GPU per rank" if real else "GPU suite on one GPU (shared-GPU worlds)"
+    timings = "" if real else " Timings of ranks sharing a GPU measure nothing about the ops; none are reported."
+    md = [f"# {title}, {date}, commit {commit}", "",
+          f"Device: {'; '.join(device[:3])}. {meta['mode']}.{timings}", "", f"Command: `{command}`", "",
           "| part | result |", "|---|---|",
           f"| whole GPU suite (pytest) | {suite.get('passed', 0)} passed, {suite.get('failed', 0)} failed, "
           f"{suite.get('skipped', 0)} skipped "
@@ -77,8 +86,13 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     if ipc:
         md.append(f"| ipc backend, one process per rank, under MPS | {ipc.get('passed', 0)} passed, "
                   f"{ipc.get('failed', 0)} failed, {ipc.get('skipped', 0)} skipped |")
-    md.append(f"| vendoring example (examples/vendor) | {sum('PASS' in v for v in summary['vendor'])} / "
-              f"{len(summary['vendor'])} |")
+    for kind, f in summary["families"].items():
+        if f["tests"]:
+            md.append(f"| {kind} (rows of its GPU tests; worlds {', '.join(map(str, f['worlds']))}) | {f['passed']} passed"
+                      + (f", {f['controls_caught']} negative controls caught" if f["controls_caught"] else "") + " |")
+    if (run / "vendor.txt").exists() or not real:
+        md.append(f"| vendoring example (examples/vendor) | {sum('PASS' in v for v in summary['vendor'])} / "
+                  f"{len(summary['vendor'])} |")
     md += ["", "Negative controls (a broken kernel must FAIL):", "", "| control | skew | caught |", "|---|---|---|"]
     md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
            for n in summary["negative_controls"]]
@@ -91,7 +105,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
 def main() -> None:
     run, results, commit, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
     data, md = summarize(run, commit, command)
-    folder = results / "tests" / "shared-gpu"
+    folder = results / "tests" / ("real-gpu" if (run / "pytest_real.txt").exists() else "shared-gpu")
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"{data['meta']['date']}-{commit}"
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
