@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -343,3 +344,38 @@ def test_sampled_rows_check_agrees_with_the_reference(kind):
     c[-1][: c[-1].size // count] = c[-1][: c[-1].size // count][::-1]  # row 0 of the last rank, reversed
     bufs["c"] = c
     assert fam.bench.check_rows(fam, spec, world, count, fetch) > 1e-2
+
+
+def test_a_stopped_suite_keeps_the_entries_it_finished(monkeypatch):
+    """SIGTERM (a time limit) during the third entry: run_entries returns the two finished
+    outcomes and says it stopped; nothing is lost to the signal."""
+    import contextlib
+    import signal
+
+    import tsgen.bench.results as results_mod
+    import tsgen.bench.runner as runner_mod
+    import tsgen.runtime as runtime_mod
+    from tsgen.bench.runner import Outcome
+    from tsgen.bench.suites import Entry, run_entries, stop_on_signals
+
+    calls = []
+
+    def fake_bench(spec, gpus, sizes, **kw):
+        calls.append(kw["label"])
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return Outcome(kw["label"], "allgather", rows=[{"impl": "tsgen", "size": 1, "time_us": 1.0}])
+
+    monkeypatch.setattr(runner_mod, "bench_spec", fake_bench)
+    monkeypatch.setattr(runtime_mod, "World", lambda *a, **k: contextlib.nullcontext(object()))
+    monkeypatch.setattr(results_mod, "environment", lambda world=None: {"commit": "abc"})
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_signals()
+        entries = [Entry(Path("specs/allgather.yaml"), 2, "1M", f"e{i}") for i in range(4)]
+        outcomes, env = run_entries(entries, echo=lambda line: None)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert [o.spec for o in outcomes] == ["e0", "e1"]
+    assert calls == ["e0", "e1", "e2"]
+    assert env["commit"] == "abc" and "after 2 of 4 entries" in env["stopped"] and "SIGTERM" in env["stopped"]

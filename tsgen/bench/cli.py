@@ -84,7 +84,7 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     NCCL one after the other and PyTorch's fused ops, with the overlap efficiency; cannon / summa
     against cuBLAS of the whole matrix on one GPU. Each op states its conventions (sizes, FLOPs,
     bytes, bus factor, baselines) in its own module (family.bench)."""
-    from .suites import Entry, list_suites as suites_list, load_suite, run_entries
+    from .suites import Entry, list_suites as suites_list, load_suite, run_entries, stop_on_signals
 
     if list_suites:
         for name, desc in suites_list():
@@ -105,6 +105,8 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
         entries = [Entry(e.spec, e.gpus, sizes, e.label, e.variant, e.patterns) for e in entries]
     if share_gpus or (share_gpus is None and share_from_env()):
         shared_gpu_env()  # before any CUDA call (tsgen/env.py says why)
+    if suite:
+        stop_on_signals()  # a suite stopped by its time limit still writes what it finished
     total = sum(_steps(e) for e in entries)
     log = lambda line: click.echo(line, err=True)  # noqa: E731 - the table goes to stdout at the end
     with click.progressbar(length=total, label="tsgen bench", file=sys.stderr, show_pos=True) as bar:
@@ -118,6 +120,9 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     rows = [r for o in outcomes for r in o.rows]
     errors = [e for o in outcomes for e in o.errors]
     notes = [n for o in outcomes for n in o.notes]
+    if env.get("stopped"):
+        notes.append(f"incomplete run: {env['stopped']}")
+        errors.append(f"incomplete run: {env['stopped']}")  # the exit status says so too
     if not _is_root(backend):
         _finish(rows, errors, control)
         return
@@ -133,7 +138,7 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1, default=str) + "\n")
-    if suite and control is None:
+    if suite and control is None and rows:
         from .results import write_result
 
         path = write_result(results_dir, s.name, meta, rows, errors, _markdown(title, meta, rows, errors, notes))

@@ -135,12 +135,29 @@ def list_suites(suites_dir: Path = SUITES_DIR) -> list[tuple[str, str]]:
     return out
 
 
+class Stopped(Exception):
+    """A signal (SIGTERM, SIGINT) stopped a suite: run_entries keeps the entries it finished."""
+
+
+def stop_on_signals() -> None:
+    """Turn SIGTERM (a time limit's `timeout`, a job scheduler) into Stopped, as Ctrl-C is
+    KeyboardInterrupt: a suite stopped part way still writes the entries it finished."""
+    import signal
+
+    def stop(signum, frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup: int = 3, backend: str = "single",
                 share_gpus: bool | None = None, baselines: bool = True, control: str | None = None,
                 arch: str = "sm_90a", echo: Callable[[str], None] = print,
                 progress: Callable[[str], None] | None = None):
     """Run entries in order, one World per run of consecutive entries with the same world size.
-    Returns (outcomes, the environment of the last World)."""
+    Returns (outcomes, the environment of the last World). Stopped by a signal (Stopped, or
+    KeyboardInterrupt) part way: the outcomes of the entries finished, and env["stopped"] says
+    after how many of them and why."""
     from ..ops import get_family
     from ..runtime import World
     from ..runtime.backends import world_size
@@ -161,16 +178,21 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
         group = baseline_group(loaded.model, get_family(loaded.model.op), gpus)
         planned.append((e, gpus, (group, e.patterns)))  # a group's baselines: timed with its first entry's sizes
     outcomes, env, timed = [], {}, set()
-    for gpus, group in itertools.groupby(planned, key=lambda p: p[1]):
-        with World(gpus, backend=backend, share_gpus=share_gpus) as world:
-            for e, _, key in group:
-                out = bench_spec(e.spec, gpus, e.sizes, variant=e.variant, label=e.label, iters=iters, reps=reps,
-                                 warmup=warmup, patterns=e.patterns, backend=backend, share_gpus=share_gpus,
-                                 baselines=baselines and key not in timed, arch=arch, echo=echo, progress=progress,
-                                 control=control, world=world)
-                timed.add(key)
-                outcomes.append(out)
-            env = environment(world)
+    try:
+        for gpus, group in itertools.groupby(planned, key=lambda p: p[1]):
+            with World(gpus, backend=backend, share_gpus=share_gpus) as world:
+                env = environment(world)
+                for e, _, key in group:
+                    out = bench_spec(e.spec, gpus, e.sizes, variant=e.variant, label=e.label, iters=iters, reps=reps,
+                                     warmup=warmup, patterns=e.patterns, backend=backend, share_gpus=share_gpus,
+                                     baselines=baselines and key not in timed, arch=arch, echo=echo, progress=progress,
+                                     control=control, world=world)
+                    timed.add(key)
+                    outcomes.append(out)
+    except (Stopped, KeyboardInterrupt) as why:
+        env = dict(env, stopped=f"stopped ({why or 'interrupted'}) after {len(outcomes)} of {len(planned)} entries: "
+                                f"the rest were not run")
+        echo(f"tsgen bench: {env['stopped']}")
     rows = [r for o in outcomes for r in o.rows]
     add_ratios(rows)
     return outcomes, env
