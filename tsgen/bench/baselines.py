@@ -159,7 +159,7 @@ def moe_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps:
     cfg = {"kind": "moe", "sizes": sizes, "experts": p.experts, "topk": p.topk, "hidden": p.hidden,
            "iters": iters, "reps": reps, "warmup": warmup}
     impl = "torch all_to_all_single dispatch+combine" + (" (bf16 rows)" if p.payload == "fp8" else "")
-    return [Measured(impl, r["tokens"], _timing(r), extra={"torch_version": r.get("torch_version")},
+    return [Measured(impl, r["tokens"], _timing(r), extra={k: r[k] for k in ("wrong", "torch_version") if k in r},
                      skipped=r.get("skipped")) for r in launch_workers(cfg, world)]
 
 

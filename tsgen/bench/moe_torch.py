@@ -8,7 +8,8 @@ Per call, on each rank with `tokens` tokens routed as the family's make_inputs r
             from the host: the synchronization tsgen's kernels do without); the rows exchanged
   combine   the received rows sent back with the splits reversed, then summed per token in fp32
             with index_add_ and rounded to bf16
-timed with the same core as tsgen's calls (TorchClock), the slowest rank's time. fp8 payloads are
+timed with the same core as tsgen's calls (TorchClock), the slowest rank's time; the last timed
+output is checked (the count of wrong elements over all ranks goes into the row). fp8 payloads are
 timed as bf16 rows (PyTorch has no fp8 all-to-all of its own), said in the row's impl.
 """
 
@@ -65,8 +66,17 @@ def moe_worker(cfg: dict, rank: int) -> list[dict]:
         timing = time_calls(clock, [rank], {rank: stream}, lambda i, _: call(), calls=cfg["iters"], reps=cfg["reps"],
                             warmup=cfg["warmup"], graphs=False, before_sample=line_up,
                             label=f"torch all_to_all_single moe {tokens}")
+        # the timed output, checked: with the identity expert, token t's row comes back once per
+        # destination rank, so out[t] = bf16(n_t * x[t]) exactly (n_t <= 8: the fp32 sum is exact)
+        valid = idx >= 0
+        dest = torch.where(valid, idx // per_rank, world)
+        mask = torch.zeros(tokens, world + 1, dtype=torch.bool, device=dev)
+        mask.scatter_(1, dest, True)
+        n = mask[:, :world].sum(1, dtype=torch.float32)
+        wrong = (out != (x.float() * n[:, None]).to(torch.bfloat16)).sum().reshape(1)
+        dist.all_reduce(wrong)
         rows.append({"tokens": tokens, **timing.fields(), "samples_us": timing.samples_us,
-                     "problems": timing.problems, "torch_version": torch.__version__})
+                     "problems": timing.problems, "wrong": int(wrong.item()), "torch_version": torch.__version__})
     dist.barrier()
     dist.destroy_process_group()
     return rows
