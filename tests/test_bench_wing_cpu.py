@@ -76,6 +76,12 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
                      ("torch_sdpa_cp", cp_sdpa), ("torch_a2a", collectives), ("torch_moe", moe)):
         monkeypatch.setitem(B.MULTIPROCESS, name, fn)
 
+    def sdpa(step):  # in this process (torch is not installed here): one backend that runs, one that does not
+        return [B.Measured("torch SDPA flash", step.case.size, Timing([40.0 * factor] * 2, 4, "eager")),
+                B.Measured("torch SDPA cuDNN", step.case.size, None, skipped="not built here")]
+
+    monkeypatch.setitem(B.INPROCESS, "sdpa", sdpa)
+
 
 @pytest.mark.parametrize("kind", [f.kind for f in families()])
 def test_every_op_kind_runs_through_tsgen_bench(monkeypatch, kind):
@@ -379,3 +385,24 @@ def test_a_stopped_suite_keeps_the_entries_it_finished(monkeypatch):
     assert [o.spec for o in outcomes] == ["e0", "e1"]
     assert calls == ["e0", "e1", "e2"]
     assert env["commit"] == "abc" and "after 2 of 4 entries" in env["stopped"] and "SIGTERM" in env["stopped"]
+
+
+def test_ideal_entries_give_the_fraction_of_ideal(tmp_path):
+    """An entry with ideal_of: its TFLOP/s is the ideal of the named entries' rows at the same
+    size; a name no entry has is a suite error."""
+    from tsgen.bench.runner import Outcome
+    from tsgen.bench.suites import Entry, add_ideal_ratios, load_suite
+    from tsgen.errors import SpecError
+
+    cp = Outcome("cp", "cp_attention", rows=[{"impl": "tsgen", "size": 16, "TFLOPs": 450.0, "ratios": {"sdpa": 1.2}},
+                                              {"impl": "tsgen", "size": 32, "TFLOPs": 300.0},
+                                              {"impl": "torch", "size": 16, "TFLOPs": 400.0, "baseline": True}])
+    ideal = Outcome("ideal", "attention", rows=[{"impl": "tsgen", "size": 16, "TFLOPs": 600.0}])
+    add_ideal_ratios([Entry(Path("a"), label="cp"), Entry(Path("b"), label="ideal", ideal_of=("cp",))], [cp, ideal])
+    assert cp.rows[0]["ratios"] == {"sdpa": 1.2, "ideal: ideal": 0.75}
+    assert "ratios" not in cp.rows[1] and "ratios" not in cp.rows[2]  # no ideal at 32; baselines get none
+
+    (tmp_path / "s.yaml").write_text("description: d\ngpus: 1\nentries:\n"
+                                     "  - {spec: specs/attention_hd128.yaml, ideal_of: [nope]}\n")
+    with pytest.raises(SpecError, match="ideal_of: no entry is labelled 'nope'"):
+        load_suite(str(tmp_path / "s.yaml"))

@@ -4,6 +4,7 @@ In this process, on the World's own streams and timed by the same core as tsgen'
   memcpy_peer   cudaMemcpyPeerAsync moving the copy's bytes between the same GPUs
   cublas        the GEMM's product (M x K . K x N) through cuBLAS on rank 0's GPU
   cublas_whole  the whole M x K . K x N product of a grid GEMM on one GPU
+  sdpa          attention through PyTorch SDPA (flash and cuDNN backends) on rank 0's GPU
 One process per GPU (tsgen launch), after tsgen's timings:
   nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
   cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
@@ -84,7 +85,17 @@ def cublas_whole(step) -> list[Measured]:
     return [Measured(f"{impl}, whole matrix on 1 GPU", m, t, case=case)]
 
 
-INPROCESS = {"memcpy_peer": memcpy_peer, "cublas": cublas, "cublas_whole": cublas_whole}
+def sdpa(step) -> list[Measured]:
+    """The attention op's: PyTorch SDPA (flash and cuDNN backends) of the same shape on rank 0's
+    GPU and stream."""
+    from .torch_ops import sdpa as run
+
+    return [Measured(impl, step.case.size, t, skipped=why)
+            for impl, t, why in run(step.world, step.world.ranks[0], step.spec, step.case.size, iters=step.iters,
+                                    reps=step.reps, warmup=step.warmup, label=step.label)]
+
+
+INPROCESS = {"memcpy_peer": memcpy_peer, "cublas": cublas, "cublas_whole": cublas_whole, "sdpa": sdpa}
 
 
 # ---------------------------------------------------------------------------

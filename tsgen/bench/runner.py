@@ -164,6 +164,9 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                         for b in conv.baselines:
                             if b in INPROCESS:
                                 for m in INPROCESS[b](step):
+                                    if m.timing is None:
+                                        out.notes.append(f"{m.impl} at {human(size)}: not timed: {m.skipped}")
+                                        continue
                                     _report(out, *_baseline_row(m, step.case, spec, family, w, ceil, dev, pattern),
                                             echo)
                 finally:

@@ -47,6 +47,8 @@ class EntryModel(StrictModel):
     sizes: str | int | list[str | int] | None = Field(None, description="sizes (default: the suite's, else the op's)")
     variant: dict = Field(default_factory=dict, description="spec fields to change, nested")
     patterns: list[str] | None = Field(None, description="copies: pair and/or ring")
+    ideal_of: list[str] | None = Field(None, description="labels of entries this one is the ideal of: their tsgen "
+                                       "rows get a ratio 'vs ideal' = their TFLOP/s per GPU / this entry's, same size")
 
 
 class ReadmeModel(StrictModel):
@@ -74,6 +76,7 @@ class Entry:
     label: str | None = None
     variant: dict = field(default_factory=dict)
     patterns: tuple[str, ...] | None = None
+    ideal_of: tuple[str, ...] = ()
 
 
 @dataclass
@@ -119,7 +122,11 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
             except SpecError as err:
                 problems += [f"{where}.variant: {p}" for p in err.problems]
         entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
-                             tuple(e.patterns) if e.patterns else None))
+                             tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ())))
+    names = {e.label or load_spec(e.spec).model.name for e in entries if e.spec.exists()}
+    for i, e in enumerate(entries):
+        problems += [f"{path}: entries.{i}.ideal_of: no entry is labelled {n!r} (entries: {', '.join(sorted(names))})"
+                     for n in e.ideal_of if n not in names]
     if problems:
         raise SpecError(problems)
     return Suite(path.stem, path, model, entries)
@@ -133,6 +140,20 @@ def list_suites(suites_dir: Path = SUITES_DIR) -> list[tuple[str, str]]:
         except (yaml.YAMLError, AttributeError):
             out.append((p.stem, "(unreadable)"))
     return out
+
+
+def add_ideal_ratios(entries: list[Entry], outcomes: list) -> None:
+    """ratios["ideal: LABEL"] on the tsgen rows of the entries an ideal entry names (ideal_of):
+    their TFLOP/s per GPU over the ideal's at the same size (cp_attention against the single-GPU
+    attention kernel of the same shape: ring-flash-attention's "% of ideal")."""
+    by_name = {o.spec: o for o in outcomes}
+    for e, o in zip(entries, outcomes):
+        ideal = {r["size"]: r for r in o.rows if r["impl"] == "tsgen" and r.get("TFLOPs")}
+        for name in e.ideal_of:
+            for r in by_name[name].rows if name in by_name else []:
+                best = ideal.get(r["size"])
+                if r["impl"] == "tsgen" and r.get("TFLOPs") and best:
+                    r.setdefault("ratios", {})[f"ideal: {o.spec}"] = r["TFLOPs"] / best["TFLOPs"]
 
 
 class Stopped(Exception):
@@ -195,4 +216,5 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
         echo(f"tsgen bench: {env['stopped']}")
     rows = [r for o in outcomes for r in o.rows]
     add_ratios(rows)
+    add_ideal_ratios(entries, outcomes)
     return outcomes, env

@@ -65,6 +65,58 @@ def cublas(world, rank: int, m: int, n: int, k: int, dtype: str, *, iters: int, 
     return impl, timing
 
 
+def sdpa(world, rank: int, spec, seq: int, *, iters: int, reps: int, warmup: int,
+         label: str) -> list[tuple[str, Timing | None, str | None]]:
+    """PyTorch's scaled_dot_product_attention of the attention spec's shape at sequence length
+    `seq` on rank's GPU and stream, once with each of its flash and cuDNN backends: (impl, timing,
+    None) per backend that runs here, (impl, None, why) per one that does not. Q, K and V are
+    [batch, heads, seq, head_dim] and contiguous (SDPA's own layout: its best case); grouped-query
+    heads through enable_gqa, else K and V expanded to every query head (said in the impl)."""
+    from .timing import CupyClock
+
+    torch = _torch()
+    if torch is None:
+        return [("torch SDPA", None, "torch is not installed")]
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    p, dev, stream = spec.params, world.devices[rank], world.streams[rank]
+    tdt = getattr(torch, spec.dtype)
+    scale = p.softmax_scale if p.softmax_scale is not None else p.head_dim ** -0.5
+    with torch.cuda.device(dev):
+        q = torch.randn(p.batch, p.heads, seq, p.head_dim, device=f"cuda:{dev}", dtype=tdt)
+        k = torch.randn(p.batch, p.kv_heads, seq, p.head_dim, device=f"cuda:{dev}", dtype=tdt)
+        v = torch.randn(p.batch, p.kv_heads, seq, p.head_dim, device=f"cuda:{dev}", dtype=tdt)
+        ext = torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{dev}")
+        torch.cuda.synchronize()
+    out = []
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
+        impl, why = f"torch {torch.__version__} SDPA {name}", None
+        for expand in ((False, True) if p.kv_heads != p.heads else (False,)):
+            kk, vv = (k.repeat_interleave(p.heads // p.kv_heads, 1), v.repeat_interleave(p.heads // p.kv_heads, 1)) \
+                if expand else (k, v)
+
+            def call(kk=kk, vv=vv, expand=expand):
+                with torch.cuda.device(dev), torch.cuda.stream(ext), sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q, kk, vv, is_causal=p.causal, scale=scale,
+                                                   enable_gqa=p.kv_heads != p.heads and not expand)
+
+            try:
+                call()
+                torch.cuda.synchronize(dev)
+            except RuntimeError as e:  # this backend refuses the shape (or is not built): say why
+                why = f"{impl} does not run here: {str(e).splitlines()[0][:160]}"
+                continue
+            why = None
+            timing = time_calls(CupyClock(world), [rank], world.streams, lambda i, _: call(), calls=iters, reps=reps,
+                                warmup=warmup, graphs=False, label=f"{impl} {label}")
+            out.append((impl + (" (K / V expanded to every head)" if expand else ""), timing, None))
+            break
+        if why:
+            out.append((impl, None, why))
+    return out
+
+
 def run_fused(conv, op: str, params, dtype: str, world: int, sizes: list[int], *, iters: int, reps: int,
               warmup: int, timeout: float = 300) -> list[dict]:
     """The fused ops' baselines for each total M in `sizes`, one process per GPU; rank 0's rows."""

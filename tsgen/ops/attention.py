@@ -41,6 +41,7 @@ from pydantic import BeforeValidator, Field
 from ..spec_types import SpecBase, StrictModel, _as_list
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
+from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
 # sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_LIMIT = 232448
@@ -119,6 +120,50 @@ def accumulators(spec: AttentionSpec) -> int:
     return p.tile.n // 2 + p.head_dim // 2 + p.tile.n // 4
 
 
+class AttentionBench(BenchConventions):
+    """Size = S, the sequence length of Q and of K / V (q_len = kv_len = S; the spec's batch, heads
+    and layout). FLOPs per call from `flops` (halved for causal); the device-memory floor reads
+    Q, K and V once and writes O and LSE once. Baseline in this process, on the same GPU and
+    stream: PyTorch SDPA with its flash and with its cuDNN backend (tsgen/bench/torch_ops.py
+    sdpa). Timed eagerly (a call is milliseconds: a launch's microseconds do not count), checked
+    on sampled query rows of sequence 0 against float32 attention over the whole sequence. The
+    single-GPU rate of a shape is also cp_attention's "ideal" (suites cp-w*: an attention entry
+    of the same heads beside the cp entries)."""
+
+    kind = "gemm"
+    size_unit = "rows"
+    default_sizes = "4096,8192,16384"
+    metric = "TFLOPs"
+    baselines = ("sdpa",)
+    graphs = False
+    check = "rows"
+
+    def case(self, family, spec, world, size):
+        p = spec.params
+        elem = 2  # bf16 / fp16
+        qo = p.batch * size * p.heads * p.head_dim * elem
+        kv = p.batch * size * p.kv_heads * p.head_dim * elem
+        return BenchCase(size, size, flops=flops(p.batch, size, size, p.heads, p.head_dim, p.causal),
+                         hbm_bytes=float(2 * qo + 2 * kv + 4 * p.batch * p.heads * size))
+
+    def group_shape(self, spec):
+        p = spec.params
+        return f"/b{p.batch}/h{p.heads}/kv{p.kv_heads}/d{p.head_dim}/{p.layout}{'/causal' if p.causal else ''}"
+
+    def check_rows(self, family, spec, world, count, fetch):
+        """O at sampled query rows of sequence 0 against float32 attention over all its keys."""
+        p = spec.params
+
+        def tensor(name, heads):
+            x = to_f64(fetch(name, 0, 0, p.batch * count * heads * p.head_dim), spec.dtype).astype(np.float32)
+            return to_bshd(x, p.batch, count, heads, p.head_dim, p.layout)[:1]
+
+        rows = sample_rows(count)
+        k, v = tensor("k", p.kv_heads), tensor("v", p.kv_heads)
+        ref, _ = attention_reference(tensor("q", p.heads)[:, rows], k, v, scale_of(spec), p.causal, q_pos=rows)
+        return rel_err(tensor("o", p.heads)[:, rows], ref)
+
+
 class AttentionFamily(OpFamily):
     kind = "attention"
     Spec = AttentionSpec
@@ -128,6 +173,7 @@ class AttentionFamily(OpFamily):
     variant_worlds = ()
     min_world = 1
     count_unit = "rows"  # sequence positions (q_len = kv_len) through <kernel>_launch
+    bench = AttentionBench()
     host_launch = True  # TMA descriptors are encoded on the host
     summary = (
         "flash-attention forward on one Hopper GPU: TMA + mbarrier pipeline, producer and two consumer "
