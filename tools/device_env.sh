@@ -5,7 +5,7 @@ eval "$(python3 -m tsgen.env)" && [ "${NCCL_NVLS_ENABLE:-}" = 0 ] || { echo "dev
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tsgen-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (pydantic), see README
-  # once per machine: scripts that run scripts (tools/gpu_two_ways.sh) source this file again
+  # once per machine: a script that runs others sources this file again
   [ -f /tmp/site/.tsgen-wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.tsgen-wheels; } || exit 2
   export PYTHONPATH=/tmp/site:$PWD
