@@ -405,6 +405,27 @@ def test_run_baselines_rejects_bad_sizes_before_launch(monkeypatch):
         bl.run_baselines("allgather", "float32", [24], 4)
 
 
+def test_best_baselines_times_both_settings_in_one_launch(monkeypatch):
+    """Graph + rotated buffers and eager on one buffer: one launch of the workers with both
+    settings (starting processes and communicators twice cost more than the timing), the
+    faster row per backend and size kept, named by its setting."""
+    launches = []
+
+    def fake(cfg, world, timeout):
+        launches.append(cfg)
+        times = {0: {65536: 50.0, 1 << 20: 30.0}, 1: {65536: 20.0, 1 << 20: 40.0}}  # eager wins small only
+        return [dict(bl.make_row("nccl", cfg["op"], cfg["dtype"], n, world, [times[i][n]]), config_index=i)
+                for i in range(len(cfg["configs"])) for n in cfg["sizes"]]
+
+    monkeypatch.setattr(bl, "launch_workers", fake)
+    rows = bl.best_baselines("allgather", "bfloat16", [65536, 1 << 20], 2, backends=("nccl",))
+    assert len(launches) == 1
+    assert launches[0]["configs"] == [{"use_graphs": True, "rotate": True}, {"use_graphs": False, "rotate": False}]
+    got = {r["bytes"]: (r["config"], r["time_us"]) for r in rows}
+    assert got == {65536: ("eager, one buffer", 20.0), 1 << 20: ("graph+rotate", 30.0)}
+    assert all("config_index" not in r for r in rows)
+
+
 # ---------------------------------------------------------------------------
 # with torch but no GPU: the whole worker path over gloo on CPU tensors
 # (data, first-call check, collective calls, consensus, rows)
@@ -422,6 +443,17 @@ def test_gloo_dry_run(op):
     assert ran[0]["wrong"] == 0 and ran[0]["mode"] == "eager" and ran[0]["time_us"] > 0
     if op == "all_reduce":
         assert {r["backend"] for r in rows if r["skipped"]} == {"symm_mem_one_shot", "symm_mem_two_shot"}
+
+
+def test_gloo_dry_run_of_two_settings_in_one_launch():
+    """The worker times every setting it is given on the same communicators, each row tagged."""
+    pytest.importorskip("torch", reason="torch is not installed: the worker can't run here")
+    world = 2
+    rows = bl.run_baselines("allgather", "bfloat16", [world * 2 * 64], world, iters=2, warmup=1, reps=2,
+                            timeout=120, device_type="cpu", backends=("nccl",),
+                            configs=[{"use_graphs": False, "rotate": False}, {"use_graphs": False, "rotate": True}])
+    assert sorted(r["config_index"] for r in rows) == [0, 1]
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
 
 
 # ---------------------------------------------------------------------------

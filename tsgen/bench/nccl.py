@@ -247,7 +247,8 @@ def make_row(backend: str, op: str, dtype: str, nbytes: int, world: int,
 def run_baselines(op: str, dtype: str, sizes, world: int, backends: Iterable[str] | None = None,
                   iters: int = 20, warmup: int = 5, reps: int = 10, timeout: float = 300.0,
                   use_graphs: bool = True, rotate: bool = True,
-                  devices: Sequence[int] | None = None, device_type: str = "cuda") -> list[dict]:
+                  devices: Sequence[int] | None = None, device_type: str = "cuda",
+                  configs: Sequence[dict] | None = None) -> list[dict]:
     """Time the reference implementations of `op` for each size (bytes) on
     `world` GPUs, one process each. Returns rank 0's rows, sorted by size then
     backend, each with at least: backend, op, dtype, bytes, world, time_us,
@@ -258,6 +259,8 @@ def run_baselines(op: str, dtype: str, sizes, world: int, backends: Iterable[str
     for all_reduce). devices: the GPU index for each rank (default 0..world-1).
     device_type "cpu" is a dry run of this harness on CPU tensors over gloo
     (checks, rows, process handling; the times mean nothing), for tests.
+    configs: several {"use_graphs", "rotate"} settings timed one after the other by the same
+    processes and communicators (one launch); each row then says which in "config_index".
     """
     op, dtype = normalize_op(op), normalize_dtype(dtype)
     if isinstance(sizes, str):
@@ -281,7 +284,9 @@ def run_baselines(op: str, dtype: str, sizes, world: int, backends: Iterable[str
     cfg = {"op": op, "dtype": dtype, "sizes": sizes, "world": world, "backends": names,
            "iters": int(iters), "warmup": int(warmup), "reps": int(reps), "timeout": float(timeout),
            "use_graphs": bool(use_graphs), "rotate": bool(rotate), "devices": devices,
-           "device_type": device_type}
+           "device_type": device_type,
+           "configs": [{"use_graphs": bool(c["use_graphs"]), "rotate": bool(c["rotate"])} for c in configs]
+           if configs else None}
     cfg["kind"], cfg["init_method"] = "collective", "env://"  # tsgen launch sets MASTER_ADDR / MASTER_PORT
     for attempt in range(2):
         try:
@@ -302,15 +307,17 @@ def best_baselines(op: str, dtype: str, sizes: list[int], world: int, backends=N
     """The baselines at their best: the faster of CUDA graphs over rotated buffers and an eager
     loop on one buffer (hot L2, as nccl-tests runs), per backend and size. Graph capture with
     thousands of distinct buffers made NCCL's small sizes 3-5x slower than its eager loop
-    (results/archive/tuning), so both are timed."""
+    (results/archive/tuning), so both are timed, by the same processes (one launch: starting
+    the workers and their communicators twice cost more than the timing on 2 x H200)."""
+    configs = ({"use_graphs": True, "rotate": True}, {"use_graphs": False, "rotate": False})
+    names = ("graph+rotate", "eager, one buffer")
     best: dict = {}
-    for cfg in ({"use_graphs": True, "rotate": True}, {"use_graphs": False, "rotate": False}):
-        for r in run_baselines(op, dtype, sizes, world, backends=backends, timeout=timeout, **cfg, **kw):
-            r["config"] = "graph+rotate" if cfg["use_graphs"] else "eager, one buffer"
-            key = (r["backend"], r["bytes"])
-            old = best.get(key)
-            if old is None or (r.get("time_us") and (not old.get("time_us") or r["time_us"] < old["time_us"])):
-                best[key] = r
+    for r in run_baselines(op, dtype, sizes, world, backends=backends, timeout=timeout, configs=configs, **kw):
+        r["config"] = names[r.pop("config_index", 0)]
+        key = (r["backend"], r["bytes"])
+        old = best.get(key)
+        if old is None or (r.get("time_us") and (not old.get("time_us") or r["time_us"] < old["time_us"])):
+            best[key] = r
     return list(best.values())
 
 
@@ -609,15 +616,19 @@ def _bench_one(ctx: _Ctx, backend: str, call: Callable[[int], object], result_of
 
 
 def worker(cfg: dict, rank: int) -> list[dict]:
-    """One rank of the collective baselines (tsgen.bench.workers runs it): rank 0's rows."""
+    """One rank of the collective baselines (tsgen.bench.workers runs it): rank 0's rows. With
+    cfg["configs"], every configuration in turn on the same communicators, each row tagged with
+    its index (config_index)."""
     ctx = _Ctx(cfg, rank)
     torch = ctx.torch
-    rows: list[dict] = []
-    plans = []
-    for nbytes in cfg["sizes"]:
-        counts = elem_counts(ctx.op, nbytes, ctx.dtype_name, ctx.world)
-        slots = rotation_slots(nbytes, counts.footprint(ctx.item), ctx.l2, cfg["rotate"])
-        plans.append((nbytes, counts, slots))
+    configs = cfg.get("configs") or [{"use_graphs": cfg["use_graphs"], "rotate": cfg["rotate"]}]
+    plans_of = []
+    for c in configs:
+        plans = []
+        for nbytes in cfg["sizes"]:
+            counts = elem_counts(ctx.op, nbytes, ctx.dtype_name, ctx.world)
+            plans.append((nbytes, counts, rotation_slots(nbytes, counts.footprint(ctx.item), ctx.l2, c["rotate"])))
+        plans_of.append(plans)
     base = {"nccl_version": ctx.nccl_version, "device": ctx.device_name, "l2_bytes": ctx.l2,
             "torch_version": torch.__version__}
 
@@ -626,7 +637,7 @@ def worker(cfg: dict, rank: int) -> list[dict]:
     if symm_wanted and ctx.cpu:
         symm_skip = "symm_mem needs CUDA (gloo dry run)"
     elif symm_wanted:
-        elems = max(s * slot_stride(c.n_in, ctx.item) for _, c, s in plans)
+        elems = max(s * slot_stride(c.n_in, ctx.item) for plans in plans_of for _, c, s in plans)
         try:
             symm = _Symm(ctx, elems)
         except _Skip as e:
@@ -640,55 +651,12 @@ def worker(cfg: dict, rank: int) -> list[dict]:
         except _Skip as e:
             cupy_skip = str(e)
 
+    rows: list[dict] = []
     try:
-        for nbytes, counts, nslots in plans:
-            si, so = slot_stride(counts.n_in, ctx.item), slot_stride(counts.n_out, ctx.item)
-            extra = dict(base, slots=nslots)
-            plain = None
-            for backend in cfg["backends"]:
-                reason = skip_reason(backend, ctx.op)
-                if reason is None and backend.startswith("symm_mem_"):
-                    reason = symm_skip
-                if reason is None and backend == "nccl_cupy":
-                    reason = cupy_skip
-                if reason is not None:
-                    rows.append(make_row(backend, ctx.op, ctx.dtype_name, nbytes, ctx.world, None, None,
-                                         skipped=reason, **extra))
-                    continue
-                if backend.startswith("symm_mem_"):
-                    inp = symm.buf[: nslots * si]
-                    slots = _Slots(inp, inp, counts.n_in, counts.n_out, si, si, nslots)
-                    algo = backend.removeprefix("symm_mem_")
-                    call = symm.call(algo, slots)
-                    if algo == "one_shot":
-                        def result_of(ret):
-                            return ret
-                    else:
-                        def result_of(ret, slots=slots):
-                            return slots.i(0)
-                    row_extra = extra
-                else:
-                    if plain is None:
-                        inp = torch.empty(nslots * si, dtype=ctx.dtype, device=ctx.device)
-                        out = inp if counts.in_place else torch.empty(nslots * so, dtype=ctx.dtype,
-                                                                      device=ctx.device)
-                        plain = _Slots(inp, out, counts.n_in, counts.n_out, si, so if not counts.in_place else si,
-                                       nslots)
-                    slots = plain
-                    if backend == "nccl":
-                        call = _nccl_call(ctx, slots)
-                        row_extra = extra
-                    else:
-                        call = cupy_nccl.call(slots)
-                        row_extra = dict(extra, nccl_version=cupy_nccl.version)
-
-                    def result_of(ret, slots=slots):
-                        return slots.o(0)
-                rows.append(_bench_one(ctx, backend, call, result_of, slots, counts, nbytes, row_extra))
-            plain = None
-            ctx.synchronize()
-            if not ctx.cpu:
-                torch.cuda.empty_cache()
+        for index, (config, plans) in enumerate(zip(configs, plans_of)):
+            ctx.cfg = dict(cfg, **config)  # what _bench_one reads (use_graphs)
+            tag = {"config_index": index} if cfg.get("configs") else {}
+            rows += _time_plans(ctx, plans, dict(base, **tag), symm, symm_skip, cupy_nccl, cupy_skip)
     finally:
         if cupy_nccl is not None:
             cupy_nccl.close()
@@ -698,6 +666,60 @@ def worker(cfg: dict, rank: int) -> list[dict]:
             ctx.dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+    return rows
+
+
+def _time_plans(ctx: _Ctx, plans: list, base: dict, symm, symm_skip, cupy_nccl, cupy_skip) -> list[dict]:
+    """Every backend at every (size, counts, slots) of `plans` under ctx.cfg: rank 0's rows."""
+    torch, cfg, rows = ctx.torch, ctx.cfg, []
+    for nbytes, counts, nslots in plans:
+        si, so = slot_stride(counts.n_in, ctx.item), slot_stride(counts.n_out, ctx.item)
+        extra = dict(base, slots=nslots)
+        plain = None
+        for backend in cfg["backends"]:
+            reason = skip_reason(backend, ctx.op)
+            if reason is None and backend.startswith("symm_mem_"):
+                reason = symm_skip
+            if reason is None and backend == "nccl_cupy":
+                reason = cupy_skip
+            if reason is not None:
+                rows.append(make_row(backend, ctx.op, ctx.dtype_name, nbytes, ctx.world, None, None,
+                                     skipped=reason, **extra))
+                continue
+            if backend.startswith("symm_mem_"):
+                inp = symm.buf[: nslots * si]
+                slots = _Slots(inp, inp, counts.n_in, counts.n_out, si, si, nslots)
+                algo = backend.removeprefix("symm_mem_")
+                call = symm.call(algo, slots)
+                if algo == "one_shot":
+                    def result_of(ret):
+                        return ret
+                else:
+                    def result_of(ret, slots=slots):
+                        return slots.i(0)
+                row_extra = extra
+            else:
+                if plain is None:
+                    inp = torch.empty(nslots * si, dtype=ctx.dtype, device=ctx.device)
+                    out = inp if counts.in_place else torch.empty(nslots * so, dtype=ctx.dtype,
+                                                                  device=ctx.device)
+                    plain = _Slots(inp, out, counts.n_in, counts.n_out, si, so if not counts.in_place else si,
+                                   nslots)
+                slots = plain
+                if backend == "nccl":
+                    call = _nccl_call(ctx, slots)
+                    row_extra = extra
+                else:
+                    call = cupy_nccl.call(slots)
+                    row_extra = dict(extra, nccl_version=cupy_nccl.version)
+
+                def result_of(ret, slots=slots):
+                    return slots.o(0)
+            rows.append(_bench_one(ctx, backend, call, result_of, slots, counts, nbytes, row_extra))
+        plain = None
+        ctx.synchronize()
+        if not ctx.cpu:
+            torch.cuda.empty_cache()
     return rows
 
 
