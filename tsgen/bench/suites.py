@@ -156,8 +156,10 @@ def add_ideal_ratios(entries: list[Entry], outcomes: list) -> None:
                     r.setdefault("ratios", {})[f"ideal: {o.spec}"] = r["TFLOPs"] / best["TFLOPs"]
 
 
-class Stopped(Exception):
-    """A signal (SIGTERM, SIGINT) stopped a suite: run_entries keeps the entries it finished."""
+class Stopped(BaseException):
+    """A signal (SIGTERM) stopped a suite: run_entries keeps the entries it finished. A
+    BaseException, as KeyboardInterrupt is, so that no `except Exception` on the way (a
+    baseline's error handling, a timing's) turns it into one failed measurement and goes on."""
 
 
 def stop_on_signals() -> None:
