@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..files import atomic_write
 from .ceilings import Device
 
 
@@ -135,6 +136,8 @@ def write_result(results: Path, suite: str, meta: dict, rows: list[dict], errors
         n += 1
         name = f"{stem}-{n}"
     path = folder / f"{name}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1, default=str) + "\n")
-    path.with_suffix(".md").write_text(markdown)
+    # each file whole or not at all (a stopped suite may be killed while it writes): the .md first,
+    # as `tsgen results` indexes the runs by their .json
+    atomic_write(path.with_suffix(".md"), markdown.encode())
+    atomic_write(path, (json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1, default=str) + "\n").encode())
     return path
