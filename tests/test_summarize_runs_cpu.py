@@ -1,0 +1,53 @@
+"""tools/summarize_shared.py: a device run's folder becomes the results/tests/ summary; a real-GPU
+run (tools/gpu_real.sh's pytest_real.txt) and a shared-GPU run (gpu_shared.sh) go to their own
+folders with the right tallies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_dir(tmp: Path, pytest_file: str) -> Path:
+    run = tmp / "run"
+    run.mkdir()
+    (run / "device.txt").write_text("0, NVIDIA H200, 580.159.04, 143771 MiB\n2026-11-23T20:14:37Z\n")
+    (run / pytest_file).write_text("[gw0] PASSED tests/test_gpu.py::x\nFAILED tests/test_gpu.py::test_y - boom\n"
+                                   "========= 1 failed, 7 passed, 3 skipped in 12.50s =========\n")
+    rows = {"correctness": [{"spec": "allgather", "world": 2, "pass": True}, {"spec": "put_block", "world": 1, "pass": True}],
+            "negative_control": [{"spec": "barrier_all", "removed": "x", "skew": 7, "shared": False, "pass": False}],
+            "moe": [{"test": "dispatch_combine", "world": 2, "pass": True},
+                    {"test": "negative_control_data_wait", "world": 4, "caught": True}]}
+    for kind, rs in rows.items():
+        (run / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    return run
+
+
+def _summarize(run: Path, results: Path) -> str:
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "summarize_shared.py"), str(run), str(results), "abc1234",
+                        "bash tools/x.sh"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_a_real_gpu_run_is_filed_under_real_gpu(tmp_path):
+    out = _summarize(_run_dir(tmp_path, "pytest_real.txt"), tmp_path / "results")
+    md = tmp_path / "results" / "tests" / "real-gpu" / "2026-11-23-abc1234.md"
+    data = json.loads(md.with_suffix(".json").read_text())
+    assert md.read_text().strip() == out.strip()
+    assert "GPU suite, one GPU per rank" in out and "7 passed, 1 failed, 3 skipped in 12.5 s" in out
+    assert "vendoring example" not in out  # a real run has none
+    assert data["summary"]["failed_tests"] == ["tests/test_gpu.py::test_y"]
+    assert data["summary"]["correctness"] == {"tests": 2, "passed": 2, "worlds": {"1": 1, "2": 1}}
+    assert data["summary"]["families"]["moe"] == {"tests": 2, "passed": 1, "controls_caught": 1, "worlds": [2, 4]}
+    assert "| barrier_all | 7 | yes |" in out
+
+
+def test_a_shared_gpu_run_is_filed_under_shared_gpu(tmp_path):
+    out = _summarize(_run_dir(tmp_path, "pytest_shared.txt"), tmp_path / "results")
+    assert (tmp_path / "results" / "tests" / "shared-gpu" / "2026-11-23-abc1234.json").exists()
+    assert "GPU suite on one GPU (shared-GPU worlds)" in out and "vendoring example" in out
