@@ -43,12 +43,15 @@ def moe_worker(cfg: dict, rank: int) -> list[dict]:
         x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
         out = torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16)
 
-        def call():
-            valid = idx >= 0
-            dest = torch.where(valid, idx // per_rank, world)  # world: no destination
+        def destinations():
+            """[tokens, world] bool: the ranks holding one of the token's experts (each once)."""
+            dest = torch.where(idx >= 0, idx // per_rank, world)  # world: no destination
             mask = torch.zeros(tokens, world + 1, dtype=torch.bool, device=dev)
             mask.scatter_(1, dest, True)
-            d, t = mask[:, :world].t().nonzero(as_tuple=True)  # by destination, then token
+            return mask[:, :world]
+
+        def call():
+            d, t = destinations().t().nonzero(as_tuple=True)  # by destination, then token
             send_counts = torch.bincount(d, minlength=world)
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts)
@@ -68,11 +71,7 @@ def moe_worker(cfg: dict, rank: int) -> list[dict]:
                             label=f"torch all_to_all_single moe {tokens}")
         # the timed output, checked: with the identity expert, token t's row comes back once per
         # destination rank, so out[t] = bf16(n_t * x[t]) exactly (n_t <= 8: the fp32 sum is exact)
-        valid = idx >= 0
-        dest = torch.where(valid, idx // per_rank, world)
-        mask = torch.zeros(tokens, world + 1, dtype=torch.bool, device=dev)
-        mask.scatter_(1, dest, True)
-        n = mask[:, :world].sum(1, dtype=torch.float32)
+        n = destinations().sum(1, dtype=torch.float32)
         wrong = (out != (x.float() * n[:, None]).to(torch.bfloat16)).sum().reshape(1)
         dist.all_reduce(wrong)
         rows.append({"tokens": tokens, **timing.fields(), "samples_us": timing.samples_us,

@@ -105,7 +105,7 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
         raise SpecError([f"{path}: {e}"]) from None
     except ValidationError as e:
         raise SpecError([f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]) from None
-    problems, entries = [], []
+    problems, entries, names = [], [], set()  # names: the entries' row labels (ideal_of refers to them)
     for i, e in enumerate(model.entries):
         where = f"{path}: entries.{i}"
         sizes = e.sizes if e.sizes is not None else model.sizes
@@ -116,14 +116,13 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
             problems.append(f"{where}.sizes: {err}")
         if not Path(e.spec).exists():
             problems.append(f"{where}.spec: {e.spec} does not exist")
-        elif e.variant:  # validated as a shipped spec is
-            try:
-                spec_variant(load_spec(e.spec), e.variant)
+        else:
+            try:  # a variant validated as a shipped spec is
+                names.add(e.label or spec_variant(load_spec(e.spec), e.variant).model.name)
             except SpecError as err:
-                problems += [f"{where}.variant: {p}" for p in err.problems]
+                problems += [f"{where}.{'variant' if e.variant else 'spec'}: {p}" for p in err.problems]
         entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
                              tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ())))
-    names = {e.label or load_spec(e.spec).model.name for e in entries if e.spec.exists()}
     for i, e in enumerate(entries):
         problems += [f"{path}: entries.{i}.ideal_of: no entry is labelled {n!r} (entries: {', '.join(sorted(names))})"
                      for n in e.ideal_of if n not in names]

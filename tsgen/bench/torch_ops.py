@@ -80,9 +80,11 @@ def sdpa(world, rank: int, spec, seq: int, *, iters: int, reps: int, warmup: int
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from ..ops.attention import scale_of
+
     p, dev, stream = spec.params, world.devices[rank], world.streams[rank]
     tdt = getattr(torch, spec.dtype)
-    scale = p.softmax_scale if p.softmax_scale is not None else p.head_dim ** -0.5
+    scale = scale_of(spec)
     with torch.cuda.device(dev):
         q = torch.randn(p.batch, p.heads, seq, p.head_dim, device=f"cuda:{dev}", dtype=tdt)
         k = torch.randn(p.batch, p.kv_heads, seq, p.head_dim, device=f"cuda:{dev}", dtype=tdt)

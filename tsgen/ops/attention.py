@@ -105,6 +105,12 @@ def scale_of(spec: AttentionSpec) -> float:
     return p.softmax_scale if p.softmax_scale is not None else 1.0 / math.sqrt(p.head_dim)
 
 
+def shape_key(p) -> str:
+    """What makes two attention benchmarks (attention, cp_attention) time the same work at one
+    size: batch, heads, KV heads, head dim, layout, causality."""
+    return f"/b{p.batch}/h{p.heads}/kv{p.kv_heads}/d{p.head_dim}/{p.layout}{'/causal' if p.causal else ''}"
+
+
 def smem_bytes(spec: AttentionSpec) -> int:
     """Q tile + K and V stages + barriers + alignment slack (tsgen::attention::Layout asserts it)."""
     p = spec.params
@@ -147,8 +153,7 @@ class AttentionBench(BenchConventions):
                          hbm_bytes=float(2 * qo + 2 * kv + 4 * p.batch * p.heads * size))
 
     def group_shape(self, spec):
-        p = spec.params
-        return f"/b{p.batch}/h{p.heads}/kv{p.kv_heads}/d{p.head_dim}/{p.layout}{'/causal' if p.causal else ''}"
+        return shape_key(spec.params)
 
     def check_rows(self, family, spec, world, count, fetch):
         """O at sampled query rows of sequence 0 against float32 attention over all its keys."""

@@ -48,7 +48,7 @@ from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
 from .attention import (AttentionFamily, AttentionTile, attention_reference, flops, from_bshd, o_tolerance, scale_of,
-                        smem_bytes, to_bshd)
+                        shape_key, smem_bytes, to_bshd)
 from .base import Buffer, OpFamily, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
@@ -168,8 +168,7 @@ class CpAttentionBench(BenchConventions):
                          link_bytes=family.bytes_moved(spec, world, count))
 
     def group_shape(self, spec):
-        p = spec.params
-        return f"/b{p.batch}/h{p.heads}/kv{p.kv_heads}/d{p.head_dim}/{p.layout}{'/causal' if p.causal else ''}"
+        return shape_key(spec.params)
 
     def check_rows(self, family, spec, world, count, fetch):
         """O at sampled rows of sequence 0 of each rank against float32 attention of those
