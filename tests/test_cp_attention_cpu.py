@@ -78,7 +78,7 @@ def test_shipped_specs_and_render():
 def test_negative_control_and_skew_render():
     v = variant("neg", base="cp_attention_zigzag_causal_sm", params={"skip_wait": True})
     source = render(v, base=ROOT, skew=7).source
-    assert "NEGATIVE CONTROL" in source and "tsgen_skew(rank, ptx::ld_relaxed_gpu_global_u64(calls));" in source
+    assert "NEGATIVE CONTROL" in source and "tsgen_skew(rank, tsgen::ptx::ld_relaxed_gpu_global_u64(calls));" in source
 
 
 def test_shared_fit():

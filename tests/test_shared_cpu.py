@@ -261,8 +261,20 @@ def test_skew_adds_only_the_delay(name):
     assert len(calls) == len(loaded.model.world_sizes)  # once per entry point, right after the epoch is read
 
 
+# One spec of the generic skew (module.cu.j2) and one of each template that places its own call:
+# a skewed source is compiled only when a test asks for it, so nothing else would build it.
+SKEWED = ["simple_shift", "cp_attention_zigzag_causal_sm", "moe"]
+
+
+def test_every_template_that_places_a_skew_call_is_compiled_skewed():
+    own = {p.name.split(".")[0] for p in (ROOT / "templates" / "ops").glob("*.cu.j2") if "tsgen_skew" in p.read_text()}
+    covered = {load_spec(ROOT / "specs" / f"{name}.yaml").model.op for name in SKEWED}
+    assert own <= covered, f"compile a skewed spec of {sorted(own - covered)} in test_skewed_source_compiles"
+
+
 @pytest.mark.compile
-def test_skewed_source_compiles(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", SKEWED)
+def test_skewed_source_compiles(name, tmp_path, monkeypatch):
     from tsgen.toolchain import ToolchainError, compile_source, find_nvcc
 
     try:
@@ -270,8 +282,8 @@ def test_skewed_source_compiles(tmp_path, monkeypatch):
     except ToolchainError as e:
         pytest.skip(str(e))
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
-    src = tmp_path / "simple_shift.cu"
-    src.write_text(render(load_spec(ROOT / "specs" / "simple_shift.yaml"), base=ROOT, skew=3).source)
+    src = tmp_path / f"{name}.cu"
+    src.write_text(render(load_spec(ROOT / "specs" / f"{name}.yaml"), base=ROOT, skew=3).source)
     assert compile_source(src).output.exists()
 
 
