@@ -82,6 +82,8 @@ def test_negative_control_and_skew_render():
 
 
 def test_shared_fit():
+    from tsgen.harness import shared_gpu_variant
+
     family = get_family("cp_attention")
     sm = variant("s", base="cp_attention_zigzag_causal_sm").model
     assert family.shared_fit(sm, 1, 132) == {}
@@ -89,7 +91,11 @@ def test_shared_fit():
     assert family.shared_fit(sm, 8, 132) == {"launch": {"blocks": 11}, "params": {"gather_blocks": 4}}
     ce = variant("c").model
     assert family.copy_engine(ce) and not family.copy_engine(sm)
-    assert family.shared_fit(ce, 4, 132) == {"launch": {"blocks": 31}}
+    assert family.shared_refusal(sm) is None
+    assert "copy-engine transport does not run on a shared GPU" in family.shared_refusal(ce)
+    world = type("SharedWorld", (), {"shared": True, "colocated": 2})()
+    with pytest.raises(RuntimeSetupError, match="copy-engine transport does not run on a shared GPU.*gather: sm"):
+        shared_gpu_variant(load_spec(ROOT / "specs" / "cp_attention_zigzag_causal.yaml"), world, print)
     with pytest.raises(RuntimeSetupError, match="ranks on one GPU"):
         family.shared_fit(sm, 8, 8)
 

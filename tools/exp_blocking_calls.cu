@@ -54,6 +54,15 @@ __global__ void with_printf(int* p, int v) {
   if (v < 0) printf("never printed %d %d %d %d\n", v, p[0], p[1], p[2]);  // a 64-byte stack frame
   p[threadIdx.x] += v;
 }
+__global__ void with_printf2(int* p, int v) {
+  if (v < 0) printf("never printed either %d %d %d %d\n", v, p[0], p[1], p[2]);
+  p[threadIdx.x] += 2 * v;
+}
+__global__ void small_stack(int* p, int n) {  // a 512-byte local array (below the default stack limit), no printf
+  volatile int local[128];
+  for (int i = 0; i < 128; ++i) local[i] = i * n;
+  p[threadIdx.x] += local[(threadIdx.x * 7 + n) % 128];
+}
 __global__ void big_stack(int* p, int n) {
   volatile int local[4096];  // 16 KiB per thread: above the default stack limit
   for (int i = 0; i < 4096; ++i) local[i] = i * n;
@@ -105,13 +114,18 @@ static int queues(int n, const std::string& prio) {
 int main(int argc, char** argv) {
   const char* calls =
       "stream_create stream_create_high event_create func_set_attribute first_launch first_launch_printf "
-      "first_launch_big_stack launch_again malloc free malloc_host host_register tensor_map none";
+      "first_launch_big_stack launch_again malloc free malloc_host host_register tensor_map none "
+      "second_printf_kernel small_stack small_stack_after_printf printf_after_stack_limit printf_after_fifo_limit "
+      "big_stack_after_stack_limit second_printf_after_get_attributes";
   if (argc < 2) {
     std::printf("calls: %s; or: queues N low|high|mixed\n", calls);
     return 1;
   }
   const std::string call = argv[1];
   CHECK(cudaSetDevice(0));
+  if (call == "printf_after_stack_limit" || call == "big_stack_after_stack_limit")
+    CHECK(cudaDeviceSetLimit(cudaLimitStackSize, call == "big_stack_after_stack_limit" ? 20 * 1024 : 1024));
+  if (call == "printf_after_fifo_limit") CHECK(cudaDeviceSetLimit(cudaLimitPrintfFifoSize, 1 << 20));
   if (call == "queues") return queues(argc > 2 ? std::atoi(argv[2]) : 8, argc > 3 ? argv[3] : "low");
 
   cudaStream_t a, b;
@@ -127,7 +141,13 @@ int main(int argc, char** argv) {
   // warm: every kernel the spinner / release path needs has run once
   release<<<1, 1, 0, b>>>(scratch);
   spinner<<<1, 1, 0, a>>>(scratch, scratch + 1, 10);
-  if (call == "launch_again") with_printf<<<1, 32, 0, b>>>(scratch + 64, 1);
+  if (call == "launch_again" || call == "second_printf_kernel" || call == "small_stack_after_printf" ||
+      call == "second_printf_after_get_attributes")
+    with_printf<<<1, 32, 0, b>>>(scratch + 64, 1);
+  if (call == "second_printf_after_get_attributes") {
+    cudaFuncAttributes attr;
+    CHECK(cudaFuncGetAttributes(&attr, with_printf2));
+  }
   CHECK(cudaDeviceSynchronize());
 
   spinner<<<1, 1, 0, a>>>(flag, result, 1500);
@@ -148,9 +168,14 @@ int main(int argc, char** argv) {
     CHECK(cudaFuncSetAttribute(big_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   } else if (call == "first_launch") {
     never_launched<<<1, 32, 0, b>>>(scratch + 64);
-  } else if (call == "first_launch_printf" || call == "launch_again") {
+  } else if (call == "second_printf_kernel" || call == "second_printf_after_get_attributes") {
+    with_printf2<<<1, 32, 0, b>>>(scratch + 64, 1);
+  } else if (call == "small_stack" || call == "small_stack_after_printf") {
+    small_stack<<<1, 32, 0, b>>>(scratch + 64, 3);
+  } else if (call == "first_launch_printf" || call == "launch_again" || call == "printf_after_stack_limit" ||
+             call == "printf_after_fifo_limit") {
     with_printf<<<1, 32, 0, b>>>(scratch + 64, 1);
-  } else if (call == "first_launch_big_stack") {
+  } else if (call == "first_launch_big_stack" || call == "big_stack_after_stack_limit") {
     big_stack<<<1, 32, 0, b>>>(scratch + 64, 3);
   } else if (call == "malloc") {
     void* p;

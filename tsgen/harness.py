@@ -36,14 +36,9 @@ def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -
     if not world.shared:
         return loaded
     family = get_family(loaded.model.op)
-    if family.transport(loaded.model) == "copy_engine":
-        # measured 2026-11-23 on one H100: allgather_ce with 2 ranks on the GPU timed out at
-        # its first call in one run of 6 calls and passed in others (a rank's wait for the
-        # other's entry signal never ended while its launcher thread sat in the CUDA runtime)
-        raise RuntimeSetupError(
-            f"{loaded.path}: the copy-engine transport does not run on a shared GPU: copies between "
-            "ranks of one GPU are same-device copies that stalled a rank's launcher while its peer "
-            "waited (measured); test the p2p variant of the spec here, or run on separate GPUs")
+    refusal = family.shared_refusal(loaded.model)
+    if refusal:
+        raise RuntimeSetupError(f"{loaded.path}: {refusal}")
     sms = world.cp.cuda.runtime.getDeviceProperties(world.devices[world.ranks[0]])["multiProcessorCount"]
     updates = family.shared_fit(loaded.model, world.colocated, sms)
     variant = spec_variant(loaded, updates)

@@ -123,6 +123,18 @@ class Selection:
         """True for NVLink-multicast variants (compiled only; the runtime refuses them)."""
         return False
 
+    def shared_refusal(self, spec: Any) -> str | None:
+        """Why the spec cannot run with ranks sharing a GPU (harness.shared_gpu_variant raises it),
+        None where it can. Copy-engine transports are refused: measured 2026-11-23 on one H100,
+        allgather_ce with 2 ranks on the GPU timed out at its first call in one run of 6 calls and
+        passed in others (a rank's wait for the other's entry signal never ended while its
+        launcher thread sat in the CUDA runtime)."""
+        if self.transport(spec) != "copy_engine":
+            return None
+        return ("the copy-engine transport does not run on a shared GPU: copies between ranks of one GPU "
+                "are same-device copies that stalled a rank's launcher while its peer waited (measured); "
+                "test the p2p variant of the spec here, or run on separate GPUs")
+
     def reserved_sms(self, spec: Any) -> int:
         """SMs each rank leaves free beside its grid (params.reserve_sms of the fused GEMMs)."""
         return 0

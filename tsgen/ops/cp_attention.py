@@ -232,6 +232,13 @@ class CpAttentionFamily(OpFamily):
             problems.append((("params", "skip_wait"), "the negative control runs on a shared GPU: needs gather: sm"))
         return problems
 
+    def shared_refusal(self, spec):
+        if spec.params.gather != "copy_engine":
+            return None
+        return ("the copy-engine transport does not run on a shared GPU (as the copy-engine collectives: "
+                "same-device copies stalled a rank's launcher while its peer waited, measured); test the "
+                "gather: sm variant (specs/cp_attention_zigzag_causal_sm.yaml) here, or run on separate GPUs")
+
     def shared_fit(self, spec, colocated, sms):
         """Each rank's share of the GPU: the push kernel's CTAs (at most a quarter of the share),
         one SM for the launcher's one-block entry kernel, and the persistent attention grid in
@@ -242,12 +249,11 @@ class CpAttentionFamily(OpFamily):
         if colocated == 1:
             return {}
         p = spec.params
-        room = sms // colocated
-        gather = min(p.gather_blocks, max(1, room // 4)) if p.gather == "sm" else 0
-        reserve = gather + ENTRY_SMS if p.gather == "sm" else CE_RESERVE_SMS
-        blocks = fit_blocks(spec.launch.blocks or room, colocated, sms, reserve=reserve)
+        room = sms // colocated  # (gather: copy_engine is refused: shared_refusal)
+        gather = min(p.gather_blocks, max(1, room // 4))
+        blocks = fit_blocks(spec.launch.blocks or room, colocated, sms, reserve=gather + ENTRY_SMS)
         updates = {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
-        if p.gather == "sm" and gather != p.gather_blocks:
+        if gather != p.gather_blocks:
             updates["params"] = {"gather_blocks": gather}
         return updates
 

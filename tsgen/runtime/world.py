@@ -353,6 +353,10 @@ class World:
         # queued there ordered separate devices' default streams against each other (deadlock).
         self.streams = self.make_streams()
         self._modules: list[Module] = []  # closed with the World
+        if os.environ.get("TSGEN_EXP_STACK_LIMIT"):  # EXPERIMENT (tools/exp_blocking_calls.cu), not kept
+            for dev in set(self.devices.values()):
+                with self.cp.cuda.Device(dev):
+                    self.cp.cuda.runtime.deviceSetLimit(0, int(os.environ["TSGEN_EXP_STACK_LIMIT"]))
 
     def make_streams(self) -> dict[int, Any]:
         """A new non-blocking stream per local rank, on its device, keyed by rank."""
