@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from pathlib import Path
 
 import pytest
 
@@ -305,3 +306,54 @@ def test_shared_gpu_environment_queues_and_eager_loading_without_overriding_the_
     env = shared_gpu_env({})
     assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"}
     assert shared_gpu_env({"CUDA_MODULE_LOADING": "LAZY"})["CUDA_MODULE_LOADING"] == "LAZY"
+
+
+# ---------------------------------------------------------------------------
+# the printf buffer is set up before any rank's kernel can spin
+# ---------------------------------------------------------------------------
+
+
+def test_printf_is_primed_once_per_device(tmp_path, monkeypatch):
+    """A shared GPU's context launches a printf kernel once, and waits for it, before the first
+    module's kernels (tools/exp_blocking_calls.cu: that first launch waits for every running kernel)."""
+    import types
+
+    import tsgen.toolchain
+    from tsgen.runtime import world as world_mod
+
+    log = []
+    compiled = []
+
+    def compile_source(src, arch):
+        compiled.append(Path(src).read_text())
+        return types.SimpleNamespace(output=tmp_path / "prime.cubin")
+
+    class Device:
+        def __init__(self, dev):
+            self.dev = dev
+
+        def __enter__(self):
+            log.append(("device", self.dev))
+
+        def __exit__(self, *exc):
+            return False
+
+    class RawModule:
+        def __init__(self, path):
+            self.path = path
+
+        def get_function(self, name):
+            return lambda grid, block, args: log.append(("launch", name, grid, block))
+
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=Device, runtime=types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)))))
+    cp.RawModule = RawModule
+    monkeypatch.setattr(tsgen.toolchain, "compile_source", compile_source)
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(world_mod, "_primed", set())
+    world_mod.prime_printf(cp, {0, 1}, "sm_90a")
+    assert log == [("device", 0), ("launch", "tsgen_prime_printf", (1,), (1,)), ("sync",),
+                   ("device", 1), ("launch", "tsgen_prime_printf", (1,), (1,)), ("sync",)]
+    assert "printf(" in compiled[0] and 'extern "C" __global__ void tsgen_prime_printf' in compiled[0]
+    world_mod.prime_printf(cp, {0, 1}, "sm_90a")  # once per process
+    assert len(log) == 6

@@ -116,7 +116,8 @@ int main(int argc, char** argv) {
       "stream_create stream_create_high event_create func_set_attribute first_launch first_launch_printf "
       "first_launch_big_stack launch_again malloc free malloc_host host_register tensor_map none "
       "second_printf_kernel small_stack small_stack_after_printf printf_after_stack_limit printf_after_fifo_limit "
-      "big_stack_after_stack_limit second_printf_after_get_attributes";
+      "big_stack_after_stack_limit second_printf_after_get_attributes second_printf_after_func_load "
+      "second_printf_after_local_size";
   if (argc < 2) {
     std::printf("calls: %s; or: queues N low|high|mixed\n", calls);
     return 1;
@@ -142,11 +143,27 @@ int main(int argc, char** argv) {
   release<<<1, 1, 0, b>>>(scratch);
   spinner<<<1, 1, 0, a>>>(scratch, scratch + 1, 10);
   if (call == "launch_again" || call == "second_printf_kernel" || call == "small_stack_after_printf" ||
-      call == "second_printf_after_get_attributes")
+      call == "second_printf_after_get_attributes" || call == "second_printf_after_func_load" ||
+      call == "second_printf_after_local_size")
     with_printf<<<1, 32, 0, b>>>(scratch + 64, 1);
   if (call == "second_printf_after_get_attributes") {
     cudaFuncAttributes attr;
     CHECK(cudaFuncGetAttributes(&attr, with_printf2));
+  }
+  if (call == "second_printf_after_func_load" || call == "second_printf_after_local_size") {
+    cudaFunction_t f;
+    CHECK(cudaGetFuncBySymbol(&f, (const void*)with_printf2));
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (call == "second_printf_after_func_load") {
+      CHECK(cudaGetDriverEntryPointByVersion("cuFuncLoad", &fn, 12040, cudaEnableDefault, &found));
+      if (((CUresult(*)(CUfunction))fn)((CUfunction)f) != CUDA_SUCCESS) std::exit(3);
+    } else {
+      CHECK(cudaGetDriverEntryPointByVersion("cuFuncGetAttribute", &fn, 12000, cudaEnableDefault, &found));
+      int bytes = 0;
+      if (((CUresult(*)(int*, CUfunction_attribute, CUfunction))fn)(&bytes, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                                                                     (CUfunction)f) != CUDA_SUCCESS) std::exit(3);
+    }
   }
   CHECK(cudaDeviceSynchronize());
 
@@ -168,7 +185,8 @@ int main(int argc, char** argv) {
     CHECK(cudaFuncSetAttribute(big_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   } else if (call == "first_launch") {
     never_launched<<<1, 32, 0, b>>>(scratch + 64);
-  } else if (call == "second_printf_kernel" || call == "second_printf_after_get_attributes") {
+  } else if (call == "second_printf_kernel" || call == "second_printf_after_get_attributes" ||
+             call == "second_printf_after_func_load" || call == "second_printf_after_local_size") {
     with_printf2<<<1, 32, 0, b>>>(scratch + 64, 1);
   } else if (call == "small_stack" || call == "small_stack_after_printf") {
     small_stack<<<1, 32, 0, b>>>(scratch + 64, 3);

@@ -166,6 +166,44 @@ def module_files(manifest: str | Path | Manifest, source: str | Path | None = No
     return loaded, path.with_name(loaded.source) if source is None else Path(source)
 
 
+# The first launch of a kernel that calls printf (every tsgen kernel that waits: its timeout
+# diagnostic) sets the context's printf buffer up, and the GPU runs nothing else meanwhile: it
+# waits for every kernel already running (measured on an H100, tools/exp_blocking_calls.cu,
+# docs/lab/shared_gpu.md). Where ranks share a GPU, one rank's first kernel would then wait for
+# its peers' kernels, which spin until it has run: the world hangs until their timeout, at the
+# first call of the first module of the process. So a printf kernel runs once per device first.
+_PRIME_SOURCE = """// tsgen runtime: one launch sets the CUDA context's printf buffer up (tsgen/runtime/world.py)
+#include <cstdio>
+extern "C" __global__ void tsgen_prime_printf(int never) {
+  if (never < 0) printf("tsgen: %d\\n", never);
+}
+"""
+_primed: set[int] = set()
+
+
+def prime_printf(cp: Any, devices: set[int], arch: str) -> None:
+    """Launch a printf kernel once on each of `devices` (once per process) and wait for it."""
+    from ..toolchain import cache_dir, cache_error, compile_source
+
+    todo = sorted(devices - _primed)
+    if not todo:
+        return
+    from ..render import write_if_different
+
+    src = cache_dir() / "runtime" / "tsgen_prime_printf.cu"
+    try:
+        write_if_different(src, _PRIME_SOURCE)
+    except OSError as e:
+        raise cache_error(src.parent, e) from None
+    cubin = compile_source(src, arch=arch).output
+    for dev in todo:
+        with cp.cuda.Device(dev):
+            kernel = cp.RawModule(path=str(cubin)).get_function("tsgen_prime_printf")
+            kernel((1,), (1,), (np.int32(1),))
+            cp.cuda.runtime.deviceSynchronize()
+        _primed.add(dev)
+
+
 class Module:
     """One generated source loaded on every rank of a World: its `manifest` (in memory, or
     read from NAME.json) and `source`, the NAME.cu it describes."""
@@ -192,6 +230,8 @@ class Module:
         self._pool = None  # threads that call host launchers, one per local rank
         self._registered: list[int] = []  # CUmodule handles the backend registered (NVSHMEM)
         self.binary = compile_for(manifest, self.source, arch).output
+        if world.shared:
+            prime_printf(cp, set(world.devices.values()), arch)
         if manifest.compile_mode[0] == "shared":
             # The call is more than one kernel launch: the module's own host launcher
             # (compiled into a shared library) enqueues it on the stream we pass.
@@ -353,10 +393,6 @@ class World:
         # queued there ordered separate devices' default streams against each other (deadlock).
         self.streams = self.make_streams()
         self._modules: list[Module] = []  # closed with the World
-        if os.environ.get("TSGEN_EXP_STACK_LIMIT"):  # EXPERIMENT (tools/exp_blocking_calls.cu), not kept
-            for dev in set(self.devices.values()):
-                with self.cp.cuda.Device(dev):
-                    self.cp.cuda.runtime.deviceSetLimit(0, int(os.environ["TSGEN_EXP_STACK_LIMIT"]))
 
     def make_streams(self) -> dict[int, Any]:
         """A new non-blocking stream per local rank, on its device, keyed by rank."""
