@@ -188,11 +188,13 @@ def prime_printf(cp: Any, devices: set[int], arch: str) -> None:
     todo = sorted(devices - _primed)
     if not todo:
         return
-    from ..render import write_if_different
-
     src = cache_dir() / "runtime" / "tsgen_prime_printf.cu"
     try:
-        write_if_different(src, _PRIME_SOURCE)
+        if not src.is_file() or src.read_text() != _PRIME_SOURCE:  # written whole, then renamed
+            src.parent.mkdir(parents=True, exist_ok=True)
+            tmp = src.with_name(f".{src.name}.{os.getpid()}.tmp")
+            tmp.write_text(_PRIME_SOURCE)
+            os.replace(tmp, src)
     except OSError as e:
         raise cache_error(src.parent, e) from None
     cubin = compile_source(src, arch=arch).output
