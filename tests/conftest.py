@@ -29,23 +29,6 @@ if os.environ.get("TSGEN_SHARE_GPUS") == "1":
     shared_gpu_env()  # before any CUDA call: queues and eager module loading (tsgen/env.py)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _context_under_the_gpu_lock():
-    """With ranks sharing the GPU, each test process creates its CUDA context (eager loading: every
-    module registered so far) while it holds the GPU lock, so that no other process's test kernels
-    run meanwhile. Tried 2026-11-23 against the shared suite's only failures: the first test of a
-    worker (started with 13 others) timed out at its first call (docs/lab/shared_gpu.md)."""
-    if sharing() and gpu_count() > 0:
-        import cupy
-
-        from tsgen.harness import gpu_turn
-
-        with gpu_turn():
-            cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(256))
-            cupy.cuda.runtime.deviceSynchronize()
-    yield
-
-
 def sharing() -> bool:
     """TSGEN_SHARE_GPUS=1: worlds larger than the machine's GPU count run with ranks sharing
     GPUs (README "Testing on one GPU"); with enough GPUs every rank still gets its own."""
