@@ -349,7 +349,6 @@ class Module:
         args = [wrap.get(a.role, ctypes.c_void_p)(v) for a, v in zip(specs, values)]
         args.append(ctypes.c_void_p(stream.ptr))
         if os.environ.get("TSGEN_EXP_TRACE"):  # EXPERIMENT: how long each launcher call takes on the host
-            import sys
             import threading
             import time
 
@@ -358,8 +357,9 @@ class Module:
             ms = (time.perf_counter() - t0) * 1e3
             self._traced = getattr(self, "_traced", 0) + 1
             if ms > 20 or self._traced <= self.world.size:
-                print(f"TRACE {self.manifest.name} rank {rank} launcher call {self._traced}: {ms:.1f} ms "
-                      f"({threading.current_thread().name})", file=sys.stderr, flush=True)
+                with open(os.environ["TSGEN_EXP_TRACE"], "a") as f:
+                    f.write(f"TRACE pid {os.getpid()} {self.manifest.name} rank {rank} launcher call {self._traced}: "
+                            f"{ms:.1f} ms ({threading.current_thread().name})\n")
         else:
             err = self.launcher(*args)
         if err != 0:
