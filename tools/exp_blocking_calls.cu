@@ -4,7 +4,8 @@
 // the device to idle deadlocks the world until the spinners' timeout (docs/lab/shared_gpu.md).
 //
 //   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/exp_blocking_calls.cu -o exp
-//   ./exp CALL            one call between the spinner's launch and the release (list: ./exp)
+//   ./exp CALL [full]     one call between the spinner's launch and the release (list: ./exp);
+//                         full: the spinner holds every SM and the host releases it
 //   ./exp queues N PRIO   N streams (PRIO: low, high, mixed), kernel k raises flag k and waits for
 //                         all N flags: a stream that shares a hardware queue with an earlier
 //                         spinning stream never starts its kernel (false dependency)
@@ -167,7 +168,22 @@ int main(int argc, char** argv) {
   }
   CHECK(cudaDeviceSynchronize());
 
-  spinner<<<1, 1, 0, a>>>(flag, result, 1500);
+  // "full" (argv[2]): the spinner fills every SM (one CTA per SM: 200 KiB of shared memory each) and
+  // the host releases it through mapped host memory, as ranks' persistent grids fill a shared GPU
+  const bool full = argc > 2 && std::string(argv[2]) == "full";
+  int* host_flag = nullptr;
+  int* mapped_flag = nullptr;
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (full) {
+    CHECK(cudaHostAlloc(&host_flag, sizeof(int), cudaHostAllocMapped));
+    *(volatile int*)host_flag = 0;
+    CHECK(cudaHostGetDevicePointer(&mapped_flag, host_flag, 0));
+    CHECK(cudaFuncSetAttribute(spinner, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    spinner<<<sms, 1, 200 * 1024, a>>>(mapped_flag, result, 1500);
+  } else {
+    spinner<<<1, 1, 0, a>>>(flag, result, 1500);
+  }
   CHECK(cudaGetLastError());
   void* host = nullptr;
   cudaStream_t extra;
@@ -224,12 +240,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  release<<<1, 1, 0, b>>>(flag);
+  if (full)
+    *(volatile int*)host_flag = 1;
+  else
+    release<<<1, 1, 0, b>>>(flag);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
   int r = 0;
   CHECK(cudaMemcpy(&r, result, sizeof(int), cudaMemcpyDeviceToHost));
-  std::printf("%-24s %9.2f ms on the host  spinner %s  (CUDA_MODULE_LOADING=%s)\n", call.c_str(), ms,
+  std::printf("%-24s %-4s %9.2f ms on the host  spinner %s  (CUDA_MODULE_LOADING=%s)\n", call.c_str(),
+              full ? "full" : "one", ms,
               r == 1 ? "released" : "TIMED OUT: the call waited for it",
               getenv("CUDA_MODULE_LOADING") ? getenv("CUDA_MODULE_LOADING") : "default");
   return 0;

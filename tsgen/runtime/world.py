@@ -319,10 +319,8 @@ class Module:
             with cp.cuda.Device(self.world.devices[rank]):
                 self._host_launch(buffers, rank, streams[rank])
 
-        if len(ranks) == 1 or (os.environ.get("TSGEN_EXP_LAUNCH") == "sequential" and not getattr(self, "_seq", 0)):
-            self._seq = 1  # EXPERIMENT: the first call's launchers one after another from this thread
-            for r in ranks:
-                one(r)
+        if len(ranks) == 1:
+            one(ranks[0])
             return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -348,20 +346,7 @@ class Module:
         values = checked_args(specs, buffers.arg_values(specs, rank))
         args = [wrap.get(a.role, ctypes.c_void_p)(v) for a, v in zip(specs, values)]
         args.append(ctypes.c_void_p(stream.ptr))
-        if os.environ.get("TSGEN_EXP_TRACE"):  # EXPERIMENT: how long each launcher call takes on the host
-            import threading
-            import time
-
-            t0 = time.perf_counter()
-            err = self.launcher(*args)
-            ms = (time.perf_counter() - t0) * 1e3
-            self._traced = getattr(self, "_traced", 0) + 1
-            if ms > 20 or self._traced <= self.world.size:
-                with open(os.environ["TSGEN_EXP_TRACE"], "a") as f:
-                    f.write(f"TRACE pid {os.getpid()} {self.manifest.name} rank {rank} launcher call {self._traced}: "
-                            f"{ms:.1f} ms ({threading.current_thread().name})\n")
-        else:
-            err = self.launcher(*args)
+        err = self.launcher(*args)
         if err != 0:
             raise RuntimeSetupError(
                 f"rank {rank}: {self.kernel.launcher} failed with cudaError {err} "
