@@ -79,3 +79,17 @@ def sweep_temps(folder: Path) -> list[Path]:
             except OSError:
                 pass
     return removed
+
+
+def write_if_different(path: Path, text: str) -> bool:
+    """Atomically write `text` unless the file already holds exactly its bytes; True if written."""
+    data = text.encode()
+    try:
+        if path.read_bytes() == data:
+            return False
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_temps(path.parent)  # what a killed run left
+    atomic_write(path, data)
+    return True

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jinja2
 
-from .files import atomic_write, sweep_temps
+from .files import atomic_write, sweep_temps, write_if_different  # noqa: F401 (re-exported)
 from .lowering import Lowered, banner_first_line, comment_line, lower, spec_display_path  # noqa: F401 (re-exported)
 from .ops.base import ModuleAbi
 from .plan.lower import emit_defines
@@ -137,16 +137,3 @@ def render(spec: LoadedSpec | Lowered, base: Path | None = None, skew: int | Non
     lowered = spec if isinstance(spec, Lowered) else lower(spec, base)
     return Rendered(lowered.name, render_source(lowered, skew), lowered.manifest.to_json(), lowered)
 
-
-def write_if_different(path: Path, text: str) -> bool:
-    """Atomically write `text` unless the file already holds exactly its bytes; True if written."""
-    data = text.encode()
-    try:
-        if path.read_bytes() == data:
-            return False
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sweep_temps(path.parent)  # what a killed run left
-    atomic_write(path, data)
-    return True

@@ -101,6 +101,14 @@ CATEGORIES = ("primitive", "collective", "compute", "fused", "sequence", "moe")
 GPU_SWEEPS = ("specs", "collective", "one_gpu", None)
 
 
+def copy_engine_refusal(instead: str) -> str:
+    """Why a copy-engine transport is refused on a shared GPU (OpFamily.shared_refusal), naming
+    what to test there `instead`."""
+    return ("the copy-engine transport does not run on a shared GPU: copies between ranks of one GPU "
+            "are same-device copies that stalled a rank's launcher while its peer waited (measured); "
+            f"test {instead} here, or run on separate GPUs")
+
+
 class Selection:
     """What the family is: tests, bench and tools select ops by these attributes (through
     tsgen.ops.families and tsgen.shipped.shipped_specs), never by lists of op kinds."""
@@ -129,11 +137,7 @@ class Selection:
         allgather_ce with 2 ranks on the GPU timed out at its first call in one run of 6 calls and
         passed in others (a rank's wait for the other's entry signal never ended while its
         launcher thread sat in the CUDA runtime)."""
-        if self.transport(spec) != "copy_engine":
-            return None
-        return ("the copy-engine transport does not run on a shared GPU: copies between ranks of one GPU "
-                "are same-device copies that stalled a rank's launcher while its peer waited (measured); "
-                "test the p2p variant of the spec here, or run on separate GPUs")
+        return copy_engine_refusal("the p2p variant of the spec") if self.transport(spec) == "copy_engine" else None
 
     def reserved_sms(self, spec: Any) -> int:
         """SMs each rank leaves free beside its grid (params.reserve_sms of the fused GEMMs)."""

@@ -49,7 +49,7 @@ from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
 from .attention import (AttentionFamily, AttentionTile, attention_reference, flops, from_bshd, o_tolerance, scale_of,
                         shape_key, smem_bytes, to_bshd)
-from .base import Buffer, OpFamily, launcher_vars, one_kernel_abi
+from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
 
@@ -235,9 +235,7 @@ class CpAttentionFamily(OpFamily):
     def shared_refusal(self, spec):
         if spec.params.gather != "copy_engine":
             return None
-        return ("the copy-engine transport does not run on a shared GPU (as the copy-engine collectives: "
-                "same-device copies stalled a rank's launcher while its peer waited, measured); test the "
-                "gather: sm variant (specs/cp_attention_zigzag_causal_sm.yaml) here, or run on separate GPUs")
+        return copy_engine_refusal("the gather: sm variant (specs/cp_attention_zigzag_causal_sm.yaml)")
 
     def shared_fit(self, spec, colocated, sms):
         """Each rank's share of the GPU: the push kernel's CTAs (at most a quarter of the share),

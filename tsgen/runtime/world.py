@@ -170,8 +170,9 @@ def module_files(manifest: str | Path | Manifest, source: str | Path | None = No
 # diagnostic) sets the context's printf buffer up, and the GPU runs nothing else meanwhile: it
 # waits for every kernel already running (measured on an H100, tools/exp_blocking_calls.cu,
 # docs/lab/shared_gpu.md). Where ranks share a GPU, one rank's first kernel would then wait for
-# its peers' kernels, which spin until it has run: the world hangs until their timeout, at the
-# first call of the first module of the process. So a printf kernel runs once per device first.
+# its peers' kernels, which spin until it has run. So a printf kernel runs once per device
+# first. (Shared worlds still time out at some first calls for another reason, not yet found:
+# a rank's host launcher call blocks; the lab log has what was measured.)
 _PRIME_SOURCE = """// tsgen runtime: one launch sets the CUDA context's printf buffer up (tsgen/runtime/world.py)
 #include <cstdio>
 extern "C" __global__ void tsgen_prime_printf(int never) {
@@ -183,6 +184,7 @@ _primed: set[int] = set()
 
 def prime_printf(cp: Any, devices: set[int], arch: str) -> None:
     """Launch a printf kernel once on each of `devices` (once per process) and wait for it."""
+    from ..files import write_if_different
     from ..toolchain import cache_dir, cache_error, compile_source
 
     todo = sorted(devices - _primed)
@@ -190,11 +192,7 @@ def prime_printf(cp: Any, devices: set[int], arch: str) -> None:
         return
     src = cache_dir() / "runtime" / "tsgen_prime_printf.cu"
     try:
-        if not src.is_file() or src.read_text() != _PRIME_SOURCE:  # written whole, then renamed
-            src.parent.mkdir(parents=True, exist_ok=True)
-            tmp = src.with_name(f".{src.name}.{os.getpid()}.tmp")
-            tmp.write_text(_PRIME_SOURCE)
-            os.replace(tmp, src)
+        write_if_different(src, _PRIME_SOURCE)
     except OSError as e:
         raise cache_error(src.parent, e) from None
     cubin = compile_source(src, arch=arch).output
