@@ -28,17 +28,19 @@
 //   reduced  uint64_t       signal 4
 //   gathered uint64_t       signal 32
 // Contents (line numbers of this file):
-//   52: the hand-written library, inlined: tsgen_ptx.cuh 52, tsgen_sync.cuh 627, tsgen_copy.cuh 800, tsgen_plan.cuh 887, tsgen_ce.cuh 1301
-//   1465: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
+//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_plan.cuh 889, tsgen_ce.cuh 1303
+//   1473: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_ce_w2_sync 3125, all_reduce_two_shot_ce_w2_reduce 3130
-//     all_reduce_two_shot_ce_w2_end 3137, all_reduce_two_shot_ce_w2_launch 3144
-//     all_reduce_two_shot_ce_w3_sync 3242, all_reduce_two_shot_ce_w3_reduce 3247
-//     all_reduce_two_shot_ce_w3_end 3254, all_reduce_two_shot_ce_w3_launch 3261
-//     all_reduce_two_shot_ce_w4_sync 3444, all_reduce_two_shot_ce_w4_reduce 3449
-//     all_reduce_two_shot_ce_w4_end 3456, all_reduce_two_shot_ce_w4_launch 3463
-//     all_reduce_two_shot_ce_w8_sync 3771, all_reduce_two_shot_ce_w8_reduce 3776
-//     all_reduce_two_shot_ce_w8_end 3783, all_reduce_two_shot_ce_w8_launch 3790
+//     all_reduce_two_shot_ce_w2_sync 3133, all_reduce_two_shot_ce_w2_reduce 3138
+//     all_reduce_two_shot_ce_w2_end 3145, all_reduce_two_shot_ce_w2_prepare 3152
+//     all_reduce_two_shot_ce_w2_launch 3162, all_reduce_two_shot_ce_w3_sync 3260
+//     all_reduce_two_shot_ce_w3_reduce 3265, all_reduce_two_shot_ce_w3_end 3272
+//     all_reduce_two_shot_ce_w3_prepare 3279, all_reduce_two_shot_ce_w3_launch 3289
+//     all_reduce_two_shot_ce_w4_sync 3472, all_reduce_two_shot_ce_w4_reduce 3477
+//     all_reduce_two_shot_ce_w4_end 3484, all_reduce_two_shot_ce_w4_prepare 3491
+//     all_reduce_two_shot_ce_w4_launch 3501, all_reduce_two_shot_ce_w8_sync 3809
+//     all_reduce_two_shot_ce_w8_reduce 3814, all_reduce_two_shot_ce_w8_end 3821
+//     all_reduce_two_shot_ce_w8_prepare 3828, all_reduce_two_shot_ce_w8_launch 3838
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1387,13 +1389,15 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // ---------------------------------------------------------------------------
 
 // The side streams of one rank (stream 0 of a plan is the caller's stream),
-// with the events that fork them from it and join them back. Made on the
-// first call of each rank this process drives (ranks that share a GPU must not share
-// them) and kept for the life of the process.
+// with the events that fork them from it and join them back. Made on the current device
+// (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
+// rank's first call (ranks that share a GPU must not share them; made at a first call they
+// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
   cudaEvent_t join[TSGEN_CE_MAX_STREAMS];
+  int device;  // where they were made
   bool ready;
 };
 
@@ -1402,8 +1406,12 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   static std::mutex made;  // ranks launch from threads of their own
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
+  int device;
+  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
+    l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
@@ -3138,6 +3146,16 @@ extern "C" __global__ void all_reduce_two_shot_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_reduce_two_shot_ce_w2_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
+}
+
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
 // streams forked from it and joined back). peers_host: the same table as
 // peers, in host memory. Returns the first CUDA error.
@@ -3253,6 +3271,16 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_ce_w3_redu
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void all_reduce_two_shot_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_reduce_two_shot_ce_w3_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -3455,6 +3483,16 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_ce_w4_redu
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void all_reduce_two_shot_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_reduce_two_shot_ce_w4_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -3782,6 +3820,16 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_ce_w8_redu
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void all_reduce_two_shot_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_reduce_two_shot_ce_w8_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side

@@ -24,15 +24,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 794, tsgen_plan.cuh 881, tsgen_ce.cuh 1295
-//   1459: the op's own code (namespace all_to_all_ce: constants, tables, device code)
+//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 795, tsgen_plan.cuh 882, tsgen_ce.cuh 1296
+//   1466: the op's own code (namespace all_to_all_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_ce_w2_sync 1894, all_to_all_ce_w2_reduce 1899, all_to_all_ce_w2_end 1906
-//     all_to_all_ce_w2_launch 1913, all_to_all_ce_w3_sync 1965, all_to_all_ce_w3_reduce 1970
-//     all_to_all_ce_w3_end 1977, all_to_all_ce_w3_launch 1984, all_to_all_ce_w4_sync 2053
-//     all_to_all_ce_w4_reduce 2058, all_to_all_ce_w4_end 2065, all_to_all_ce_w4_launch 2072
-//     all_to_all_ce_w8_sync 2164, all_to_all_ce_w8_reduce 2169, all_to_all_ce_w8_end 2176
-//     all_to_all_ce_w8_launch 2183
+//     all_to_all_ce_w2_sync 1901, all_to_all_ce_w2_reduce 1906, all_to_all_ce_w2_end 1913
+//     all_to_all_ce_w2_prepare 1920, all_to_all_ce_w2_launch 1930, all_to_all_ce_w3_sync 1982
+//     all_to_all_ce_w3_reduce 1987, all_to_all_ce_w3_end 1994, all_to_all_ce_w3_prepare 2001
+//     all_to_all_ce_w3_launch 2011, all_to_all_ce_w4_sync 2080, all_to_all_ce_w4_reduce 2085
+//     all_to_all_ce_w4_end 2092, all_to_all_ce_w4_prepare 2099, all_to_all_ce_w4_launch 2109
+//     all_to_all_ce_w8_sync 2201, all_to_all_ce_w8_reduce 2206, all_to_all_ce_w8_end 2213
+//     all_to_all_ce_w8_prepare 2220, all_to_all_ce_w8_launch 2230
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1381,13 +1382,15 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // ---------------------------------------------------------------------------
 
 // The side streams of one rank (stream 0 of a plan is the caller's stream),
-// with the events that fork them from it and join them back. Made on the
-// first call of each rank this process drives (ranks that share a GPU must not share
-// them) and kept for the life of the process.
+// with the events that fork them from it and join them back. Made on the current device
+// (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
+// rank's first call (ranks that share a GPU must not share them; made at a first call they
+// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
   cudaEvent_t join[TSGEN_CE_MAX_STREAMS];
+  int device;  // where they were made
   bool ready;
 };
 
@@ -1396,8 +1399,12 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   static std::mutex made;  // ranks launch from threads of their own
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
+  int device;
+  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
+    l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
@@ -1907,6 +1914,16 @@ extern "C" __global__ void all_to_all_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_to_all_ce_w2_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
+}
+
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
 // streams forked from it and joined back). peers_host: the same table as
 // peers, in host memory. Returns the first CUDA error.
@@ -1976,6 +1993,16 @@ extern "C" __global__ void __launch_bounds__(512) all_to_all_ce_w3_reduce(char* 
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void all_to_all_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_to_all_ce_w3_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -2064,6 +2091,16 @@ extern "C" __global__ void __launch_bounds__(512) all_to_all_ce_w4_reduce(char* 
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void all_to_all_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_to_all_ce_w4_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -2175,6 +2212,16 @@ extern "C" __global__ void __launch_bounds__(512) all_to_all_ce_w8_reduce(char* 
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void all_to_all_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t all_to_all_ce_w8_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side

@@ -25,15 +25,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 795, tsgen_plan.cuh 882, tsgen_ce.cuh 1296
-//   1460: the op's own code (namespace allgather_ce: constants, tables, device code)
+//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 796, tsgen_plan.cuh 883, tsgen_ce.cuh 1297
+//   1467: the op's own code (namespace allgather_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_ce_w2_sync 1895, allgather_ce_w2_reduce 1900, allgather_ce_w2_end 1907
-//     allgather_ce_w2_launch 1914, allgather_ce_w3_sync 1966, allgather_ce_w3_reduce 1971
-//     allgather_ce_w3_end 1978, allgather_ce_w3_launch 1985, allgather_ce_w4_sync 2054
-//     allgather_ce_w4_reduce 2059, allgather_ce_w4_end 2066, allgather_ce_w4_launch 2073
-//     allgather_ce_w8_sync 2165, allgather_ce_w8_reduce 2170, allgather_ce_w8_end 2177
-//     allgather_ce_w8_launch 2184
+//     allgather_ce_w2_sync 1902, allgather_ce_w2_reduce 1907, allgather_ce_w2_end 1914
+//     allgather_ce_w2_prepare 1921, allgather_ce_w2_launch 1931, allgather_ce_w3_sync 1983
+//     allgather_ce_w3_reduce 1988, allgather_ce_w3_end 1995, allgather_ce_w3_prepare 2002
+//     allgather_ce_w3_launch 2012, allgather_ce_w4_sync 2081, allgather_ce_w4_reduce 2086
+//     allgather_ce_w4_end 2093, allgather_ce_w4_prepare 2100, allgather_ce_w4_launch 2110
+//     allgather_ce_w8_sync 2202, allgather_ce_w8_reduce 2207, allgather_ce_w8_end 2214
+//     allgather_ce_w8_prepare 2221, allgather_ce_w8_launch 2231
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1382,13 +1383,15 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // ---------------------------------------------------------------------------
 
 // The side streams of one rank (stream 0 of a plan is the caller's stream),
-// with the events that fork them from it and join them back. Made on the
-// first call of each rank this process drives (ranks that share a GPU must not share
-// them) and kept for the life of the process.
+// with the events that fork them from it and join them back. Made on the current device
+// (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
+// rank's first call (ranks that share a GPU must not share them; made at a first call they
+// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
   cudaEvent_t join[TSGEN_CE_MAX_STREAMS];
+  int device;  // where they were made
   bool ready;
 };
 
@@ -1397,8 +1400,12 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   static std::mutex made;  // ranks launch from threads of their own
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
+  int device;
+  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
+    l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
@@ -1908,6 +1915,16 @@ extern "C" __global__ void allgather_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t allgather_ce_w2_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
+}
+
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
 // streams forked from it and joined back). peers_host: the same table as
 // peers, in host memory. Returns the first CUDA error.
@@ -1977,6 +1994,16 @@ extern "C" __global__ void __launch_bounds__(512) allgather_ce_w3_reduce(char* c
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void allgather_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t allgather_ce_w3_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -2065,6 +2092,16 @@ extern "C" __global__ void __launch_bounds__(512) allgather_ce_w4_reduce(char* c
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void allgather_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t allgather_ce_w4_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -2176,6 +2213,16 @@ extern "C" __global__ void __launch_bounds__(512) allgather_ce_w8_reduce(char* c
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void allgather_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t allgather_ce_w8_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side

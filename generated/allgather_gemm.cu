@@ -34,12 +34,13 @@
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
-//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 801, tsgen_gemm.cuh 888, tsgen_fused.cuh 1853
-//   2300: the op's own code (namespace allgather_gemm: constants, tables, device code)
+//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_fused.cuh 1854
+//   2309: the op's own code (namespace allgather_gemm: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_w2_gemm 2384, allgather_gemm_w2_sync 2394, allgather_gemm_w3_gemm 2401
-//     allgather_gemm_w3_sync 2411, allgather_gemm_w4_gemm 2418, allgather_gemm_w4_sync 2428
-//     allgather_gemm_w2_launch 2491, allgather_gemm_w3_launch 2492, allgather_gemm_w4_launch 2493
+//     allgather_gemm_w2_gemm 2393, allgather_gemm_w2_sync 2403, allgather_gemm_w3_gemm 2410
+//     allgather_gemm_w3_sync 2420, allgather_gemm_w4_gemm 2427, allgather_gemm_w4_sync 2437
+//     allgather_gemm_w2_prepare 2514, allgather_gemm_w2_launch 2515, allgather_gemm_w3_prepare 2516
+//     allgather_gemm_w3_launch 2517, allgather_gemm_w4_prepare 2518, allgather_gemm_w4_launch 2519
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2228,16 +2229,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
@@ -2486,8 +2495,25 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
   return cudaSuccess;
 }
+
+// Rank `rank`'s GEMM shared-memory opt-in and side streams and events, made on `device` before any rank's first call (the manifest's
+// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
+// by ranks the creation can wait for the peers' kernels already running).
+template <int WORLD, auto GEMM>
+static cudaError_t prepare(int rank, int device) {
+  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  int ctas;
+  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
+  tsgen::fused::Lanes* l;
+  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
+  return cudaSuccess;
+}
 }  // namespace allgather_gemm
 
+extern "C" cudaError_t allgather_gemm_w2_prepare(int rank, int device) { return allgather_gemm::prepare<2, allgather_gemm_w2_gemm>(rank, device); }
 extern "C" cudaError_t allgather_gemm_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm::launch<2, allgather_gemm_w2_gemm, allgather_gemm_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_w3_prepare(int rank, int device) { return allgather_gemm::prepare<3, allgather_gemm_w3_gemm>(rank, device); }
 extern "C" cudaError_t allgather_gemm_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm::launch<3, allgather_gemm_w3_gemm, allgather_gemm_w3_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_w4_prepare(int rank, int device) { return allgather_gemm::prepare<4, allgather_gemm_w4_gemm>(rank, device); }
 extern "C" cudaError_t allgather_gemm_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm::launch<4, allgather_gemm_w4_gemm, allgather_gemm_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }

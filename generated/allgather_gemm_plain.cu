@@ -29,14 +29,15 @@
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
-//   50: the hand-written library, inlined: tsgen_ptx.cuh 50, tsgen_sync.cuh 625, tsgen_copy.cuh 798, tsgen_gemm.cuh 885, tsgen_fused.cuh 1850
-//   2297: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
+//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 799, tsgen_gemm.cuh 886, tsgen_fused.cuh 1851
+//   2306: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_plain_w2_gemm 2381, allgather_gemm_plain_w2_sync 2391
-//     allgather_gemm_plain_w3_gemm 2398, allgather_gemm_plain_w3_sync 2408
-//     allgather_gemm_plain_w4_gemm 2415, allgather_gemm_plain_w4_sync 2425
-//     allgather_gemm_plain_w2_launch 2477, allgather_gemm_plain_w3_launch 2478
-//     allgather_gemm_plain_w4_launch 2479
+//     allgather_gemm_plain_w2_gemm 2390, allgather_gemm_plain_w2_sync 2400
+//     allgather_gemm_plain_w3_gemm 2407, allgather_gemm_plain_w3_sync 2417
+//     allgather_gemm_plain_w4_gemm 2424, allgather_gemm_plain_w4_sync 2434
+//     allgather_gemm_plain_w2_prepare 2498, allgather_gemm_plain_w2_launch 2499
+//     allgather_gemm_plain_w3_prepare 2500, allgather_gemm_plain_w3_launch 2501
+//     allgather_gemm_plain_w4_prepare 2502, allgather_gemm_plain_w4_launch 2503
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2225,16 +2226,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
@@ -2472,8 +2481,23 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaGetLastError());
   return cudaSuccess;
 }
+
+// Rank `rank`'s GEMM shared-memory opt-in, made on `device` before any rank's first call (the manifest's
+// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
+// by ranks the creation can wait for the peers' kernels already running).
+template <int WORLD, auto GEMM>
+static cudaError_t prepare(int rank, int device) {
+  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  int ctas;
+  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
+  return cudaSuccess;
+}
 }  // namespace allgather_gemm_plain
 
+extern "C" cudaError_t allgather_gemm_plain_w2_prepare(int rank, int device) { return allgather_gemm_plain::prepare<2, allgather_gemm_plain_w2_gemm>(rank, device); }
 extern "C" cudaError_t allgather_gemm_plain_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<2, allgather_gemm_plain_w2_gemm, allgather_gemm_plain_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_plain_w3_prepare(int rank, int device) { return allgather_gemm_plain::prepare<3, allgather_gemm_plain_w3_gemm>(rank, device); }
 extern "C" cudaError_t allgather_gemm_plain_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<3, allgather_gemm_plain_w3_gemm, allgather_gemm_plain_w3_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_plain_w4_prepare(int rank, int device) { return allgather_gemm_plain::prepare<4, allgather_gemm_plain_w4_gemm>(rank, device); }
 extern "C" cudaError_t allgather_gemm_plain_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<4, allgather_gemm_plain_w4_gemm, allgather_gemm_plain_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }

@@ -39,9 +39,9 @@
 //   sig      uint64_t       signal 80
 // Contents (line numbers of this file):
 //   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_gemm.cuh 890, tsgen_grid.cuh 1855
-//   2027: the op's own code (namespace cannon: constants, tables, device code)
+//   2034: the op's own code (namespace cannon: constants, tables, device code)
 //   entry points (extern "C"):
-//     cannon_w4_gemm 2120, cannon_w4_sync 2131, cannon_w4_launch 2137
+//     cannon_w4_gemm 2127, cannon_w4_sync 2138, cannon_w4_prepare 2146, cannon_w4_launch 2157
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1984,17 +1984,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy[2];  // the pushes of A, of B (copy engine + their signal / wait kernels)
   cudaEvent_t fork, done[2];
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it (see tsgen::fused::lanes).
 static cudaError_t lanes(int rank, Lanes** out) {
   constexpr int MAX_RANKS = 64;
   static Lanes all[MAX_RANKS];
   if (rank < 0 || rank >= MAX_RANKS) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_GRID_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_GRID_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     for (int i = 0; i < 2; ++i) {
@@ -2131,6 +2138,19 @@ cannon_w4_gemm(const __grid_constant__ CUtensorMap a_map, const __grid_constant_
 extern "C" __global__ void __launch_bounds__(tsgen::grid::SYNC_THREADS)
 cannon_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target, int index) {
   tsgen::grid::sync_body<4>(peers, rank, calls, sig, mode, target, index);
+}
+
+// Rank `rank`'s GEMM shared-memory opt-in and side streams and events, made on `device` before
+// any rank's first call (the manifest's "prepare"; the launcher makes them at the rank's first
+// call otherwise, where on a GPU shared by ranks the creation can wait for the peers' kernels).
+extern "C" cudaError_t cannon_w4_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
+  TSGEN_GRID_TRY(cudaSetDevice(device));
+  int ctas;
+  TSGEN_GRID_TRY(tsgen::gemm::resident_ctas<cannon::Config<2>>(
+      reinterpret_cast<const void*>(cannon_w4_gemm), &ctas));
+  tsgen::grid::Lanes* l;
+  return tsgen::grid::lanes(rank, &l);
 }
 
 // Host launcher: see the top of this file.

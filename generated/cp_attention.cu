@@ -38,12 +38,13 @@
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   57: the hand-written library, inlined: tsgen_ptx.cuh 57, tsgen_sync.cuh 632, tsgen_copy.cuh 805, tsgen_gemm.cuh 892, tsgen_attention.cuh 1857, tsgen_fused.cuh 2640, tsgen_cp.cuh 3084
-//   3244: the op's own code (namespace cp_attention: constants, tables, device code)
+//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_gemm.cuh 893, tsgen_attention.cuh 1858, tsgen_fused.cuh 2641, tsgen_cp.cuh 3093
+//   3253: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 3366, cp_attention_w2_sync 3376, cp_attention_w4_sync 3388
-//     cp_attention_w8_sync 3400, cp_attention_w2_launch 3485, cp_attention_w4_launch 3486
-//     cp_attention_w8_launch 3487
+//     cp_attention_attention 3375, cp_attention_w2_sync 3385, cp_attention_w4_sync 3397
+//     cp_attention_w8_sync 3409, cp_attention_w2_prepare 3505, cp_attention_w2_launch 3506
+//     cp_attention_w4_prepare 3507, cp_attention_w4_launch 3508, cp_attention_w8_prepare 3509
+//     cp_attention_w8_launch 3510
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3015,16 +3016,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
@@ -3480,8 +3489,22 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
   return launched;
 }
+
+// Rank `rank`'s side streams and events and the attention kernel's shared-memory opt-in, made on `device` before any rank's first call (the manifest's
+// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
+// by ranks the creation can wait for the peers' kernels already running).
+static cudaError_t prepare(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  tsgen::fused::Lanes* l;
+  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
+  return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_attention));
+}
 }  // namespace cp_attention
 
+extern "C" cudaError_t cp_attention_w2_prepare(int rank, int device) { return cp_attention::prepare(2, rank, device); }
 extern "C" cudaError_t cp_attention_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention::launch<2, cp_attention_w2_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_w4_prepare(int rank, int device) { return cp_attention::prepare(4, rank, device); }
 extern "C" cudaError_t cp_attention_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention::launch<4, cp_attention_w4_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_w8_prepare(int rank, int device) { return cp_attention::prepare(8, rank, device); }
 extern "C" cudaError_t cp_attention_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention::launch<8, cp_attention_w8_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }

@@ -39,13 +39,14 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   59: the hand-written library, inlined: tsgen_ptx.cuh 59, tsgen_sync.cuh 634, tsgen_copy.cuh 807, tsgen_gemm.cuh 894, tsgen_attention.cuh 1859, tsgen_fused.cuh 2642, tsgen_cp.cuh 3086
-//   3246: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
+//   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 808, tsgen_gemm.cuh 895, tsgen_attention.cuh 1860, tsgen_fused.cuh 2643, tsgen_cp.cuh 3095
+//   3255: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_attention 3368, cp_attention_zigzag_causal_w2_sync 3378
-//     cp_attention_zigzag_causal_w4_sync 3390, cp_attention_zigzag_causal_w8_sync 3402
-//     cp_attention_zigzag_causal_w2_launch 3487, cp_attention_zigzag_causal_w4_launch 3488
-//     cp_attention_zigzag_causal_w8_launch 3489
+//     cp_attention_zigzag_causal_attention 3377, cp_attention_zigzag_causal_w2_sync 3387
+//     cp_attention_zigzag_causal_w4_sync 3399, cp_attention_zigzag_causal_w8_sync 3411
+//     cp_attention_zigzag_causal_w2_prepare 3507, cp_attention_zigzag_causal_w2_launch 3508
+//     cp_attention_zigzag_causal_w4_prepare 3509, cp_attention_zigzag_causal_w4_launch 3510
+//     cp_attention_zigzag_causal_w8_prepare 3511, cp_attention_zigzag_causal_w8_launch 3512
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3017,16 +3018,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
@@ -3482,8 +3491,22 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
   return launched;
 }
+
+// Rank `rank`'s side streams and events and the attention kernel's shared-memory opt-in, made on `device` before any rank's first call (the manifest's
+// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
+// by ranks the creation can wait for the peers' kernels already running).
+static cudaError_t prepare(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  tsgen::fused::Lanes* l;
+  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
+  return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_zigzag_causal_attention));
+}
 }  // namespace cp_attention_zigzag_causal
 
+extern "C" cudaError_t cp_attention_zigzag_causal_w2_prepare(int rank, int device) { return cp_attention_zigzag_causal::prepare(2, rank, device); }
 extern "C" cudaError_t cp_attention_zigzag_causal_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal::launch<2, cp_attention_zigzag_causal_w2_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_zigzag_causal_w4_prepare(int rank, int device) { return cp_attention_zigzag_causal::prepare(4, rank, device); }
 extern "C" cudaError_t cp_attention_zigzag_causal_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal::launch<4, cp_attention_zigzag_causal_w4_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_zigzag_causal_w8_prepare(int rank, int device) { return cp_attention_zigzag_causal::prepare(8, rank, device); }
 extern "C" cudaError_t cp_attention_zigzag_causal_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal::launch<8, cp_attention_zigzag_causal_w8_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }

@@ -38,14 +38,16 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   59: the hand-written library, inlined: tsgen_ptx.cuh 59, tsgen_sync.cuh 634, tsgen_copy.cuh 807, tsgen_gemm.cuh 894, tsgen_attention.cuh 1859, tsgen_fused.cuh 2642, tsgen_cp.cuh 3086
-//   3246: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
+//   61: the hand-written library, inlined: tsgen_ptx.cuh 61, tsgen_sync.cuh 636, tsgen_copy.cuh 809, tsgen_gemm.cuh 896, tsgen_attention.cuh 1861, tsgen_fused.cuh 2644, tsgen_cp.cuh 3096
+//   3256: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_sm_attention 3368, cp_attention_zigzag_causal_sm_w2_sync 3378
-//     cp_attention_zigzag_causal_sm_w2_push 3388, cp_attention_zigzag_causal_sm_w4_sync 3398
-//     cp_attention_zigzag_causal_sm_w4_push 3408, cp_attention_zigzag_causal_sm_w8_sync 3418
-//     cp_attention_zigzag_causal_sm_w8_push 3428, cp_attention_zigzag_causal_sm_w2_launch 3490
-//     cp_attention_zigzag_causal_sm_w4_launch 3491, cp_attention_zigzag_causal_sm_w8_launch 3492
+//     cp_attention_zigzag_causal_sm_attention 3378, cp_attention_zigzag_causal_sm_w2_sync 3388
+//     cp_attention_zigzag_causal_sm_w2_push 3398, cp_attention_zigzag_causal_sm_w4_sync 3408
+//     cp_attention_zigzag_causal_sm_w4_push 3418, cp_attention_zigzag_causal_sm_w8_sync 3428
+//     cp_attention_zigzag_causal_sm_w8_push 3438, cp_attention_zigzag_causal_sm_w2_prepare 3511
+//     cp_attention_zigzag_causal_sm_w2_launch 3512, cp_attention_zigzag_causal_sm_w4_prepare 3513
+//     cp_attention_zigzag_causal_sm_w4_launch 3514, cp_attention_zigzag_causal_sm_w8_prepare 3515
+//     cp_attention_zigzag_causal_sm_w8_launch 3516
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3017,16 +3019,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
@@ -3485,8 +3495,22 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
   return launched;
 }
+
+// Rank `rank`'s side streams and events and the attention kernel's shared-memory opt-in, made on `device` before any rank's first call (the manifest's
+// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
+// by ranks the creation can wait for the peers' kernels already running).
+static cudaError_t prepare(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  tsgen::fused::Lanes* l;
+  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
+  return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_zigzag_causal_sm_attention));
+}
 }  // namespace cp_attention_zigzag_causal_sm
 
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w2_prepare(int rank, int device) { return cp_attention_zigzag_causal_sm::prepare(2, rank, device); }
 extern "C" cudaError_t cp_attention_zigzag_causal_sm_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal_sm::launch<2, cp_attention_zigzag_causal_sm_w2_sync, cp_attention_zigzag_causal_sm_w2_push>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w4_prepare(int rank, int device) { return cp_attention_zigzag_causal_sm::prepare(4, rank, device); }
 extern "C" cudaError_t cp_attention_zigzag_causal_sm_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal_sm::launch<4, cp_attention_zigzag_causal_sm_w4_sync, cp_attention_zigzag_causal_sm_w4_push>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w8_prepare(int rank, int device) { return cp_attention_zigzag_causal_sm::prepare(8, rank, device); }
 extern "C" cudaError_t cp_attention_zigzag_causal_sm_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal_sm::launch<8, cp_attention_zigzag_causal_sm_w8_sync, cp_attention_zigzag_causal_sm_w8_push>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }

@@ -31,13 +31,14 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 799, tsgen_gemm.cuh 886, tsgen_fused.cuh 1851
-//   2298: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
+//   52: the hand-written library, inlined: tsgen_ptx.cuh 52, tsgen_sync.cuh 627, tsgen_copy.cuh 800, tsgen_gemm.cuh 887, tsgen_fused.cuh 1852
+//   2307: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_plain_w2_gemm 2387, gemm_reduce_scatter_plain_w2_reduce 2399
-//     gemm_reduce_scatter_plain_w2_sync 2406, gemm_reduce_scatter_plain_w4_gemm 2413
-//     gemm_reduce_scatter_plain_w4_reduce 2425, gemm_reduce_scatter_plain_w4_sync 2432
-//     gemm_reduce_scatter_plain_w2_launch 2491, gemm_reduce_scatter_plain_w4_launch 2492
+//     gemm_reduce_scatter_plain_w2_gemm 2396, gemm_reduce_scatter_plain_w2_reduce 2408
+//     gemm_reduce_scatter_plain_w2_sync 2415, gemm_reduce_scatter_plain_w4_gemm 2422
+//     gemm_reduce_scatter_plain_w4_reduce 2434, gemm_reduce_scatter_plain_w4_sync 2441
+//     gemm_reduce_scatter_plain_w2_prepare 2513, gemm_reduce_scatter_plain_w2_launch 2514
+//     gemm_reduce_scatter_plain_w4_prepare 2515, gemm_reduce_scatter_plain_w4_launch 2516
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2226,16 +2227,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
@@ -2486,7 +2495,22 @@ static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_
   TSGEN_FUSED_TRY(cudaGetLastError());
   return cudaSuccess;
 }
+
+// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device` before any rank's first call (the manifest's
+// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
+// by ranks the creation can wait for the peers' kernels already running).
+template <int WORLD, auto GEMM, auto REDUCE>
+static cudaError_t prepare(int rank, int device) {
+  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  int ctas;
+  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
+  TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, REDUCE_SMEM));
+  return cudaSuccess;
+}
 }  // namespace gemm_reduce_scatter_plain
 
+extern "C" cudaError_t gemm_reduce_scatter_plain_w2_prepare(int rank, int device) { return gemm_reduce_scatter_plain::prepare<2, gemm_reduce_scatter_plain_w2_gemm, gemm_reduce_scatter_plain_w2_reduce>(rank, device); }
 extern "C" cudaError_t gemm_reduce_scatter_plain_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_plain::launch<2, gemm_reduce_scatter_plain_w2_gemm, gemm_reduce_scatter_plain_w2_reduce, gemm_reduce_scatter_plain_w2_sync>(peers, rank, calls, count, a, b, c, partial, sig, stream); }
+extern "C" cudaError_t gemm_reduce_scatter_plain_w4_prepare(int rank, int device) { return gemm_reduce_scatter_plain::prepare<4, gemm_reduce_scatter_plain_w4_gemm, gemm_reduce_scatter_plain_w4_reduce>(rank, device); }
 extern "C" cudaError_t gemm_reduce_scatter_plain_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_plain::launch<4, gemm_reduce_scatter_plain_w4_gemm, gemm_reduce_scatter_plain_w4_reduce, gemm_reduce_scatter_plain_w4_sync>(peers, rank, calls, count, a, b, c, partial, sig, stream); }

@@ -35,13 +35,14 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_gemm.cuh 890, tsgen_fused.cuh 1855
-//   2302: the op's own code (namespace gemm_reduce_scatter_push: constants, tables, device code)
+//   56: the hand-written library, inlined: tsgen_ptx.cuh 56, tsgen_sync.cuh 631, tsgen_copy.cuh 804, tsgen_gemm.cuh 891, tsgen_fused.cuh 1856
+//   2311: the op's own code (namespace gemm_reduce_scatter_push: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_w2_gemm 2391, gemm_reduce_scatter_push_w2_reduce 2403
-//     gemm_reduce_scatter_push_w2_sync 2410, gemm_reduce_scatter_push_w4_gemm 2417
-//     gemm_reduce_scatter_push_w4_reduce 2429, gemm_reduce_scatter_push_w4_sync 2436
-//     gemm_reduce_scatter_push_w2_launch 2497, gemm_reduce_scatter_push_w4_launch 2498
+//     gemm_reduce_scatter_push_w2_gemm 2400, gemm_reduce_scatter_push_w2_reduce 2412
+//     gemm_reduce_scatter_push_w2_sync 2419, gemm_reduce_scatter_push_w4_gemm 2426
+//     gemm_reduce_scatter_push_w4_reduce 2438, gemm_reduce_scatter_push_w4_sync 2445
+//     gemm_reduce_scatter_push_w2_prepare 2519, gemm_reduce_scatter_push_w2_launch 2520
+//     gemm_reduce_scatter_push_w4_prepare 2521, gemm_reduce_scatter_push_w4_launch 2522
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2230,16 +2231,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
@@ -2492,7 +2501,22 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_FUSED_TRY(cudaGetLastError());
   return cudaSuccess;
 }
+
+// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device` before any rank's first call (the manifest's
+// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
+// by ranks the creation can wait for the peers' kernels already running).
+template <int WORLD, auto GEMM, auto REDUCE>
+static cudaError_t prepare(int rank, int device) {
+  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  int ctas;
+  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
+  TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, REDUCE_SMEM));
+  return cudaSuccess;
+}
 }  // namespace gemm_reduce_scatter_push
 
+extern "C" cudaError_t gemm_reduce_scatter_push_w2_prepare(int rank, int device) { return gemm_reduce_scatter_push::prepare<2, gemm_reduce_scatter_push_w2_gemm, gemm_reduce_scatter_push_w2_reduce>(rank, device); }
 extern "C" cudaError_t gemm_reduce_scatter_push_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push::launch<2, gemm_reduce_scatter_push_w2_gemm, gemm_reduce_scatter_push_w2_reduce, gemm_reduce_scatter_push_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, partial, sig, stream); }
+extern "C" cudaError_t gemm_reduce_scatter_push_w4_prepare(int rank, int device) { return gemm_reduce_scatter_push::prepare<4, gemm_reduce_scatter_push_w4_gemm, gemm_reduce_scatter_push_w4_reduce>(rank, device); }
 extern "C" cudaError_t gemm_reduce_scatter_push_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push::launch<4, gemm_reduce_scatter_push_w4_gemm, gemm_reduce_scatter_push_w4_reduce, gemm_reduce_scatter_push_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, partial, sig, stream); }

@@ -26,15 +26,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 32
 // Contents (line numbers of this file):
-//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 796, tsgen_plan.cuh 883, tsgen_ce.cuh 1297
-//   1461: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
+//   49: the hand-written library, inlined: tsgen_ptx.cuh 49, tsgen_sync.cuh 624, tsgen_copy.cuh 797, tsgen_plan.cuh 884, tsgen_ce.cuh 1298
+//   1468: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_ce_w2_sync 2421, reduce_scatter_ce_w2_reduce 2426, reduce_scatter_ce_w2_end 2433
-//     reduce_scatter_ce_w2_launch 2440, reduce_scatter_ce_w3_sync 2516, reduce_scatter_ce_w3_reduce 2521
-//     reduce_scatter_ce_w3_end 2528, reduce_scatter_ce_w3_launch 2535, reduce_scatter_ce_w4_sync 2658
-//     reduce_scatter_ce_w4_reduce 2663, reduce_scatter_ce_w4_end 2670, reduce_scatter_ce_w4_launch 2677
-//     reduce_scatter_ce_w8_sync 2865, reduce_scatter_ce_w8_reduce 2870, reduce_scatter_ce_w8_end 2877
-//     reduce_scatter_ce_w8_launch 2884
+//     reduce_scatter_ce_w2_sync 2428, reduce_scatter_ce_w2_reduce 2433, reduce_scatter_ce_w2_end 2440
+//     reduce_scatter_ce_w2_prepare 2447, reduce_scatter_ce_w2_launch 2457, reduce_scatter_ce_w3_sync 2533
+//     reduce_scatter_ce_w3_reduce 2538, reduce_scatter_ce_w3_end 2545, reduce_scatter_ce_w3_prepare 2552
+//     reduce_scatter_ce_w3_launch 2562, reduce_scatter_ce_w4_sync 2685, reduce_scatter_ce_w4_reduce 2690
+//     reduce_scatter_ce_w4_end 2697, reduce_scatter_ce_w4_prepare 2704, reduce_scatter_ce_w4_launch 2714
+//     reduce_scatter_ce_w8_sync 2902, reduce_scatter_ce_w8_reduce 2907, reduce_scatter_ce_w8_end 2914
+//     reduce_scatter_ce_w8_prepare 2921, reduce_scatter_ce_w8_launch 2931
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1383,13 +1384,15 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // ---------------------------------------------------------------------------
 
 // The side streams of one rank (stream 0 of a plan is the caller's stream),
-// with the events that fork them from it and join them back. Made on the
-// first call of each rank this process drives (ranks that share a GPU must not share
-// them) and kept for the life of the process.
+// with the events that fork them from it and join them back. Made on the current device
+// (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
+// rank's first call (ranks that share a GPU must not share them; made at a first call they
+// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
   cudaEvent_t join[TSGEN_CE_MAX_STREAMS];
+  int device;  // where they were made
   bool ready;
 };
 
@@ -1398,8 +1401,12 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   static std::mutex made;  // ranks launch from threads of their own
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
+  int device;
+  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
+    l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
@@ -2434,6 +2441,16 @@ extern "C" __global__ void reduce_scatter_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t reduce_scatter_ce_w2_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
+}
+
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
 // streams forked from it and joined back). peers_host: the same table as
 // peers, in host memory. Returns the first CUDA error.
@@ -2527,6 +2544,16 @@ extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ce_w3_reduce(ch
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void reduce_scatter_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t reduce_scatter_ce_w3_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -2669,6 +2696,16 @@ extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ce_w4_reduce(ch
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void reduce_scatter_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t reduce_scatter_ce_w4_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side
@@ -2876,6 +2913,16 @@ extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ce_w8_reduce(ch
 // The call is over on this rank: every stream has joined the caller's.
 extern "C" __global__ void reduce_scatter_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
+}
+
+// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
+// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
+// GPU shared by ranks the creation can wait for the peers' kernels already running).
+extern "C" cudaError_t reduce_scatter_ce_w8_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(cudaSetDevice(device));
+  tsgen::ce::lanes* lanes = nullptr;
+  return tsgen::ce::lanes_get(rank, &lanes);
 }
 
 // Host launcher: enqueues one call of rank `rank` on `stream` (and on side

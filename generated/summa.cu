@@ -38,9 +38,9 @@
 //   sig      uint64_t       signal 80
 // Contents (line numbers of this file):
 //   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_grid.cuh 1854
-//   2026: the op's own code (namespace summa: constants, tables, device code)
+//   2033: the op's own code (namespace summa: constants, tables, device code)
 //   entry points (extern "C"):
-//     summa_w4_gemm 2119, summa_w4_sync 2130, summa_w4_launch 2136
+//     summa_w4_gemm 2126, summa_w4_sync 2137, summa_w4_prepare 2145, summa_w4_launch 2156
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1983,17 +1983,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy[2];  // the pushes of A, of B (copy engine + their signal / wait kernels)
   cudaEvent_t fork, done[2];
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it (see tsgen::fused::lanes).
 static cudaError_t lanes(int rank, Lanes** out) {
   constexpr int MAX_RANKS = 64;
   static Lanes all[MAX_RANKS];
   if (rank < 0 || rank >= MAX_RANKS) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_GRID_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_GRID_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     for (int i = 0; i < 2; ++i) {
@@ -2130,6 +2137,19 @@ summa_w4_gemm(const __grid_constant__ CUtensorMap a_map, const __grid_constant__
 extern "C" __global__ void __launch_bounds__(tsgen::grid::SYNC_THREADS)
 summa_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int mode, int target, int index) {
   tsgen::grid::sync_body<4>(peers, rank, calls, sig, mode, target, index);
+}
+
+// Rank `rank`'s GEMM shared-memory opt-in and side streams and events, made on `device` before
+// any rank's first call (the manifest's "prepare"; the launcher makes them at the rank's first
+// call otherwise, where on a GPU shared by ranks the creation can wait for the peers' kernels).
+extern "C" cudaError_t summa_w4_prepare(int rank, int device) {
+  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
+  TSGEN_GRID_TRY(cudaSetDevice(device));
+  int ctas;
+  TSGEN_GRID_TRY(tsgen::gemm::resident_ctas<summa::Config<2>>(
+      reinterpret_cast<const void*>(summa_w4_gemm), &ctas));
+  tsgen::grid::Lanes* l;
+  return tsgen::grid::lanes(rank, &l);
 }
 
 // Host launcher: see the top of this file.

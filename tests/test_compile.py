@@ -62,6 +62,15 @@ def test_generated_source_compiles_without_spills(source):
         assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (name, entry)
     for name, entry in res.own_report.items():  # non-inlined helpers too (a device library's are its own)
         assert entry.get("spill_stores", 0) == 0 and entry.get("spill_loads", 0) == 0, (name, entry)
+    if res.output.suffix == ".so":  # what the runtime looks up: every launcher and prepare the manifest names
+        nm = shutil.which("nm")
+        if nm is None:
+            pytest.skip("nm not found; the library compiled but its symbols are unchecked")
+        out = subprocess.run([nm, "-D", "--defined-only", str(res.output)], capture_output=True, text=True,
+                             check=True).stdout
+        defined = {line.split()[-1] for line in out.splitlines() if line.split()[-2:-1] == ["T"]}
+        named = [k[key] for k in manifest["kernels"] for key in ("launcher", "prepare") if k.get(key)]
+        assert set(named) <= defined, sorted(set(named) - defined)
 
 
 @needs_nvcc

@@ -369,3 +369,33 @@ def test_launch_is_ordered_with_the_callers_streams_without_ranks_waiting_for_ea
     fake.log.clear()
     module.launch(bufs, streams=streams)
     assert [e[0] for e in fake.log] == ["launch"] * 3
+
+
+def test_host_launch_modules_prepare_every_rank_before_any_call():
+    """prepare(rank, device) for every rank this process drives, in rank order; a failure names
+    the rank, the GPU, the entry point and the module."""
+    from tsgen.runtime.world import prepare_ranks
+
+    calls = []
+    prepare_ranks(lambda r, d: calls.append((r, d)) or 0, "m_w4_prepare", {2: 0, 0: 0, 3: 1, 1: 1}, "m")
+    assert calls == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    with pytest.raises(RuntimeSetupError, match=r"rank 1: m_w4_prepare failed with cudaError 101 \(m, GPU 1\)"):
+        prepare_ranks(lambda r, d: 101 if r == 1 else 0, "m_w4_prepare", {0: 0, 1: 1}, "m")
+
+
+def test_every_shipped_launcher_with_side_streams_has_a_prepare():
+    """A generated source whose host launcher makes per-rank side streams (the lanes of
+    tsgen_fused.cuh, tsgen_grid.cuh, tsgen_ce.cuh) names a prepare for every world size, and the
+    source defines each prepare named (docs/lab/shared_gpu.md, 2026-11-26: made at a first call,
+    a stream stalled it)."""
+    lanes_made = 0
+    for source in sorted((ROOT / "generated").glob("*.cu")):
+        manifest = json.loads(source.with_suffix(".json").read_text())
+        text = source.read_text()
+        if "lanes(rank, &l)" in text or "lanes_get(rank, &lanes)" in text:
+            lanes_made += 1
+            assert all(k.get("prepare") for k in manifest["kernels"]), source.name
+        for k in manifest["kernels"]:
+            if k.get("prepare"):
+                assert f'extern "C" cudaError_t {k["prepare"]}(int rank, int device)' in text, (source.name, k["name"])
+    assert lanes_made >= 5  # fused, cp_attention, cannon / summa, copy-engine collectives

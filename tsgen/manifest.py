@@ -112,9 +112,15 @@ class KernelEntry:
     shared_bytes: int
     args: tuple[Arg, ...]
     launcher_args: tuple[Arg, ...]
+    # `extern "C" cudaError_t NAME(int rank, int device)` of a host-launch module that makes what
+    # a rank's calls need (side streams, events, kernel attributes) on `device`; "" when it has
+    # none. Called for every rank before any rank's first call: the launcher would otherwise make
+    # them at its first call, and on a GPU shared by ranks that creation can wait for the peers'
+    # kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
+    prepare: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "name": self.name,
             "launcher": self.launcher,
             "world_size": self.world_size,
@@ -124,12 +130,15 @@ class KernelEntry:
             "args": [asdict(a) for a in self.args],
             "launcher_args": [asdict(a) for a in self.launcher_args],
         }
+        if self.prepare:
+            d["prepare"] = self.prepare
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KernelEntry":
         return cls(d["name"], d["launcher"], d["world_size"], tuple(d["grid"]), tuple(d["block"]),
                    d["shared_bytes"], tuple(Arg(**a) for a in d["args"]),
-                   tuple(Arg(**a) for a in d["launcher_args"]))
+                   tuple(Arg(**a) for a in d["launcher_args"]), d.get("prepare", ""))
 
 
 @dataclass(frozen=True)

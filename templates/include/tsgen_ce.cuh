@@ -84,13 +84,15 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // ---------------------------------------------------------------------------
 
 // The side streams of one rank (stream 0 of a plan is the caller's stream),
-// with the events that fork them from it and join them back. Made on the
-// first call of each rank this process drives (ranks that share a GPU must not share
-// them) and kept for the life of the process.
+// with the events that fork them from it and join them back. Made on the current device
+// (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
+// rank's first call (ranks that share a GPU must not share them; made at a first call they
+// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
   cudaEvent_t join[TSGEN_CE_MAX_STREAMS];
+  int device;  // where they were made
   bool ready;
 };
 
@@ -99,8 +101,12 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   static std::mutex made;  // ranks launch from threads of their own
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
+  int device;
+  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
+    l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));

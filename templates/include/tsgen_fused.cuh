@@ -373,16 +373,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
+// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));

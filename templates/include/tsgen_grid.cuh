@@ -127,17 +127,24 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 struct Lanes {
   cudaStream_t copy[2];  // the pushes of A, of B (copy engine + their signal / wait kernels)
   cudaEvent_t fork, done[2];
+  int device;  // where they were made
   bool ready;
 };
 
-// One set per rank this process drives, made on the rank's device at its first call: ranks
+// One set per rank this process drives, made on the current device (the rank's) by the
+// module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
+// Made at a first call, they can stall it (see tsgen::fused::lanes).
 static cudaError_t lanes(int rank, Lanes** out) {
   constexpr int MAX_RANKS = 64;
   static Lanes all[MAX_RANKS];
   if (rank < 0 || rank >= MAX_RANKS) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
+  int device;
+  TSGEN_GRID_TRY(cudaGetDevice(&device));
+  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
   if (!l->ready) {
+    l->device = device;
     int lo = 0, hi = 0;
     TSGEN_GRID_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     for (int i = 0; i < 2; ++i) {

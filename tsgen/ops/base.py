@@ -70,15 +70,21 @@ class Kernel:
     # blocks per SM the kernel is compiled to fit (__launch_bounds__' second argument; 0: not
     # given, and ptxas may trade spills for more blocks per SM)
     min_blocks: int = 0
+    # True when the host launcher has a `<name>_prepare(rank, device)` (KernelEntry.prepare)
+    prepares: bool = False
 
     @property
     def launcher(self) -> str:
         return f"{self.name}_launch"
 
+    @property
+    def prepare(self) -> str:
+        return f"{self.name}_prepare" if self.prepares else ""
+
     def manifest(self) -> KernelEntry:
         """The manifest's entry for this kernel (how the runtime launches it)."""
         return KernelEntry(self.name, self.launcher, self.world_size, (self.grid, 1, 1), (self.block, 1, 1),
-                           self.smem, self.args, self.launcher_args or self.args)
+                           self.smem, self.args, self.launcher_args or self.args, self.prepare)
 
 
 @dataclass
@@ -181,6 +187,8 @@ class LoweringHooks:
     # whose call is more than one kernel (copy-engine transfers between kernels, or
     # TMA descriptors encoded on the host). The launcher takes `launcher_args`.
     host_launch: ClassVar[bool] = False
+    # True when that launcher runs work on side streams of its own (made per rank, see `prepares`).
+    side_streams: ClassVar[bool] = False
 
     def template_for(self, spec: Any) -> str:
         """Template file under templates/ops/ for this spec."""
@@ -189,6 +197,11 @@ class LoweringHooks:
     def launched_from_host(self, spec: Any) -> bool:
         """True when the runtime must call the host launcher (see `host_launch`)."""
         return self.host_launch
+
+    def prepares(self, spec: Any) -> bool:
+        """True when the host launcher makes per-rank things (side streams, events) that its
+        template also makes up front in `<kernel>_prepare(rank, device)` (KernelEntry.prepare)."""
+        return self.side_streams
 
     def device_libs(self, spec: Any) -> tuple[str, ...]:
         """Device libraries the module is linked against (-rdc=true + device link, see
@@ -326,7 +339,7 @@ def one_kernel_abi(family: OpFamily, spec: Any, smem: int, constants: dict[str, 
     launcher_args = with_peers_host(args) if peers_host else None
     kernels = tuple(
         Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-               smem=smem, args=args, launcher_args=launcher_args)
+               smem=smem, args=args, launcher_args=launcher_args, prepares=family.prepares(spec))
         for w in spec.world_sizes
     )
     return ModuleAbi(family, spec, buffers, kernels, constants)

@@ -201,6 +201,7 @@ class CpAttentionFamily(OpFamily):
     gpu_sweep = None  # tests/test_cp_attention_gpu.py (few heads: its reference is attention over the whole sequence)
     count_unit = "rows"  # S / P positions per rank
     host_launch = True
+    side_streams = True  # tsgen_fused.cuh lanes
     bench = CpAttentionBench()
     summary = ("context-parallel attention: K and V all-gathered chunk by chunk into symmetric buffers (copy engine "
                "or SM push, a signal per chunk) while the flash-attention kernel waits per chunk; contiguous or "

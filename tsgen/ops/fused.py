@@ -104,6 +104,7 @@ class AllgatherGemmFamily(OpFamily):
     variant_worlds = ()  # shapes split over the shipped world sizes only
     count_unit = "rows"  # M_local
     host_launch = True
+    side_streams = True  # tsgen_fused.cuh lanes
     bench = FusedBench()
     summary = ("C_r = allgather(A) . B_r: A row-sharded, B and C column-sharded; the gather on the copy "
                "engine, overlapped with a TMA + wgmma GEMM whose tiles wait per source rank")

@@ -178,6 +178,7 @@ class CannonFamily(OpFamily):
     variant_worlds = ()  # shapes split over the shipped world sizes only
     count_unit = "rows"  # M/q: the rows of each block
     host_launch = True
+    side_streams = True  # tsgen_grid.cuh lanes
     bench = GridBench()
     summary = ("C = A . B block-distributed on a sqrt(P) x sqrt(P) grid: Cannon's skew and neighbour shifts on "
                "the copy engine, overlapped with one TMA + wgmma GEMM over K whose producer waits per K panel")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -235,9 +235,11 @@ class Module:
         if manifest.compile_mode[0] == "shared":
             # The call is more than one kernel launch: the module's own host launcher
             # (compiled into a shared library) enqueues it on the stream we pass.
-            self.launcher = _host_launcher(self.binary, self.kernel)
+            self.launcher, prepare = _host_launcher(self.binary, self.kernel)
             if world.shared:  # persistent GEMM grids: one CTA per SM (their shared memory fills it)
                 world.check_resident(self.kernel, None)
+            if prepare is not None:  # before any rank's first call (KernelEntry.prepare says why)
+                prepare_ranks(prepare, self.kernel.prepare, world.devices, manifest.name)
             return
         self._raw = {}  # the loaded modules, kept alive while registered
         for rank, dev in world.devices.items():
@@ -352,14 +354,29 @@ class Module:
             )
 
 
+def prepare_ranks(prepare: Callable[[int, int], int], name: str, devices: dict[int, int], module: str) -> None:
+    """Call a host-launch module's `prepare(rank, device)` for every rank this process drives, in
+    rank order; a CUDA error stops it, named with the rank, the GPU and the module."""
+    for rank in sorted(devices):
+        err = prepare(rank, devices[rank])
+        if err != 0:
+            raise RuntimeSetupError(f"rank {rank}: {name} failed with cudaError {err} ({module}, GPU {devices[rank]})")
+
+
 def _host_launcher(library: Path, kernel: KernelEntry):
-    """The `<kernel>_launch` function of a compiled module library, via ctypes."""
+    """The `<kernel>_launch` function of a compiled module library and its `prepare(rank,
+    device)` (None when the manifest names none), via ctypes."""
     import ctypes
 
     lib = ctypes.CDLL(str(library))
     fn = getattr(lib, kernel.launcher)
     fn.restype = ctypes.c_int
-    return fn
+    prepare = None
+    if kernel.prepare:
+        prepare = getattr(lib, kernel.prepare)
+        prepare.restype = ctypes.c_int
+        prepare.argtypes = [ctypes.c_int, ctypes.c_int]
+    return fn, prepare
 
 
 class World:

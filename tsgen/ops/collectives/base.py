@@ -130,6 +130,9 @@ class CollectiveFamily(OpFamily):
     def launched_from_host(self, spec: Any) -> bool:
         return self.copy_engine(spec)
 
+    def prepares(self, spec: Any) -> bool:
+        return self.copy_engine(spec)  # tsgen_ce.cuh lanes
+
     def device_libs(self, spec: Any) -> tuple[str, ...]:
         return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
 
