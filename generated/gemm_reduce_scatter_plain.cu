@@ -2235,7 +2235,7 @@ struct Lanes {
 // module's NAME_wW_prepare before any rank's first call, else at the rank's first call: ranks
 // that share a GPU must not share side streams and events (each would wait on the other's).
 // Made at a first call, they can stall it: on a GPU shared by ranks, creating a stream waited
-// for the peers' kernels already spinning there (docs/lab/shared_gpu.md, 2026-11-26).
+// for the peers' kernels already spinning there (measured: docs/lab/shared_gpu.md).
 static cudaError_t lanes(int rank, Lanes** out) {
   static Lanes all[MAX_WORLD];
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
