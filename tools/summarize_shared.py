@@ -85,14 +85,17 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     md.append(f"| timeout probes (the kernel prints who waited for what, then traps) | {p['passed']} / {p['tests']} |")
     if ipc:
         md.append(f"| ipc backend, one process per rank, under MPS | {ipc.get('passed', 0)} passed, "
-                  f"{ipc.get('failed', 0)} failed, {ipc.get('skipped', 0)} skipped |")
+                  f"{ipc.get('failed', 0)} failed, {ipc.get('skipped', 0)} skipped"
+                  f"{' (stopped before the end: counted from its progress line)' if ipc.get('stopped') else ''} |")
     for kind, f in summary["families"].items():
         if f["tests"]:
             md.append(f"| {kind} (rows of its GPU tests; worlds {', '.join(map(str, f['worlds']))}) | {f['passed']} passed"
                       + (f", {f['controls_caught']} negative controls caught" if f["controls_caught"] else "") + " |")
-    if (run / "vendor.txt").exists() or not real:
+    if (run / "vendor.txt").exists():
         md.append(f"| vendoring example (examples/vendor) | {sum('PASS' in v for v in summary['vendor'])} / "
                   f"{len(summary['vendor'])} |")
+    elif not real:
+        md.append("| vendoring example (examples/vendor) | not run |")
     md += ["", "Negative controls (a broken kernel must FAIL):", "", "| control | skew | caught |", "|---|---|---|"]
     md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
            for n in summary["negative_controls"]]
