@@ -2,6 +2,8 @@
 started by `tsgen launch`. Skipped with a reason on machines without enough GPUs.
 tools/gpu_ipc.sh runs the longer checks (all specs, 100 World cycles, timing)."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -17,8 +19,14 @@ TSGEN = [sys.executable, "-m", "tsgen"]
 
 def launch(nproc, *cmd, grace=30, timeout=180):
     with gpu_turn():  # the ranks (processes) never take the GPU lock themselves
-        return subprocess.run([*TSGEN, "launch", "--nproc", str(nproc), "--grace", str(grace), "--", *cmd],
-                              capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([*TSGEN, "launch", "--nproc", str(nproc), "--grace", str(grace), "--", *cmd],
+                           capture_output=True, text=True, timeout=timeout)
+    out = os.environ.get("TSGEN_RESULTS_DIR")
+    if out:  # what every run printed, also when a device call's time limit stops pytest before its report
+        with open(os.path.join(out, "ipc.jsonl"), "a") as f:
+            f.write(json.dumps({"nproc": nproc, "cmd": [str(c) for c in cmd], "rc": p.returncode,
+                                "stdout": p.stdout[-4000:], "stderr": p.stderr[-4000:]}) + "\n")
+    return p
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -304,8 +304,26 @@ def test_shared_gpu_environment_queues_and_eager_loading_without_overriding_the_
     from tsgen.env import shared_gpu_env
 
     env = shared_gpu_env({})
-    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"}
-    assert shared_gpu_env({"CUDA_MODULE_LOADING": "LAZY"})["CUDA_MODULE_LOADING"] == "LAZY"
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER",
+                   "TSGEN_SHARED_GPU_SET": "CUDA_DEVICE_MAX_CONNECTIONS,CUDA_MODULE_LOADING"}
+    assert shared_gpu_env(dict(env)) == env  # again (a child inheriting it): nothing changes
+    mine = shared_gpu_env({"CUDA_MODULE_LOADING": "LAZY"})
+    assert mine["CUDA_MODULE_LOADING"] == "LAZY" and mine["TSGEN_SHARED_GPU_SET"] == "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def test_a_rank_of_a_process_world_takes_no_extra_hardware_queues():
+    """Under MPS every client's queues come from one pool per GPU: a process that drives one rank
+    (ipc backend) keeps the driver's default, and drops the 32 a tsgen parent (the test suite,
+    a single-process tsgen) set; a value the caller set stays."""
+    from tsgen.env import shared_gpu_env
+
+    alone = shared_gpu_env({}, rank_per_process=True)
+    assert alone == {"CUDA_MODULE_LOADING": "EAGER", "TSGEN_SHARED_GPU_SET": "CUDA_MODULE_LOADING"}
+    inherited = shared_gpu_env(dict(shared_gpu_env({})), rank_per_process=True)
+    assert inherited == alone
+    theirs = shared_gpu_env({"CUDA_DEVICE_MAX_CONNECTIONS": "4"}, rank_per_process=True)
+    assert theirs["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
+    assert shared_gpu_env({"CUDA_MODULE_LOADING": "LAZY"}, rank_per_process=True) == {"CUDA_MODULE_LOADING": "LAZY"}
 
 
 # ---------------------------------------------------------------------------

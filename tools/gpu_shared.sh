@@ -7,7 +7,8 @@
 # every worker's context holds all its libraries' kernels, and 15 workers on an 80 GB H100 ran one
 # out of memory): pytest-xdist workers; PER_TEST (default 180): seconds before a test fails;
 # MPS=1: the ipc backend's tests too, under an MPS daemon (see below); FIRST: test files collected
-# (and so handed to the workers) before the rest of tests/.
+# (and so handed to the workers) before the rest of tests/; SUITE=0: not the suite itself (with
+# MPS=1: the ipc tests alone).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export TSGEN_SHARE_GPUS=1
@@ -18,10 +19,13 @@ export TSGEN_SHARE_GPUS=1
 start=$(date +%s)
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
 cores=$(( $(nproc) > 4 ? $(nproc) - 2 : 2 )); by_memory=$(( ${mib:-16384} / 8192 > 1 ? ${mib:-16384} / 8192 : 1 ))
-python3 -m pytest -q -m gpu ${FIRST:-} tests/ -n "${JOBS:-$(( cores < by_memory ? cores : by_memory ))}" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
-  --durations=10 -rs "$@" 2>&1 | tee "$OUT/pytest_shared.txt"
-code=${PIPESTATUS[0]}
-echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$OUT/device.txt"
+code=0
+if [ "${SUITE:-1}" != 0 ]; then
+  python3 -m pytest -q -m gpu ${FIRST:-} tests/ -n "${JOBS:-$(( cores < by_memory ? cores : by_memory ))}" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
+    --durations=10 -rs "$@" 2>&1 | tee "$OUT/pytest_shared.txt"
+  code=${PIPESTATUS[0]}
+  echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$OUT/device.txt"
+fi
 # MPS=1: then the ipc backend's tests (one process per rank, every process on this GPU), under an
 # MPS control daemon started here and stopped after them (without MPS those processes are
 # time-sliced and never resident together: the suite above skips them).
@@ -33,6 +37,7 @@ if [ -n "${MPS:-}" ]; then
       --timeout "${PER_TEST:-180}" -rs 2>&1 | tee "$OUT/pytest_ipc_mps.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
     echo quit | nvidia-cuda-mps-control
+    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps_log" 2>/dev/null  # the server's log names refused clients
   else
     echo "MPS: the control daemon did not start" | tee "$OUT/pytest_ipc_mps.txt"; code=1
   fi

@@ -184,7 +184,7 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout, share_gpu
     from .harness import leave_now, probe_timeout as run_probe, run_test
 
     if share_gpus or (share_gpus is None and share_from_env()):
-        shared_gpu_env()  # before any CUDA call (tsgen/env.py says why)
+        shared_gpu_env(rank_per_process=backend != "single")  # before any CUDA call (tsgen/env.py says why)
     if backend == "single" and gpus is None:
         raise click.UsageError("--gpus N is required with --backend single")
     if probe_timeout and backend != "single":

@@ -39,13 +39,39 @@ def force_no_multicast(env: MutableMapping[str, str] | None = None) -> MutableMa
 #   H100: cp_attention at W 4 and 8 and moe at W 4 each had a rank wait 3-10 s on a peer's first
 #   signal, while W 2 passed; the CUDA programming guide's lazy-loading section names the risk).
 SHARED_GPU = {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"}
+# The variables of SHARED_GPU that tsgen set itself (not the caller), comma-separated: child
+# processes inherit them, and a child that is one rank of a multi-process world takes back the
+# ones that do not suit it.
+SET_BY_TSGEN = "TSGEN_SHARED_GPU_SET"
 
 
-def shared_gpu_env(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
-    """Set SHARED_GPU in `env` (default: os.environ) where the caller has not set them; returns it."""
+def shared_gpu_env(env: MutableMapping[str, str] | None = None,
+                   rank_per_process: bool = False) -> MutableMapping[str, str]:
+    """Set SHARED_GPU in `env` (default: os.environ) where the caller has not set them; returns it.
+
+    `rank_per_process`: this process is one rank of a world of processes sharing GPUs under MPS
+    (the ipc backend). It drives one rank, so it needs no extra hardware queues, and under MPS
+    every client's queues come out of one pool per GPU that each client holds exclusively
+    (NVIDIA's MPS guide on CUDA_DEVICE_MAX_CONNECTIONS: raising it "may reduce the number of
+    available clients"). Such a process leaves the variable at the driver's default, and drops
+    it where a tsgen parent set it (SET_BY_TSGEN); a value the caller set stays."""
     env = os.environ if env is None else env
-    for key, value in SHARED_GPU.items():
-        env.setdefault(key, value)
+    ours = set(filter(None, env.get(SET_BY_TSGEN, "").split(",")))
+    wanted = dict(SHARED_GPU)
+    if rank_per_process:
+        key = "CUDA_DEVICE_MAX_CONNECTIONS"
+        del wanted[key]
+        if key in ours:
+            env.pop(key, None)
+            ours.discard(key)
+    for key, value in wanted.items():
+        if key not in env:
+            env[key] = value
+            ours.add(key)
+    if ours:
+        env[SET_BY_TSGEN] = ",".join(sorted(ours))
+    else:
+        env.pop(SET_BY_TSGEN, None)
     return env
 
 

@@ -104,7 +104,7 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     if sizes and suite:
         entries = [Entry(e.spec, e.gpus, sizes, e.label, e.variant, e.patterns) for e in entries]
     if share_gpus or (share_gpus is None and share_from_env()):
-        shared_gpu_env()  # before any CUDA call (tsgen/env.py says why)
+        shared_gpu_env(rank_per_process=backend != "single")  # before any CUDA call (tsgen/env.py says why)
     if suite:
         stop_on_signals()  # a suite stopped by its time limit still writes what it finished
     total = sum(_steps(e) for e in entries)

@@ -391,7 +391,7 @@ class World:
         if share_gpus is None:
             share_gpus = share_from_env()
         if share_gpus:  # before the first context (tsgen/env.py says why)
-            shared_gpu_env()
+            shared_gpu_env(rank_per_process=isinstance(backend, str) and backend != "single")
         self.cp = cupy_or_error()
         if backend is None or isinstance(backend, str):
             backend = make_backend(backend or "single", size, self.cp, share_gpus=share_gpus)
