@@ -29,18 +29,18 @@
 //   gathered uint64_t       signal 32
 // Contents (line numbers of this file):
 //   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_plan.cuh 889, tsgen_ce.cuh 1303
-//   1473: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
+//   1474: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_ce_w2_sync 3133, all_reduce_two_shot_ce_w2_reduce 3138
-//     all_reduce_two_shot_ce_w2_end 3145, all_reduce_two_shot_ce_w2_prepare 3152
+//     all_reduce_two_shot_ce_w2_sync 3134, all_reduce_two_shot_ce_w2_reduce 3139
+//     all_reduce_two_shot_ce_w2_end 3146, all_reduce_two_shot_ce_w2_prepare 3152
 //     all_reduce_two_shot_ce_w2_launch 3162, all_reduce_two_shot_ce_w3_sync 3260
 //     all_reduce_two_shot_ce_w3_reduce 3265, all_reduce_two_shot_ce_w3_end 3272
-//     all_reduce_two_shot_ce_w3_prepare 3279, all_reduce_two_shot_ce_w3_launch 3289
-//     all_reduce_two_shot_ce_w4_sync 3472, all_reduce_two_shot_ce_w4_reduce 3477
-//     all_reduce_two_shot_ce_w4_end 3484, all_reduce_two_shot_ce_w4_prepare 3491
-//     all_reduce_two_shot_ce_w4_launch 3501, all_reduce_two_shot_ce_w8_sync 3809
-//     all_reduce_two_shot_ce_w8_reduce 3814, all_reduce_two_shot_ce_w8_end 3821
-//     all_reduce_two_shot_ce_w8_prepare 3828, all_reduce_two_shot_ce_w8_launch 3838
+//     all_reduce_two_shot_ce_w3_prepare 3278, all_reduce_two_shot_ce_w3_launch 3288
+//     all_reduce_two_shot_ce_w4_sync 3471, all_reduce_two_shot_ce_w4_reduce 3476
+//     all_reduce_two_shot_ce_w4_end 3483, all_reduce_two_shot_ce_w4_prepare 3489
+//     all_reduce_two_shot_ce_w4_launch 3499, all_reduce_two_shot_ce_w8_sync 3807
+//     all_reduce_two_shot_ce_w8_reduce 3812, all_reduce_two_shot_ce_w8_end 3819
+//     all_reduce_two_shot_ce_w8_prepare 3825, all_reduce_two_shot_ce_w8_launch 3835
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1392,7 +1392,8 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // with the events that fork them from it and join them back. Made on the current device
 // (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
 // rank's first call (ranks that share a GPU must not share them; made at a first call they
-// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
+// can stall it: on a GPU shared by ranks, creating a stream waited for the peers' kernels
+// already spinning there, measured: docs/lab/shared_gpu.md), kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
@@ -3146,9 +3147,8 @@ extern "C" __global__ void all_reduce_two_shot_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w2_prepare(int rank, int device) {
   if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -3273,9 +3273,8 @@ extern "C" __global__ void all_reduce_two_shot_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w3_prepare(int rank, int device) {
   if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -3485,9 +3484,8 @@ extern "C" __global__ void all_reduce_two_shot_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w4_prepare(int rank, int device) {
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -3822,9 +3820,8 @@ extern "C" __global__ void all_reduce_two_shot_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w8_prepare(int rank, int device) {
   if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));

@@ -25,15 +25,15 @@
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
 //   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 795, tsgen_plan.cuh 882, tsgen_ce.cuh 1296
-//   1466: the op's own code (namespace all_to_all_ce: constants, tables, device code)
+//   1467: the op's own code (namespace all_to_all_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_ce_w2_sync 1901, all_to_all_ce_w2_reduce 1906, all_to_all_ce_w2_end 1913
+//     all_to_all_ce_w2_sync 1902, all_to_all_ce_w2_reduce 1907, all_to_all_ce_w2_end 1914
 //     all_to_all_ce_w2_prepare 1920, all_to_all_ce_w2_launch 1930, all_to_all_ce_w3_sync 1982
-//     all_to_all_ce_w3_reduce 1987, all_to_all_ce_w3_end 1994, all_to_all_ce_w3_prepare 2001
-//     all_to_all_ce_w3_launch 2011, all_to_all_ce_w4_sync 2080, all_to_all_ce_w4_reduce 2085
-//     all_to_all_ce_w4_end 2092, all_to_all_ce_w4_prepare 2099, all_to_all_ce_w4_launch 2109
-//     all_to_all_ce_w8_sync 2201, all_to_all_ce_w8_reduce 2206, all_to_all_ce_w8_end 2213
-//     all_to_all_ce_w8_prepare 2220, all_to_all_ce_w8_launch 2230
+//     all_to_all_ce_w3_reduce 1987, all_to_all_ce_w3_end 1994, all_to_all_ce_w3_prepare 2000
+//     all_to_all_ce_w3_launch 2010, all_to_all_ce_w4_sync 2079, all_to_all_ce_w4_reduce 2084
+//     all_to_all_ce_w4_end 2091, all_to_all_ce_w4_prepare 2097, all_to_all_ce_w4_launch 2107
+//     all_to_all_ce_w8_sync 2199, all_to_all_ce_w8_reduce 2204, all_to_all_ce_w8_end 2211
+//     all_to_all_ce_w8_prepare 2217, all_to_all_ce_w8_launch 2227
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1385,7 +1385,8 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // with the events that fork them from it and join them back. Made on the current device
 // (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
 // rank's first call (ranks that share a GPU must not share them; made at a first call they
-// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
+// can stall it: on a GPU shared by ranks, creating a stream waited for the peers' kernels
+// already spinning there, measured: docs/lab/shared_gpu.md), kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
@@ -1914,9 +1915,8 @@ extern "C" __global__ void all_to_all_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w2_prepare(int rank, int device) {
   if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -1995,9 +1995,8 @@ extern "C" __global__ void all_to_all_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w3_prepare(int rank, int device) {
   if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -2093,9 +2092,8 @@ extern "C" __global__ void all_to_all_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w4_prepare(int rank, int device) {
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -2214,9 +2212,8 @@ extern "C" __global__ void all_to_all_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w8_prepare(int rank, int device) {
   if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));

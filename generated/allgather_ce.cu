@@ -26,15 +26,15 @@
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
 //   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 796, tsgen_plan.cuh 883, tsgen_ce.cuh 1297
-//   1467: the op's own code (namespace allgather_ce: constants, tables, device code)
+//   1468: the op's own code (namespace allgather_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_ce_w2_sync 1902, allgather_ce_w2_reduce 1907, allgather_ce_w2_end 1914
+//     allgather_ce_w2_sync 1903, allgather_ce_w2_reduce 1908, allgather_ce_w2_end 1915
 //     allgather_ce_w2_prepare 1921, allgather_ce_w2_launch 1931, allgather_ce_w3_sync 1983
-//     allgather_ce_w3_reduce 1988, allgather_ce_w3_end 1995, allgather_ce_w3_prepare 2002
-//     allgather_ce_w3_launch 2012, allgather_ce_w4_sync 2081, allgather_ce_w4_reduce 2086
-//     allgather_ce_w4_end 2093, allgather_ce_w4_prepare 2100, allgather_ce_w4_launch 2110
-//     allgather_ce_w8_sync 2202, allgather_ce_w8_reduce 2207, allgather_ce_w8_end 2214
-//     allgather_ce_w8_prepare 2221, allgather_ce_w8_launch 2231
+//     allgather_ce_w3_reduce 1988, allgather_ce_w3_end 1995, allgather_ce_w3_prepare 2001
+//     allgather_ce_w3_launch 2011, allgather_ce_w4_sync 2080, allgather_ce_w4_reduce 2085
+//     allgather_ce_w4_end 2092, allgather_ce_w4_prepare 2098, allgather_ce_w4_launch 2108
+//     allgather_ce_w8_sync 2200, allgather_ce_w8_reduce 2205, allgather_ce_w8_end 2212
+//     allgather_ce_w8_prepare 2218, allgather_ce_w8_launch 2228
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1386,7 +1386,8 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // with the events that fork them from it and join them back. Made on the current device
 // (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
 // rank's first call (ranks that share a GPU must not share them; made at a first call they
-// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
+// can stall it: on a GPU shared by ranks, creating a stream waited for the peers' kernels
+// already spinning there, measured: docs/lab/shared_gpu.md), kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
@@ -1915,9 +1916,8 @@ extern "C" __global__ void allgather_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w2_prepare(int rank, int device) {
   if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -1996,9 +1996,8 @@ extern "C" __global__ void allgather_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w3_prepare(int rank, int device) {
   if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -2094,9 +2093,8 @@ extern "C" __global__ void allgather_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w4_prepare(int rank, int device) {
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -2215,9 +2213,8 @@ extern "C" __global__ void allgather_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w8_prepare(int rank, int device) {
   if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));

@@ -39,8 +39,8 @@
 //   entry points (extern "C"):
 //     allgather_gemm_w2_gemm 2393, allgather_gemm_w2_sync 2403, allgather_gemm_w3_gemm 2410
 //     allgather_gemm_w3_sync 2420, allgather_gemm_w4_gemm 2427, allgather_gemm_w4_sync 2437
-//     allgather_gemm_w2_prepare 2514, allgather_gemm_w2_launch 2515, allgather_gemm_w3_prepare 2516
-//     allgather_gemm_w3_launch 2517, allgather_gemm_w4_prepare 2518, allgather_gemm_w4_launch 2519
+//     allgather_gemm_w2_prepare 2513, allgather_gemm_w2_launch 2514, allgather_gemm_w3_prepare 2515
+//     allgather_gemm_w3_launch 2516, allgather_gemm_w4_prepare 2517, allgather_gemm_w4_launch 2518
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2496,9 +2496,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM shared-memory opt-in and side streams and events, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM shared-memory opt-in and side streams, made on `device` before any
+// rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

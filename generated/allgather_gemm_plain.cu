@@ -35,9 +35,9 @@
 //     allgather_gemm_plain_w2_gemm 2390, allgather_gemm_plain_w2_sync 2400
 //     allgather_gemm_plain_w3_gemm 2407, allgather_gemm_plain_w3_sync 2417
 //     allgather_gemm_plain_w4_gemm 2424, allgather_gemm_plain_w4_sync 2434
-//     allgather_gemm_plain_w2_prepare 2498, allgather_gemm_plain_w2_launch 2499
-//     allgather_gemm_plain_w3_prepare 2500, allgather_gemm_plain_w3_launch 2501
-//     allgather_gemm_plain_w4_prepare 2502, allgather_gemm_plain_w4_launch 2503
+//     allgather_gemm_plain_w2_prepare 2497, allgather_gemm_plain_w2_launch 2498
+//     allgather_gemm_plain_w3_prepare 2499, allgather_gemm_plain_w3_launch 2500
+//     allgather_gemm_plain_w4_prepare 2501, allgather_gemm_plain_w4_launch 2502
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2482,9 +2482,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM shared-memory opt-in, made on `device` before any
+// rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

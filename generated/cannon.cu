@@ -41,7 +41,7 @@
 //   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_gemm.cuh 890, tsgen_grid.cuh 1855
 //   2034: the op's own code (namespace cannon: constants, tables, device code)
 //   entry points (extern "C"):
-//     cannon_w4_gemm 2127, cannon_w4_sync 2138, cannon_w4_prepare 2146, cannon_w4_launch 2157
+//     cannon_w4_gemm 2127, cannon_w4_sync 2138, cannon_w4_prepare 2145, cannon_w4_launch 2156
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2140,9 +2140,8 @@ cannon_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int
   tsgen::grid::sync_body<4>(peers, rank, calls, sig, mode, target, index);
 }
 
-// Rank `rank`'s GEMM shared-memory opt-in and side streams and events, made on `device` before
-// any rank's first call (the manifest's "prepare"; the launcher makes them at the rank's first
-// call otherwise, where on a GPU shared by ranks the creation can wait for the peers' kernels).
+// Rank `rank`'s GEMM shared-memory opt-in and side streams, made on `device` before any rank's
+// first call (the manifest's "prepare"; see tsgen::grid::lanes).
 extern "C" cudaError_t cannon_w4_prepare(int rank, int device) {
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_GRID_TRY(cudaSetDevice(device));

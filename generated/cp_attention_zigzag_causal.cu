@@ -44,9 +44,9 @@
 //   entry points (extern "C"):
 //     cp_attention_zigzag_causal_attention 3377, cp_attention_zigzag_causal_w2_sync 3387
 //     cp_attention_zigzag_causal_w4_sync 3399, cp_attention_zigzag_causal_w8_sync 3411
-//     cp_attention_zigzag_causal_w2_prepare 3507, cp_attention_zigzag_causal_w2_launch 3508
-//     cp_attention_zigzag_causal_w4_prepare 3509, cp_attention_zigzag_causal_w4_launch 3510
-//     cp_attention_zigzag_causal_w8_prepare 3511, cp_attention_zigzag_causal_w8_launch 3512
+//     cp_attention_zigzag_causal_w2_prepare 3506, cp_attention_zigzag_causal_w2_launch 3507
+//     cp_attention_zigzag_causal_w4_prepare 3508, cp_attention_zigzag_causal_w4_launch 3509
+//     cp_attention_zigzag_causal_w8_prepare 3510, cp_attention_zigzag_causal_w8_launch 3511
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3492,9 +3492,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return launched;
 }
 
-// Rank `rank`'s side streams and events and the attention kernel's shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 static cudaError_t prepare(int world, int rank, int device) {
   if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
   TSGEN_FUSED_TRY(cudaSetDevice(device));

@@ -44,10 +44,10 @@
 //     cp_attention_zigzag_causal_sm_attention 3378, cp_attention_zigzag_causal_sm_w2_sync 3388
 //     cp_attention_zigzag_causal_sm_w2_push 3398, cp_attention_zigzag_causal_sm_w4_sync 3408
 //     cp_attention_zigzag_causal_sm_w4_push 3418, cp_attention_zigzag_causal_sm_w8_sync 3428
-//     cp_attention_zigzag_causal_sm_w8_push 3438, cp_attention_zigzag_causal_sm_w2_prepare 3511
-//     cp_attention_zigzag_causal_sm_w2_launch 3512, cp_attention_zigzag_causal_sm_w4_prepare 3513
-//     cp_attention_zigzag_causal_sm_w4_launch 3514, cp_attention_zigzag_causal_sm_w8_prepare 3515
-//     cp_attention_zigzag_causal_sm_w8_launch 3516
+//     cp_attention_zigzag_causal_sm_w8_push 3438, cp_attention_zigzag_causal_sm_w2_prepare 3510
+//     cp_attention_zigzag_causal_sm_w2_launch 3511, cp_attention_zigzag_causal_sm_w4_prepare 3512
+//     cp_attention_zigzag_causal_sm_w4_launch 3513, cp_attention_zigzag_causal_sm_w8_prepare 3514
+//     cp_attention_zigzag_causal_sm_w8_launch 3515
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3496,9 +3496,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return launched;
 }
 
-// Rank `rank`'s side streams and events and the attention kernel's shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 static cudaError_t prepare(int world, int rank, int device) {
   if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
   TSGEN_FUSED_TRY(cudaSetDevice(device));

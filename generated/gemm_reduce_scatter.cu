@@ -41,8 +41,8 @@
 //   entry points (extern "C"):
 //     gemm_reduce_scatter_w2_gemm 2400, gemm_reduce_scatter_w2_reduce 2412, gemm_reduce_scatter_w2_sync 2419
 //     gemm_reduce_scatter_w4_gemm 2426, gemm_reduce_scatter_w4_reduce 2438, gemm_reduce_scatter_w4_sync 2445
-//     gemm_reduce_scatter_w2_prepare 2524, gemm_reduce_scatter_w2_launch 2525
-//     gemm_reduce_scatter_w4_prepare 2526, gemm_reduce_scatter_w4_launch 2527
+//     gemm_reduce_scatter_w2_prepare 2523, gemm_reduce_scatter_w2_launch 2524
+//     gemm_reduce_scatter_w4_prepare 2525, gemm_reduce_scatter_w4_launch 2526
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2505,9 +2505,8 @@ static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM and reduce shared-memory opt-in and side streams and events, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM and reduce shared-memory opt-in and side streams, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

@@ -43,10 +43,10 @@
 //     gemm_reduce_scatter_odd_world_w2_sync 2424, gemm_reduce_scatter_odd_world_w3_gemm 2431
 //     gemm_reduce_scatter_odd_world_w3_reduce 2443, gemm_reduce_scatter_odd_world_w3_sync 2450
 //     gemm_reduce_scatter_odd_world_w4_gemm 2457, gemm_reduce_scatter_odd_world_w4_reduce 2469
-//     gemm_reduce_scatter_odd_world_w4_sync 2476, gemm_reduce_scatter_odd_world_w2_prepare 2550
-//     gemm_reduce_scatter_odd_world_w2_launch 2551, gemm_reduce_scatter_odd_world_w3_prepare 2552
-//     gemm_reduce_scatter_odd_world_w3_launch 2553, gemm_reduce_scatter_odd_world_w4_prepare 2554
-//     gemm_reduce_scatter_odd_world_w4_launch 2555
+//     gemm_reduce_scatter_odd_world_w4_sync 2476, gemm_reduce_scatter_odd_world_w2_prepare 2549
+//     gemm_reduce_scatter_odd_world_w2_launch 2550, gemm_reduce_scatter_odd_world_w3_prepare 2551
+//     gemm_reduce_scatter_odd_world_w3_launch 2552, gemm_reduce_scatter_odd_world_w4_prepare 2553
+//     gemm_reduce_scatter_odd_world_w4_launch 2554
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2533,9 +2533,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

@@ -37,8 +37,8 @@
 //     gemm_reduce_scatter_plain_w2_gemm 2396, gemm_reduce_scatter_plain_w2_reduce 2408
 //     gemm_reduce_scatter_plain_w2_sync 2415, gemm_reduce_scatter_plain_w4_gemm 2422
 //     gemm_reduce_scatter_plain_w4_reduce 2434, gemm_reduce_scatter_plain_w4_sync 2441
-//     gemm_reduce_scatter_plain_w2_prepare 2513, gemm_reduce_scatter_plain_w2_launch 2514
-//     gemm_reduce_scatter_plain_w4_prepare 2515, gemm_reduce_scatter_plain_w4_launch 2516
+//     gemm_reduce_scatter_plain_w2_prepare 2512, gemm_reduce_scatter_plain_w2_launch 2513
+//     gemm_reduce_scatter_plain_w4_prepare 2514, gemm_reduce_scatter_plain_w4_launch 2515
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2496,9 +2496,8 @@ static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

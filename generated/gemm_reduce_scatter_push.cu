@@ -41,8 +41,8 @@
 //     gemm_reduce_scatter_push_w2_gemm 2400, gemm_reduce_scatter_push_w2_reduce 2412
 //     gemm_reduce_scatter_push_w2_sync 2419, gemm_reduce_scatter_push_w4_gemm 2426
 //     gemm_reduce_scatter_push_w4_reduce 2438, gemm_reduce_scatter_push_w4_sync 2445
-//     gemm_reduce_scatter_push_w2_prepare 2519, gemm_reduce_scatter_push_w2_launch 2520
-//     gemm_reduce_scatter_push_w4_prepare 2521, gemm_reduce_scatter_push_w4_launch 2522
+//     gemm_reduce_scatter_push_w2_prepare 2518, gemm_reduce_scatter_push_w2_launch 2519
+//     gemm_reduce_scatter_push_w4_prepare 2520, gemm_reduce_scatter_push_w4_launch 2521
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2502,9 +2502,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

@@ -40,8 +40,8 @@
 //   entry points (extern "C"):
 //     gemm_reduce_scatter_push_add_w2_gemm 2400, gemm_reduce_scatter_push_add_w2_sync 2412
 //     gemm_reduce_scatter_push_add_w4_gemm 2419, gemm_reduce_scatter_push_add_w4_sync 2431
-//     gemm_reduce_scatter_push_add_w2_prepare 2493, gemm_reduce_scatter_push_add_w2_launch 2494
-//     gemm_reduce_scatter_push_add_w4_prepare 2495, gemm_reduce_scatter_push_add_w4_launch 2496
+//     gemm_reduce_scatter_push_add_w2_prepare 2492, gemm_reduce_scatter_push_add_w2_launch 2493
+//     gemm_reduce_scatter_push_add_w4_prepare 2494, gemm_reduce_scatter_push_add_w4_launch 2495
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2477,9 +2477,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

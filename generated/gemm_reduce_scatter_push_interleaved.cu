@@ -42,10 +42,10 @@
 //     gemm_reduce_scatter_push_interleaved_w2_gemm 2404, gemm_reduce_scatter_push_interleaved_w2_reduce 2416
 //     gemm_reduce_scatter_push_interleaved_w2_sync 2423, gemm_reduce_scatter_push_interleaved_w4_gemm 2430
 //     gemm_reduce_scatter_push_interleaved_w4_reduce 2442, gemm_reduce_scatter_push_interleaved_w4_sync 2449
-//     gemm_reduce_scatter_push_interleaved_w2_prepare 2523
-//     gemm_reduce_scatter_push_interleaved_w2_launch 2524
-//     gemm_reduce_scatter_push_interleaved_w4_prepare 2525
-//     gemm_reduce_scatter_push_interleaved_w4_launch 2526
+//     gemm_reduce_scatter_push_interleaved_w2_prepare 2522
+//     gemm_reduce_scatter_push_interleaved_w2_launch 2523
+//     gemm_reduce_scatter_push_interleaved_w4_prepare 2524
+//     gemm_reduce_scatter_push_interleaved_w4_launch 2525
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2506,9 +2506,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   return cudaSuccess;
 }
 
-// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device` before any rank's first call (the manifest's
-// "prepare"; the launcher makes them at the rank's first call otherwise, where on a GPU shared
-// by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;

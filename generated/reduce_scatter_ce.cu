@@ -27,15 +27,15 @@
 //   arrive   uint64_t       signal 32
 // Contents (line numbers of this file):
 //   49: the hand-written library, inlined: tsgen_ptx.cuh 49, tsgen_sync.cuh 624, tsgen_copy.cuh 797, tsgen_plan.cuh 884, tsgen_ce.cuh 1298
-//   1468: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
+//   1469: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_ce_w2_sync 2428, reduce_scatter_ce_w2_reduce 2433, reduce_scatter_ce_w2_end 2440
+//     reduce_scatter_ce_w2_sync 2429, reduce_scatter_ce_w2_reduce 2434, reduce_scatter_ce_w2_end 2441
 //     reduce_scatter_ce_w2_prepare 2447, reduce_scatter_ce_w2_launch 2457, reduce_scatter_ce_w3_sync 2533
-//     reduce_scatter_ce_w3_reduce 2538, reduce_scatter_ce_w3_end 2545, reduce_scatter_ce_w3_prepare 2552
-//     reduce_scatter_ce_w3_launch 2562, reduce_scatter_ce_w4_sync 2685, reduce_scatter_ce_w4_reduce 2690
-//     reduce_scatter_ce_w4_end 2697, reduce_scatter_ce_w4_prepare 2704, reduce_scatter_ce_w4_launch 2714
-//     reduce_scatter_ce_w8_sync 2902, reduce_scatter_ce_w8_reduce 2907, reduce_scatter_ce_w8_end 2914
-//     reduce_scatter_ce_w8_prepare 2921, reduce_scatter_ce_w8_launch 2931
+//     reduce_scatter_ce_w3_reduce 2538, reduce_scatter_ce_w3_end 2545, reduce_scatter_ce_w3_prepare 2551
+//     reduce_scatter_ce_w3_launch 2561, reduce_scatter_ce_w4_sync 2684, reduce_scatter_ce_w4_reduce 2689
+//     reduce_scatter_ce_w4_end 2696, reduce_scatter_ce_w4_prepare 2702, reduce_scatter_ce_w4_launch 2712
+//     reduce_scatter_ce_w8_sync 2900, reduce_scatter_ce_w8_reduce 2905, reduce_scatter_ce_w8_end 2912
+//     reduce_scatter_ce_w8_prepare 2918, reduce_scatter_ce_w8_launch 2928
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -1387,7 +1387,8 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // with the events that fork them from it and join them back. Made on the current device
 // (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
 // rank's first call (ranks that share a GPU must not share them; made at a first call they
-// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
+// can stall it: on a GPU shared by ranks, creating a stream waited for the peers' kernels
+// already spinning there, measured: docs/lab/shared_gpu.md), kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;
@@ -2441,9 +2442,8 @@ extern "C" __global__ void reduce_scatter_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w2_prepare(int rank, int device) {
   if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -2546,9 +2546,8 @@ extern "C" __global__ void reduce_scatter_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w3_prepare(int rank, int device) {
   if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -2698,9 +2697,8 @@ extern "C" __global__ void reduce_scatter_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w4_prepare(int rank, int device) {
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));
@@ -2915,9 +2913,8 @@ extern "C" __global__ void reduce_scatter_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams and events, made on `device` before any rank's first call (the
-// manifest's "prepare"; the launcher makes them at the rank's first call otherwise, where on a
-// GPU shared by ranks the creation can wait for the peers' kernels already running).
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w8_prepare(int rank, int device) {
   if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
   TSGEN_CE_TRY(cudaSetDevice(device));

@@ -40,7 +40,7 @@
 //   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_grid.cuh 1854
 //   2033: the op's own code (namespace summa: constants, tables, device code)
 //   entry points (extern "C"):
-//     summa_w4_gemm 2126, summa_w4_sync 2137, summa_w4_prepare 2145, summa_w4_launch 2156
+//     summa_w4_gemm 2126, summa_w4_sync 2137, summa_w4_prepare 2144, summa_w4_launch 2155
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2139,9 +2139,8 @@ summa_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int 
   tsgen::grid::sync_body<4>(peers, rank, calls, sig, mode, target, index);
 }
 
-// Rank `rank`'s GEMM shared-memory opt-in and side streams and events, made on `device` before
-// any rank's first call (the manifest's "prepare"; the launcher makes them at the rank's first
-// call otherwise, where on a GPU shared by ranks the creation can wait for the peers' kernels).
+// Rank `rank`'s GEMM shared-memory opt-in and side streams, made on `device` before any rank's
+// first call (the manifest's "prepare"; see tsgen::grid::lanes).
 extern "C" cudaError_t summa_w4_prepare(int rank, int device) {
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
   TSGEN_GRID_TRY(cudaSetDevice(device));

@@ -374,13 +374,22 @@ def test_launch_is_ordered_with_the_callers_streams_without_ranks_waiting_for_ea
 def test_host_launch_modules_prepare_every_rank_before_any_call():
     """prepare(rank, device) for every rank this process drives, in rank order; a failure names
     the rank, the GPU, the entry point and the module."""
+    import contextlib
+
     from tsgen.runtime.world import prepare_ranks
 
     calls = []
-    prepare_ranks(lambda r, d: calls.append((r, d)) or 0, "m_w4_prepare", {2: 0, 0: 0, 3: 1, 1: 1}, "m")
-    assert calls == [(0, 0), (1, 1), (2, 0), (3, 1)]
+
+    @contextlib.contextmanager
+    def scope(device):
+        calls.append(("enter", device))
+        yield
+        calls.append(("exit", device))
+
+    prepare_ranks(lambda r, d: calls.append((r, d)) or 0, "m_w4_prepare", {2: 0, 0: 0, 3: 1, 1: 1}, "m", scope)
+    assert calls == [x for r, d in [(0, 0), (1, 1), (2, 0), (3, 1)] for x in (("enter", d), (r, d), ("exit", d))]
     with pytest.raises(RuntimeSetupError, match=r"rank 1: m_w4_prepare failed with cudaError 101 \(m, GPU 1\)"):
-        prepare_ranks(lambda r, d: 101 if r == 1 else 0, "m_w4_prepare", {0: 0, 1: 1}, "m")
+        prepare_ranks(lambda r, d: 101 if r == 1 else 0, "m_w4_prepare", {0: 0, 1: 1}, "m", scope)
 
 
 def test_every_shipped_launcher_with_side_streams_has_a_prepare():

@@ -87,7 +87,8 @@ static __device__ __forceinline__ void reduce(const step& st, int rank,
 // with the events that fork them from it and join them back. Made on the current device
 // (the rank's) by the module's NAME_wW_prepare before any rank's first call, else at the
 // rank's first call (ranks that share a GPU must not share them; made at a first call they
-// can stall it, see tsgen::fused::lanes), and kept for the life of the process.
+// can stall it: on a GPU shared by ranks, creating a stream waited for the peers' kernels
+// already spinning there, measured: docs/lab/shared_gpu.md), kept for the life of the process.
 struct lanes {
   cudaStream_t side[TSGEN_CE_MAX_STREAMS];
   cudaEvent_t fork;

@@ -239,7 +239,7 @@ class Module:
             if world.shared:  # persistent GEMM grids: one CTA per SM (their shared memory fills it)
                 world.check_resident(self.kernel, None)
             if prepare is not None:  # before any rank's first call (KernelEntry.prepare says why)
-                prepare_ranks(prepare, self.kernel.prepare, world.devices, manifest.name)
+                prepare_ranks(prepare, self.kernel.prepare, world.devices, manifest.name, cp.cuda.Device)
             return
         self._raw = {}  # the loaded modules, kept alive while registered
         for rank, dev in world.devices.items():
@@ -354,11 +354,15 @@ class Module:
             )
 
 
-def prepare_ranks(prepare: Callable[[int, int], int], name: str, devices: dict[int, int], module: str) -> None:
+def prepare_ranks(prepare: Callable[[int, int], int], name: str, devices: dict[int, int], module: str,
+                  device_scope: Callable[[int], Any]) -> None:
     """Call a host-launch module's `prepare(rank, device)` for every rank this process drives, in
-    rank order; a CUDA error stops it, named with the rank, the GPU and the module."""
+    rank order, each inside `device_scope(device)` (CuPy's Device: prepare makes the rank's
+    device current, and the caller's current device comes back after); a CUDA error stops it,
+    named with the rank, the GPU and the module."""
     for rank in sorted(devices):
-        err = prepare(rank, devices[rank])
+        with device_scope(devices[rank]):
+            err = prepare(rank, devices[rank])
         if err != 0:
             raise RuntimeSetupError(f"rank {rank}: {name} failed with cudaError {err} ({module}, GPU {devices[rank]})")
 
