@@ -191,3 +191,34 @@ def test_torch_default_process_group_store_is_shared():
         rv.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_collective_completed_before_an_abort_stands():
+    """The last rank arrives, then leaves the world and aborts before a waiting rank looks again:
+    the waiting rank sees the abort, but its collective is complete, so it returns (it raised
+    before: a CI run under load failed tests/test_ipc_cpu.py so, 2026-11-26)."""
+    from tsgen.runtime.store import ABORT_KEY, Rendezvous
+
+    class Kv:  # rank 1's key lands, and the abort with it, between rank 0's two looks
+        where = "fake store"
+
+        def __init__(self):
+            self.data, self.looks = {}, 0
+
+        def set(self, key, value):
+            self.data[key] = value
+
+        def get(self, key):
+            return self.data[key]
+
+        def check(self, keys):
+            seen = all(k in self.data for k in keys)
+            if keys != [ABORT_KEY]:
+                self.looks += 1
+                if self.looks == 1:  # just after rank 0's first look
+                    self.data["tsgen/0/1"] = b"step\0"
+                    self.data[ABORT_KEY] = b"rank 1: RuntimeError: broke"
+            return seen
+
+    rv = Rendezvous(Kv(), 0, 2, timeout=5)
+    assert rv.all_gather("step", b"x") == [b"x", b""]

@@ -243,6 +243,8 @@ class Rendezvous:
         while not self.kv.check(keys):
             why = self.aborted()
             if why is not None:
+                if self.kv.check(keys):  # the last key came before the abort: this collective is complete
+                    return
                 raise StoreError(f"rank {self.rank} gave up waiting in {label!r}: {why}")
             if time.monotonic() >= deadline:
                 missing = [r for r, k in enumerate(keys) if not self.kv.check([k])]
