@@ -51,3 +51,22 @@ def test_a_shared_gpu_run_is_filed_under_shared_gpu(tmp_path):
     out = _summarize(_run_dir(tmp_path, "pytest_shared.txt"), tmp_path / "results")
     assert (tmp_path / "results" / "tests" / "shared-gpu" / "2026-11-23-abc1234.json").exists()
     assert "GPU suite on one GPU (shared-GPU worlds)" in out and "vendoring example" in out
+
+
+def test_an_mps_only_run_lists_each_ipc_launch_and_no_suite(tmp_path):
+    """SUITE=0 MPS=1: no pytest_shared.txt (the suite is "not run", not "0 passed"), the ipc tests'
+    tally from its progress line, and every `tsgen launch` with its exit code and last line."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "device.txt").write_text("NVIDIA H200, 580.159.04, 143771 MiB\n2026-11-26T07:03:05Z\n")
+    (run / "pytest_ipc_mps.txt").write_text(".F\n")
+    rows = [{"nproc": 2, "cmd": ["python", "-m", "tsgen", "test", "specs/x.yaml"], "rc": 0, "stdout": "x: PASS\n",
+             "stderr": ""},
+            {"nproc": 4, "cmd": ["python", "-m", "tsgen", "test", "specs/x.yaml"], "rc": 1, "stdout": "",
+             "stderr": "tsgen: rank 3: cudaErrorMpsMaxConnectionsReached | 809\n\n"}]
+    (run / "ipc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _summarize(run, tmp_path / "results")
+    assert "| whole GPU suite (pytest) | not run |" in out
+    assert "1 passed, 1 failed, 0 skipped (stopped before the end" in out
+    assert "| 4 | `-m tsgen test specs/x.yaml` | 1 | tsgen: rank 3: cudaErrorMpsMaxConnectionsReached / 809 |" in out
+    assert "| 2 | `-m tsgen test specs/x.yaml` | 0 | x: PASS |" in out

@@ -50,8 +50,12 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     corr, dtypes = jsonl(run, "correctness"), jsonl(run, "dtype_matrix")
     negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
     vendor = (run / "vendor.txt").read_text().splitlines() if (run / "vendor.txt").exists() else []
+    # every ipc test's `tsgen launch`: its exit code and last line (kept also when pytest was cut off)
+    ipc_runs = [{"nproc": r["nproc"], "cmd": " ".join(r["cmd"][-4:]), "rc": r["rc"],
+                 "last": next((ln for ln in reversed((r["stderr"] + "\n" + r["stdout"]).splitlines()) if ln.strip()), "")}
+                for r in jsonl(run, "ipc")]
     summary = {
-        "suite": suite, "failed_tests": failed, "ipc_under_mps": ipc,
+        "suite": suite, "failed_tests": failed, "ipc_under_mps": ipc, "ipc_runs": ipc_runs,
         "correctness": {"tests": len(corr), "passed": sum(r["pass"] for r in corr),
                         "worlds": dict(sorted(Counter(str(r["world"]) for r in corr).items()))},
         "dtype_matrix": {"tests": len(dtypes), "passed": sum(r["pass"] for r in dtypes)},
@@ -72,6 +76,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     md = [f"# {title}, {date}, commit {commit}", "",
           f"Device: {'; '.join(device[:3])}. {meta['mode']}.{timings}", "", f"Command: `{command}`", "",
           "| part | result |", "|---|---|",
+          "| whole GPU suite (pytest) | not run |" if not log.exists() else
           f"| whole GPU suite (pytest) | {suite.get('passed', 0)} passed, {suite.get('failed', 0)} failed, "
           f"{suite.get('skipped', 0)} skipped "
           + ("(stopped by the call's time limit before the end; counted from pytest's progress) |"
@@ -101,6 +106,10 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
            for n in summary["negative_controls"]]
     if failed:
         md += ["", "Failed tests:", ""] + [f"- `{t}`" for t in failed]
+    if ipc_runs:
+        md += ["", "ipc runs (`tsgen launch`, one process per rank):", "", "| processes | command | exit | last line |",
+               "|---|---|---|---|"]
+        md += [f"| {r['nproc']} | `{r['cmd']}` | {r['rc']} | {r['last'][:160].replace('|', '/')} |" for r in ipc_runs]
     return {"meta": meta, "summary": summary, "correctness": corr, "dtype_matrix": dtypes,
             "negative_control": negs, "timeout_probe": probes}, "\n".join(md) + "\n"
 
