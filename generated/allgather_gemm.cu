@@ -35,12 +35,12 @@
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
 //   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_fused.cuh 1854
-//   2309: the op's own code (namespace allgather_gemm: constants, tables, device code)
+//   2318: the op's own code (namespace allgather_gemm: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_w2_gemm 2393, allgather_gemm_w2_sync 2403, allgather_gemm_w3_gemm 2410
-//     allgather_gemm_w3_sync 2420, allgather_gemm_w4_gemm 2427, allgather_gemm_w4_sync 2437
-//     allgather_gemm_w2_prepare 2513, allgather_gemm_w2_launch 2514, allgather_gemm_w3_prepare 2515
-//     allgather_gemm_w3_launch 2516, allgather_gemm_w4_prepare 2517, allgather_gemm_w4_launch 2518
+//     allgather_gemm_w2_gemm 2402, allgather_gemm_w2_sync 2412, allgather_gemm_w3_gemm 2419
+//     allgather_gemm_w3_sync 2429, allgather_gemm_w4_gemm 2436, allgather_gemm_w4_sync 2446
+//     allgather_gemm_w2_prepare 2518, allgather_gemm_w2_launch 2519, allgather_gemm_w3_prepare 2520
+//     allgather_gemm_w3_launch 2521, allgather_gemm_w4_prepare 2522, allgather_gemm_w4_launch 2523
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2262,6 +2262,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -2500,13 +2509,9 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM>
 static cudaError_t prepare(int rank, int device) {
-  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, true));
   int ctas;
-  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
-  tsgen::fused::Lanes* l;
-  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
-  return cudaSuccess;
+  return tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas);
 }
 }  // namespace allgather_gemm
 

@@ -30,14 +30,14 @@
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
 //   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 799, tsgen_gemm.cuh 886, tsgen_fused.cuh 1851
-//   2306: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
+//   2315: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_plain_w2_gemm 2390, allgather_gemm_plain_w2_sync 2400
-//     allgather_gemm_plain_w3_gemm 2407, allgather_gemm_plain_w3_sync 2417
-//     allgather_gemm_plain_w4_gemm 2424, allgather_gemm_plain_w4_sync 2434
-//     allgather_gemm_plain_w2_prepare 2497, allgather_gemm_plain_w2_launch 2498
-//     allgather_gemm_plain_w3_prepare 2499, allgather_gemm_plain_w3_launch 2500
-//     allgather_gemm_plain_w4_prepare 2501, allgather_gemm_plain_w4_launch 2502
+//     allgather_gemm_plain_w2_gemm 2399, allgather_gemm_plain_w2_sync 2409
+//     allgather_gemm_plain_w3_gemm 2416, allgather_gemm_plain_w3_sync 2426
+//     allgather_gemm_plain_w4_gemm 2433, allgather_gemm_plain_w4_sync 2443
+//     allgather_gemm_plain_w2_prepare 2504, allgather_gemm_plain_w2_launch 2505
+//     allgather_gemm_plain_w3_prepare 2506, allgather_gemm_plain_w3_launch 2507
+//     allgather_gemm_plain_w4_prepare 2508, allgather_gemm_plain_w4_launch 2509
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2259,6 +2259,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -2486,11 +2495,9 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM>
 static cudaError_t prepare(int rank, int device) {
-  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
   int ctas;
-  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
-  return cudaSuccess;
+  return tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas);
 }
 }  // namespace allgather_gemm_plain
 

@@ -38,13 +38,13 @@
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_gemm.cuh 893, tsgen_attention.cuh 1858, tsgen_fused.cuh 2641, tsgen_cp.cuh 3093
-//   3253: the op's own code (namespace cp_attention: constants, tables, device code)
+//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_gemm.cuh 893, tsgen_attention.cuh 1858, tsgen_fused.cuh 2641, tsgen_cp.cuh 3102
+//   3262: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 3375, cp_attention_w2_sync 3385, cp_attention_w4_sync 3397
-//     cp_attention_w8_sync 3409, cp_attention_w2_prepare 3504, cp_attention_w2_launch 3505
-//     cp_attention_w4_prepare 3506, cp_attention_w4_launch 3507, cp_attention_w8_prepare 3508
-//     cp_attention_w8_launch 3509
+//     cp_attention_attention 3384, cp_attention_w2_sync 3394, cp_attention_w4_sync 3406
+//     cp_attention_w8_sync 3418, cp_attention_w2_prepare 3510, cp_attention_w2_launch 3511
+//     cp_attention_w4_prepare 3512, cp_attention_w4_launch 3513, cp_attention_w8_prepare 3514
+//     cp_attention_w8_launch 3515
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3049,6 +3049,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -3493,10 +3502,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 static cudaError_t prepare(int world, int rank, int device) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
-  tsgen::fused::Lanes* l;
-  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
   return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_attention));
 }
 }  // namespace cp_attention

@@ -39,14 +39,14 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 808, tsgen_gemm.cuh 895, tsgen_attention.cuh 1860, tsgen_fused.cuh 2643, tsgen_cp.cuh 3095
-//   3255: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
+//   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 808, tsgen_gemm.cuh 895, tsgen_attention.cuh 1860, tsgen_fused.cuh 2643, tsgen_cp.cuh 3104
+//   3264: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_attention 3377, cp_attention_zigzag_causal_w2_sync 3387
-//     cp_attention_zigzag_causal_w4_sync 3399, cp_attention_zigzag_causal_w8_sync 3411
-//     cp_attention_zigzag_causal_w2_prepare 3506, cp_attention_zigzag_causal_w2_launch 3507
-//     cp_attention_zigzag_causal_w4_prepare 3508, cp_attention_zigzag_causal_w4_launch 3509
-//     cp_attention_zigzag_causal_w8_prepare 3510, cp_attention_zigzag_causal_w8_launch 3511
+//     cp_attention_zigzag_causal_attention 3386, cp_attention_zigzag_causal_w2_sync 3396
+//     cp_attention_zigzag_causal_w4_sync 3408, cp_attention_zigzag_causal_w8_sync 3420
+//     cp_attention_zigzag_causal_w2_prepare 3512, cp_attention_zigzag_causal_w2_launch 3513
+//     cp_attention_zigzag_causal_w4_prepare 3514, cp_attention_zigzag_causal_w4_launch 3515
+//     cp_attention_zigzag_causal_w8_prepare 3516, cp_attention_zigzag_causal_w8_launch 3517
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3051,6 +3051,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -3495,10 +3504,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 static cudaError_t prepare(int world, int rank, int device) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
-  tsgen::fused::Lanes* l;
-  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
   return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_zigzag_causal_attention));
 }
 }  // namespace cp_attention_zigzag_causal

@@ -38,16 +38,16 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   61: the hand-written library, inlined: tsgen_ptx.cuh 61, tsgen_sync.cuh 636, tsgen_copy.cuh 809, tsgen_gemm.cuh 896, tsgen_attention.cuh 1861, tsgen_fused.cuh 2644, tsgen_cp.cuh 3096
-//   3256: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
+//   61: the hand-written library, inlined: tsgen_ptx.cuh 61, tsgen_sync.cuh 636, tsgen_copy.cuh 809, tsgen_gemm.cuh 896, tsgen_attention.cuh 1861, tsgen_fused.cuh 2644, tsgen_cp.cuh 3105
+//   3265: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_sm_attention 3378, cp_attention_zigzag_causal_sm_w2_sync 3388
-//     cp_attention_zigzag_causal_sm_w2_push 3398, cp_attention_zigzag_causal_sm_w4_sync 3408
-//     cp_attention_zigzag_causal_sm_w4_push 3418, cp_attention_zigzag_causal_sm_w8_sync 3428
-//     cp_attention_zigzag_causal_sm_w8_push 3438, cp_attention_zigzag_causal_sm_w2_prepare 3510
-//     cp_attention_zigzag_causal_sm_w2_launch 3511, cp_attention_zigzag_causal_sm_w4_prepare 3512
-//     cp_attention_zigzag_causal_sm_w4_launch 3513, cp_attention_zigzag_causal_sm_w8_prepare 3514
-//     cp_attention_zigzag_causal_sm_w8_launch 3515
+//     cp_attention_zigzag_causal_sm_attention 3387, cp_attention_zigzag_causal_sm_w2_sync 3397
+//     cp_attention_zigzag_causal_sm_w2_push 3407, cp_attention_zigzag_causal_sm_w4_sync 3417
+//     cp_attention_zigzag_causal_sm_w4_push 3427, cp_attention_zigzag_causal_sm_w8_sync 3437
+//     cp_attention_zigzag_causal_sm_w8_push 3447, cp_attention_zigzag_causal_sm_w2_prepare 3516
+//     cp_attention_zigzag_causal_sm_w2_launch 3517, cp_attention_zigzag_causal_sm_w4_prepare 3518
+//     cp_attention_zigzag_causal_sm_w4_launch 3519, cp_attention_zigzag_causal_sm_w8_prepare 3520
+//     cp_attention_zigzag_causal_sm_w8_launch 3521
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3052,6 +3052,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -3499,10 +3508,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 static cudaError_t prepare(int world, int rank, int device) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
-  tsgen::fused::Lanes* l;
-  TSGEN_FUSED_TRY(tsgen::fused::lanes(rank, &l));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
   return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_zigzag_causal_sm_attention));
 }
 }  // namespace cp_attention_zigzag_causal_sm

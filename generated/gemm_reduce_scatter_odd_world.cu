@@ -37,16 +37,16 @@
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
 //   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 808, tsgen_gemm.cuh 895, tsgen_fused.cuh 1860
-//   2315: the op's own code (namespace gemm_reduce_scatter_odd_world: constants, tables, device code)
+//   2324: the op's own code (namespace gemm_reduce_scatter_odd_world: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_odd_world_w2_gemm 2405, gemm_reduce_scatter_odd_world_w2_reduce 2417
-//     gemm_reduce_scatter_odd_world_w2_sync 2424, gemm_reduce_scatter_odd_world_w3_gemm 2431
-//     gemm_reduce_scatter_odd_world_w3_reduce 2443, gemm_reduce_scatter_odd_world_w3_sync 2450
-//     gemm_reduce_scatter_odd_world_w4_gemm 2457, gemm_reduce_scatter_odd_world_w4_reduce 2469
-//     gemm_reduce_scatter_odd_world_w4_sync 2476, gemm_reduce_scatter_odd_world_w2_prepare 2549
-//     gemm_reduce_scatter_odd_world_w2_launch 2550, gemm_reduce_scatter_odd_world_w3_prepare 2551
-//     gemm_reduce_scatter_odd_world_w3_launch 2552, gemm_reduce_scatter_odd_world_w4_prepare 2553
-//     gemm_reduce_scatter_odd_world_w4_launch 2554
+//     gemm_reduce_scatter_odd_world_w2_gemm 2414, gemm_reduce_scatter_odd_world_w2_reduce 2426
+//     gemm_reduce_scatter_odd_world_w2_sync 2433, gemm_reduce_scatter_odd_world_w3_gemm 2440
+//     gemm_reduce_scatter_odd_world_w3_reduce 2452, gemm_reduce_scatter_odd_world_w3_sync 2459
+//     gemm_reduce_scatter_odd_world_w4_gemm 2466, gemm_reduce_scatter_odd_world_w4_reduce 2478
+//     gemm_reduce_scatter_odd_world_w4_sync 2485, gemm_reduce_scatter_odd_world_w2_prepare 2557
+//     gemm_reduce_scatter_odd_world_w2_launch 2558, gemm_reduce_scatter_odd_world_w3_prepare 2559
+//     gemm_reduce_scatter_odd_world_w3_launch 2560, gemm_reduce_scatter_odd_world_w4_prepare 2561
+//     gemm_reduce_scatter_odd_world_w4_launch 2562
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2268,6 +2268,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -2537,8 +2546,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
-  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
   int ctas;
   TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
   TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, REDUCE_SMEM));

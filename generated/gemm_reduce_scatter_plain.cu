@@ -32,13 +32,13 @@
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
 //   52: the hand-written library, inlined: tsgen_ptx.cuh 52, tsgen_sync.cuh 627, tsgen_copy.cuh 800, tsgen_gemm.cuh 887, tsgen_fused.cuh 1852
-//   2307: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
+//   2316: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_plain_w2_gemm 2396, gemm_reduce_scatter_plain_w2_reduce 2408
-//     gemm_reduce_scatter_plain_w2_sync 2415, gemm_reduce_scatter_plain_w4_gemm 2422
-//     gemm_reduce_scatter_plain_w4_reduce 2434, gemm_reduce_scatter_plain_w4_sync 2441
-//     gemm_reduce_scatter_plain_w2_prepare 2512, gemm_reduce_scatter_plain_w2_launch 2513
-//     gemm_reduce_scatter_plain_w4_prepare 2514, gemm_reduce_scatter_plain_w4_launch 2515
+//     gemm_reduce_scatter_plain_w2_gemm 2405, gemm_reduce_scatter_plain_w2_reduce 2417
+//     gemm_reduce_scatter_plain_w2_sync 2424, gemm_reduce_scatter_plain_w4_gemm 2431
+//     gemm_reduce_scatter_plain_w4_reduce 2443, gemm_reduce_scatter_plain_w4_sync 2450
+//     gemm_reduce_scatter_plain_w2_prepare 2520, gemm_reduce_scatter_plain_w2_launch 2521
+//     gemm_reduce_scatter_plain_w4_prepare 2522, gemm_reduce_scatter_plain_w4_launch 2523
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2260,6 +2260,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -2500,8 +2509,7 @@ static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
-  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
   int ctas;
   TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
   TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, REDUCE_SMEM));

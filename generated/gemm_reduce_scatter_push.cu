@@ -36,13 +36,13 @@
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
 //   56: the hand-written library, inlined: tsgen_ptx.cuh 56, tsgen_sync.cuh 631, tsgen_copy.cuh 804, tsgen_gemm.cuh 891, tsgen_fused.cuh 1856
-//   2311: the op's own code (namespace gemm_reduce_scatter_push: constants, tables, device code)
+//   2320: the op's own code (namespace gemm_reduce_scatter_push: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_w2_gemm 2400, gemm_reduce_scatter_push_w2_reduce 2412
-//     gemm_reduce_scatter_push_w2_sync 2419, gemm_reduce_scatter_push_w4_gemm 2426
-//     gemm_reduce_scatter_push_w4_reduce 2438, gemm_reduce_scatter_push_w4_sync 2445
-//     gemm_reduce_scatter_push_w2_prepare 2518, gemm_reduce_scatter_push_w2_launch 2519
-//     gemm_reduce_scatter_push_w4_prepare 2520, gemm_reduce_scatter_push_w4_launch 2521
+//     gemm_reduce_scatter_push_w2_gemm 2409, gemm_reduce_scatter_push_w2_reduce 2421
+//     gemm_reduce_scatter_push_w2_sync 2428, gemm_reduce_scatter_push_w4_gemm 2435
+//     gemm_reduce_scatter_push_w4_reduce 2447, gemm_reduce_scatter_push_w4_sync 2454
+//     gemm_reduce_scatter_push_w2_prepare 2526, gemm_reduce_scatter_push_w2_launch 2527
+//     gemm_reduce_scatter_push_w4_prepare 2528, gemm_reduce_scatter_push_w4_launch 2529
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2264,6 +2264,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -2506,8 +2515,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
-  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
   int ctas;
   TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
   TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, REDUCE_SMEM));

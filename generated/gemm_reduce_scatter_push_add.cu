@@ -36,12 +36,12 @@
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
 //   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_gemm.cuh 890, tsgen_fused.cuh 1855
-//   2310: the op's own code (namespace gemm_reduce_scatter_push_add: constants, tables, device code)
+//   2319: the op's own code (namespace gemm_reduce_scatter_push_add: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_add_w2_gemm 2400, gemm_reduce_scatter_push_add_w2_sync 2412
-//     gemm_reduce_scatter_push_add_w4_gemm 2419, gemm_reduce_scatter_push_add_w4_sync 2431
-//     gemm_reduce_scatter_push_add_w2_prepare 2492, gemm_reduce_scatter_push_add_w2_launch 2493
-//     gemm_reduce_scatter_push_add_w4_prepare 2494, gemm_reduce_scatter_push_add_w4_launch 2495
+//     gemm_reduce_scatter_push_add_w2_gemm 2409, gemm_reduce_scatter_push_add_w2_sync 2421
+//     gemm_reduce_scatter_push_add_w4_gemm 2428, gemm_reduce_scatter_push_add_w4_sync 2440
+//     gemm_reduce_scatter_push_add_w2_prepare 2500, gemm_reduce_scatter_push_add_w2_launch 2501
+//     gemm_reduce_scatter_push_add_w4_prepare 2502, gemm_reduce_scatter_push_add_w4_launch 2503
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2263,6 +2263,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -2481,8 +2490,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
-  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
   int ctas;
   TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
   return cudaSuccess;

@@ -37,15 +37,15 @@
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
 //   59: the hand-written library, inlined: tsgen_ptx.cuh 59, tsgen_sync.cuh 634, tsgen_copy.cuh 807, tsgen_gemm.cuh 894, tsgen_fused.cuh 1859
-//   2314: the op's own code (namespace gemm_reduce_scatter_push_interleaved: constants, tables, device code)
+//   2323: the op's own code (namespace gemm_reduce_scatter_push_interleaved: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_interleaved_w2_gemm 2404, gemm_reduce_scatter_push_interleaved_w2_reduce 2416
-//     gemm_reduce_scatter_push_interleaved_w2_sync 2423, gemm_reduce_scatter_push_interleaved_w4_gemm 2430
-//     gemm_reduce_scatter_push_interleaved_w4_reduce 2442, gemm_reduce_scatter_push_interleaved_w4_sync 2449
-//     gemm_reduce_scatter_push_interleaved_w2_prepare 2522
-//     gemm_reduce_scatter_push_interleaved_w2_launch 2523
-//     gemm_reduce_scatter_push_interleaved_w4_prepare 2524
-//     gemm_reduce_scatter_push_interleaved_w4_launch 2525
+//     gemm_reduce_scatter_push_interleaved_w2_gemm 2413, gemm_reduce_scatter_push_interleaved_w2_reduce 2425
+//     gemm_reduce_scatter_push_interleaved_w2_sync 2432, gemm_reduce_scatter_push_interleaved_w4_gemm 2439
+//     gemm_reduce_scatter_push_interleaved_w4_reduce 2451, gemm_reduce_scatter_push_interleaved_w4_sync 2458
+//     gemm_reduce_scatter_push_interleaved_w2_prepare 2530
+//     gemm_reduce_scatter_push_interleaved_w2_launch 2531
+//     gemm_reduce_scatter_push_interleaved_w4_prepare 2532
+//     gemm_reduce_scatter_push_interleaved_w4_launch 2533
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -2267,6 +2267,15 @@ static cudaError_t lanes(int rank, Lanes** out) {
   return cudaSuccess;
 }
 
+// The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
+// made there when its launcher uses them (`with_lanes`).
+static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  Lanes* l;
+  return with_lanes ? lanes(rank, &l) : cudaSuccess;
+}
+
 // The same element on rank `peer`, as this process addresses it (peers_host: every
 // rank's heap base; the same offsets in every heap).
 template <typename T>
@@ -2510,8 +2519,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t prepare(int rank, int device) {
-  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
   int ctas;
   TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
   TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, REDUCE_SMEM));

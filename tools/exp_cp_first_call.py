@@ -59,41 +59,6 @@ def mutate(text: str, strict: bool = True) -> str:
     return text
 
 
-def watch_host_launches(after_s: float = 1.5) -> None:
-    """If gdb is there: a host launcher call still running after `after_s` gets every thread's
-    native stack printed (once per process), to name the CUDA call it is blocked in."""
-    import os
-    import shutil
-    import threading
-
-    from tsgen.runtime import world as W
-
-    gdb = shutil.which("gdb")
-    if not gdb:
-        print("watch: no gdb", flush=True)
-        return
-    done = threading.Event()
-    plain = W.Module._host_launch
-
-    def dump(rank: int) -> None:
-        if done.is_set():
-            return
-        done.set()
-        r = subprocess.run([gdb, "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 30"],
-                           capture_output=True, text=True, timeout=60)
-        print(f"GDB rank {rank} blocked > {after_s} s:\n{r.stdout[-20000:]}", flush=True)
-
-    def timed(self, buffers, rank, stream):
-        timer = threading.Timer(after_s, dump, args=(rank,))
-        timer.start()
-        try:
-            return plain(self, buffers, rank, stream)
-        finally:
-            timer.cancel()
-
-    W.Module._host_launch = timed
-
-
 def pytest_configure(config) -> None:  # the plugin mode
     import os
     import time
@@ -152,7 +117,6 @@ def child(case: str, world: int) -> int:
     from tsgen.harness import run_test  # noqa: E402
 
     params, count = CASES[case]
-    watch_host_launches()
     lines: list[str] = []
     ok = run_test(SM_SPEC, world, count=count, iters=3, echo=lines.append, mutate=mutate,
                   variant={"name": f"cp_{case}", "params": params, "sync": {"timeout_ms": 3000}})
@@ -185,8 +149,7 @@ def main() -> int:
                 p.kill()
             log.close()
     for f in sorted(a.out.glob("first_call_r*.txt")):
-        keep = [ln for ln in f.read_text().splitlines() if ln.startswith(("SLOW", "tsgen: timeout", "zigzag", "GDB",
-                                                                               "watch"))
+        keep = [ln for ln in f.read_text().splitlines() if ln.startswith(("SLOW", "tsgen: timeout", "zigzag"))
                 or "PASS" in ln or "FAIL" in ln or "Error" in ln]
         print(f"== {f.name}\n" + "\n".join(keep[:14]))
     return 0
