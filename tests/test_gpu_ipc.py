@@ -36,7 +36,7 @@ def test_ipc_backend_passes(spec, world):
     p = launch(world, *TSGEN, "test", f"specs/{spec}.yaml", "--backend", "ipc", "--iters", "10")
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"[rank 0] {spec}: PASS on {world} " in p.stdout, p.stdout
-    assert "(ipc: one process per GPU)" in p.stdout, p.stdout
+    assert "(ipc: one process per rank)" in p.stdout, p.stdout
 
 
 def test_ipc_negative_control_fails_on_every_rank():

@@ -136,7 +136,7 @@ def test_one_process_per_gpu_passes_with_the_barriers(monkeypatch, spec):
     ok, lines = _run_ipc(monkeypatch, f"specs/{spec}.yaml")
     assert ok, lines
     assert [l.split(":")[0] for l in lines[:3]] == [f"{spec} rank {r}/3" for r in range(3)]
-    assert lines[-1].startswith(f"{spec}: PASS on 3 GPUs (ipc: one process per GPU)")
+    assert lines[-1].startswith(f"{spec}: PASS on 3 GPUs (ipc: one process per rank)")
 
 
 def test_one_process_per_gpu_gathers_a_failure_from_another_rank(monkeypatch):

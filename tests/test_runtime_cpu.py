@@ -408,3 +408,23 @@ def test_every_shipped_launcher_with_side_streams_has_a_prepare():
             if k.get("prepare"):
                 assert f'extern "C" cudaError_t {k["prepare"]}(int rank, int device)' in text, (source.name, k["name"])
     assert lanes_made >= 5  # fused, cp_attention, cannon / summa, copy-engine collectives
+
+
+def test_a_context_refused_by_mps_says_why_and_what_to_do(tmp_path):
+    """Measured on one H200 under MPS (docs/lab/shared_gpu.md, 2026-11-26): with
+    CUDA_DEVICE_MAX_CONNECTIONS=32 in every rank, the 4th process's first stream failed with
+    cudaErrorMemoryAllocation. The message must name MPS and the variable, not only 'out of memory'."""
+    from tsgen.runtime.world import context_failure
+
+    (tmp_path / "control").write_text("")
+    mps = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    error = RuntimeError("cudaErrorMemoryAllocation: out of memory")
+    text = context_failure(error, {2: 0}, True, {**mps, "CUDA_DEVICE_MAX_CONNECTIONS": "32"})
+    assert text.startswith("rank 2 on GPU 0: creating the CUDA context failed: cudaErrorMemoryAllocation")
+    assert "Reached maximum number of device connections" in text
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=32; unset it" in text
+    assert "run fewer processes per GPU, or stop other MPS clients" in context_failure(error, {2: 0}, True, mps)
+    # not a shared world of processes, or no MPS daemon: the CUDA error alone, no guess
+    plain = "rank 2 on GPU 0: creating the CUDA context failed: cudaErrorMemoryAllocation: out of memory"
+    assert context_failure(error, {2: 0}, False, mps) == plain
+    assert context_failure(error, {2: 0}, True, {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")}) == plain

@@ -68,5 +68,5 @@ def test_an_mps_only_run_lists_each_ipc_launch_and_no_suite(tmp_path):
     out = _summarize(run, tmp_path / "results")
     assert "| whole GPU suite (pytest) | not run |" in out
     assert "1 passed, 1 failed, 0 skipped (stopped before the end" in out
-    assert "| 4 | `-m tsgen test specs/x.yaml` | 1 | tsgen: rank 3: cudaErrorMpsMaxConnectionsReached / 809 |" in out
-    assert "| 2 | `-m tsgen test specs/x.yaml` | 0 | x: PASS |" in out
+    assert "| 4 | `python -m tsgen test specs/x.yaml` | 1 | tsgen: rank 3: cudaErrorMpsMaxConnectionsReached / 809 |" in out
+    assert "| 2 | `python -m tsgen test specs/x.yaml` | 0 | x: PASS |" in out

@@ -21,6 +21,10 @@ def jsonl(run: Path, kind: str) -> list[dict]:
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
 
 
+def shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def tally(text: str) -> dict:
     """pytest's last summary line: {'passed': n, 'failed': n, 'skipped': n, ...} and its seconds."""
     lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln) and " in " in ln]
@@ -51,7 +55,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
     vendor = (run / "vendor.txt").read_text().splitlines() if (run / "vendor.txt").exists() else []
     # every ipc test's `tsgen launch`: its exit code and last line (kept also when pytest was cut off)
-    ipc_runs = [{"nproc": r["nproc"], "cmd": " ".join(r["cmd"][-4:]), "rc": r["rc"],
+    ipc_runs = [{"nproc": r["nproc"], "cmd": shorten(" ".join(["python", *r["cmd"][1:]]), 110), "rc": r["rc"],
                  "last": next((ln for ln in reversed((r["stderr"] + "\n" + r["stdout"]).splitlines()) if ln.strip()), "")}
                 for r in jsonl(run, "ipc")]
     summary = {

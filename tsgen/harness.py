@@ -251,7 +251,7 @@ def run_test(
              f"{t.wrong} wrong of {t.checked}")
         for line in t.first:
             echo(f"    {line}")
-    how = "" if backend == "single" else f" ({backend}: one process per GPU)"
+    how = "" if backend == "single" else f" ({backend}: one process per rank)"
     where = f"{gpus} ranks sharing {shared} GPU(s)" if shared else f"{gpus} GPUs"
     echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {where}{how}{f' with skew {skew}' if skew is not None else ''} "
          f"({elapsed:.1f} s)")

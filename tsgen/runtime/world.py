@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from ..env import force_no_multicast, shared_gpu_env
 from ..errors import RuntimeSetupError
 from ..manifest import ALIGN, Arg, KernelEntry, Manifest, Slot, layout, np_dtype  # noqa: F401 (re-exported)
 from .backends import Backend, cupy_or_error, make_backend
-from .placement import ranks_per_gpu, residency_problem, share_from_env
+from .placement import mps_active, ranks_per_gpu, residency_problem, share_from_env
 
 # C types of the scalar kernel arguments by role (every other argument is an address)
 _ARG_RANGES = {"rank": ("int", -(1 << 31), (1 << 31) - 1), "count": ("uint64_t", 0, (1 << 64) - 1)}
@@ -383,6 +383,29 @@ def _host_launcher(library: Path, kernel: KernelEntry):
     return fn, prepare
 
 
+def context_failure(error: Exception, devices: dict[int, int], processes_share: bool,
+                    env: Mapping[str, str] = os.environ) -> str:
+    """What to say when a rank's first CUDA context could not be made. Under MPS (`processes_share`:
+    ranks in several processes on one GPU) a client that the server turns away gets a misleading
+    cudaErrorMemoryAllocation or cudaErrorDevicesUnavailable, and its server log says "Reached
+    maximum number of device connections": every client's hardware queues come from one pool per
+    GPU, and CUDA_DEVICE_MAX_CONNECTIONS=32 in every rank let only 3 ranks in on an H200
+    (measured 2026-11-26, docs/lab/shared_gpu.md). Pure given `env`."""
+    where = ", ".join(f"rank {r} on GPU {d}" for r, d in sorted(devices.items()))
+    text = f"{where}: creating the CUDA context failed: {error}"
+    if not processes_share or not mps_active(env):
+        return text
+    text += ("; under MPS this is how the server refuses a client when the GPU's hardware queues are taken "
+             "(its log, in CUDA_MPS_LOG_DIRECTORY, then says 'Reached maximum number of device connections')")
+    connections = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if connections:
+        text += (f": this process asks for CUDA_DEVICE_MAX_CONNECTIONS={connections}; unset it (a tsgen rank "
+                 "needs the driver's default) or run fewer processes per GPU")
+    else:
+        text += ": run fewer processes per GPU, or stop other MPS clients"
+    return text
+
+
 class World:
     """`size` GPUs driven by one backend; this process drives `ranks` of them (all of
     them with the single-process backend, its own with "ipc" or "nvshmem"). Per-rank things are
@@ -412,8 +435,13 @@ class World:
         # the caller passes others. Never the legacy default stream: ranks sharing a GPU would be
         # serialized behind each other (a hang when one waits for the other), and peer copies
         # queued there ordered separate devices' default streams against each other (deadlock).
-        self.streams = self.make_streams()
         self._modules: list[Module] = []  # closed with the World
+        try:  # the first call that creates this process's context on each device
+            self.streams = self.make_streams()
+        except self.cp.cuda.runtime.CUDARuntimeError as e:
+            error = RuntimeSetupError(context_failure(e, self.devices, self.shared and backend.store is not None))
+            self.__exit__(RuntimeSetupError, error, None)  # the peers stop waiting for this rank
+            raise error from None
 
     def make_streams(self) -> dict[int, Any]:
         """A new non-blocking stream per local rank, on its device, keyed by rank."""
