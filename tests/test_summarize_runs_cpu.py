@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_dir(tmp: Path, pytest_file: str) -> Path:
     run = tmp / "run"
     run.mkdir()
-    (run / "device.txt").write_text("0, NVIDIA H200, 580.159.04, 143771 MiB\n2026-11-23T20:14:37Z\n")
+    gpus = "".join(f"{i}, NVIDIA H200, 580.159.04, 143771 MiB\n" for i in range(4))  # gpu_real.sh: a line per GPU
+    (run / "device.txt").write_text(gpus + "2026-11-23T20:14:37Z\nsuite wall time: 13 s, exit 1\n")
     (run / pytest_file).write_text("[gw0] PASSED tests/test_gpu.py::x\nFAILED tests/test_gpu.py::test_y - boom\n"
                                    "========= 1 failed, 7 passed, 3 skipped in 12.50s =========\n")
     rows = {"correctness": [{"spec": "allgather", "world": 2, "pass": True}, {"spec": "put_block", "world": 1, "pass": True}],
@@ -45,6 +46,7 @@ def test_a_real_gpu_run_is_filed_under_real_gpu(tmp_path):
     assert data["summary"]["correctness"] == {"tests": 2, "passed": 2, "worlds": {"1": 1, "2": 1}}
     assert data["summary"]["families"]["moe"] == {"tests": 2, "passed": 1, "controls_caught": 1, "worlds": [2, 4]}
     assert "| barrier_all | 7 | yes |" in out
+    assert "Device: 0, NVIDIA H200" in out and "; 3, NVIDIA H200, 580.159.04, 143771 MiB. one GPU per rank" in out
 
 
 def test_a_shared_gpu_run_is_filed_under_shared_gpu(tmp_path):

@@ -44,7 +44,9 @@ def tally(text: str) -> dict:
 
 def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     device = (run / "device.txt").read_text().splitlines() if (run / "device.txt").exists() else []
-    date = next((ln[:10] for ln in device if re.match(r"\d{4}-\d\d-\d\dT", ln)), "unknown")
+    stamp = next((i for i, ln in enumerate(device) if re.match(r"\d{4}-\d\d-\d\dT", ln)), None)
+    date = device[stamp][:10] if stamp is not None else "unknown"
+    device = device[:stamp]  # what came before the date: a line per GPU (gpu_real.sh), or GPU, libraries, nvcc
     real = (run / "pytest_real.txt").exists()
     log = run / ("pytest_real.txt" if real else "pytest_shared.txt")
     suite = tally(log.read_text()) if log.exists() else {}
@@ -72,13 +74,13 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
                             "worlds": sorted({int(r["world"]) for r in rows if r.get("world") is not None})}
                      for kind, rows in families.items()},
     }
-    meta = {"date": date, "commit": commit, "command": command, "device": device[:3],
+    meta = {"date": date, "commit": commit, "command": command, "device": device,
             "mode": "one GPU per rank (TSGEN_SHARE_GPUS unset): worlds larger than the GPU count skip" if real else
                     "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"}
     title = "GPU suite, one GPU per rank" if real else "GPU suite on one GPU (shared-GPU worlds)"
     timings = "" if real else " Timings of ranks sharing a GPU measure nothing about the ops; none are reported."
     md = [f"# {title}, {date}, commit {commit}", "",
-          f"Device: {'; '.join(device[:3])}. {meta['mode']}.{timings}", "", f"Command: `{command}`", "",
+          f"Device: {'; '.join(device)}. {meta['mode']}.{timings}", "", f"Command: `{command}`", "",
           "| part | result |", "|---|---|",
           "| whole GPU suite (pytest) | not run |" if not log.exists() else
           f"| whole GPU suite (pytest) | {suite.get('passed', 0)} passed, {suite.get('failed', 0)} failed, "
