@@ -13,3 +13,5 @@ else
   export PYTHONPATH=$PWD
 fi
 export TSGEN_CACHE_DIR=/tmp/tsgen-cache TSGEN_RESULTS_DIR="$OUT"
+# the commit the results name: tools/stamp_commit.sh wrote it where the tree's git metadata is stale
+if [ -z "${TSGEN_COMMIT:-}" ] && [ -s .tsgen-commit ]; then export TSGEN_COMMIT=$(cat .tsgen-commit); fi
