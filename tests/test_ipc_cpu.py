@@ -575,3 +575,53 @@ def test_dying_rank_verdict_on_launch_output(hang):
     else:
         assert problems == ["rank 2 printed no timeout diagnostic",
                             "rank 2 exit code 143 (want 1 or 2: ended on its own)"]
+
+
+def test_a_rank_whose_context_is_refused_says_why_and_its_peers_stop_at_once(monkeypatch, tmp_path):
+    """Three ranks of processes share one GPU under MPS; the server turns rank 2's context away
+    (its first stream fails, as measured on an H200 with CUDA_DEVICE_MAX_CONNECTIONS=32 in every
+    rank). Rank 2 raises the explaining RuntimeSetupError; the others, waiting for it, stop at once
+    with its message instead of waiting out their timeout."""
+    from tsgen.runtime import world as world_mod
+
+    machine = Machine()
+    cp = fake_cupy(machine, [0])
+    refused = threading.local()
+
+    class Stream(cp.cuda.Stream):
+        def __init__(self, non_blocking=False):
+            if getattr(refused, "here", False):
+                raise FakeError("cudaErrorMemoryAllocation: out of memory")
+            super().__init__(non_blocking)
+
+    monkeypatch.setattr(cp.cuda, "Stream", Stream)
+    monkeypatch.setattr(world_mod, "cupy_or_error", lambda: cp)
+    (tmp_path / "control").write_text("")  # an MPS control daemon's pipe
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    rvs = localhost_ranks(3, timeout=30)
+
+    def run(r, rv):
+        refused.here = r == 2
+        backend = IpcBackend(cp, 3, env={"RANK": str(r), "WORLD_SIZE": "3"}, rendezvous=rv, share_gpus=True)
+        with world_mod.World(3, backend=backend, share_gpus=False) as world:  # rank 2 raises here
+            assert world.shared
+            t0 = time.monotonic()
+            try:
+                world.barrier("first call")
+            except StoreError as e:
+                return str(e), time.monotonic() - t0
+
+    try:
+        got = together(rvs, run)
+    finally:
+        close_ranks(rvs)
+    assert isinstance(got[2], RuntimeSetupError), got[2]
+    why = ("rank 2 on GPU 0: creating the CUDA context failed: cudaErrorMemoryAllocation: out of memory; "
+           "under MPS this may be how the server turned this client away")
+    assert str(got[2]).startswith(why) and "CUDA_DEVICE_MAX_CONNECTIONS=32; unset it" in str(got[2])
+    for r in (0, 1):
+        message, waited = got[r]
+        assert message.startswith(f"rank {r} gave up waiting in 'first call': rank 2: RuntimeSetupError: {why}")
+        assert waited < 5
+    _assert_all_released(machine)

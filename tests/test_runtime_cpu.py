@@ -421,10 +421,13 @@ def test_a_context_refused_by_mps_says_why_and_what_to_do(tmp_path):
     error = RuntimeError("cudaErrorMemoryAllocation: out of memory")
     text = context_failure(error, {2: 0}, True, {**mps, "CUDA_DEVICE_MAX_CONNECTIONS": "32"})
     assert text.startswith("rank 2 on GPU 0: creating the CUDA context failed: cudaErrorMemoryAllocation")
+    assert "under MPS this may be how the server turned this client away" in text
     assert "Reached maximum number of device connections" in text
     assert "CUDA_DEVICE_MAX_CONNECTIONS=32; unset it" in text
     assert "run fewer processes per GPU, or stop other MPS clients" in context_failure(error, {2: 0}, True, mps)
     # not a shared world of processes, or no MPS daemon: the CUDA error alone, no guess
     plain = "rank 2 on GPU 0: creating the CUDA context failed: cudaErrorMemoryAllocation: out of memory"
     assert context_failure(error, {2: 0}, False, mps) == plain
+    other = RuntimeError("cudaErrorInvalidDevice: invalid device ordinal")  # not how MPS refuses: no guess
+    assert "MPS" not in context_failure(other, {2: 0}, True, {**mps, "CUDA_DEVICE_MAX_CONNECTIONS": "32"})
     assert context_failure(error, {2: 0}, True, {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")}) == plain

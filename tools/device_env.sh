@@ -13,5 +13,8 @@ else
   export PYTHONPATH=$PWD
 fi
 export TSGEN_CACHE_DIR=/tmp/tsgen-cache TSGEN_RESULTS_DIR="$OUT"
-# the commit the results name: tools/stamp_commit.sh wrote it where the tree's git metadata is stale
-if [ -z "${TSGEN_COMMIT:-}" ] && [ -s .tsgen-commit ]; then export TSGEN_COMMIT=$(cat .tsgen-commit); fi
+# the commit the results name, where the tree's git metadata is stale (tools/stamp_commit.sh says why)
+if [ -z "${TSGEN_COMMIT:-}" ]; then
+  stamp=$(bash "$(dirname "${BASH_SOURCE[0]}")/stamp_commit.sh" --read)
+  [ -z "$stamp" ] || export TSGEN_COMMIT=$stamp
+fi

@@ -383,6 +383,12 @@ def _host_launcher(library: Path, kernel: KernelEntry):
     return fn, prepare
 
 
+# The errors a client turned away by the MPS server was seen to get (the first two, 2026-11-26), and
+# the ones CUDA names for it.
+MPS_REFUSALS = ("cudaErrorMemoryAllocation", "cudaErrorDevicesUnavailable", "cudaErrorMpsMaxClientsReached",
+                "cudaErrorMpsMaxConnectionsReached")
+
+
 def context_failure(error: Exception, devices: dict[int, int], processes_share: bool,
                     env: Mapping[str, str] = os.environ) -> str:
     """What to say when a rank's first CUDA context could not be made. Under MPS (`processes_share`:
@@ -393,10 +399,12 @@ def context_failure(error: Exception, devices: dict[int, int], processes_share: 
     (measured 2026-11-26, docs/lab/shared_gpu.md). Pure given `env`."""
     where = ", ".join(f"rank {r} on GPU {d}" for r, d in sorted(devices.items()))
     text = f"{where}: creating the CUDA context failed: {error}"
-    if not processes_share or not mps_active(env):
+    refusal = any(name in str(error) for name in MPS_REFUSALS)
+    if not processes_share or not refusal or not mps_active(env):
         return text
-    text += ("; under MPS this is how the server refuses a client when the GPU's hardware queues are taken "
-             "(its log, in CUDA_MPS_LOG_DIRECTORY, then says 'Reached maximum number of device connections')")
+    text += ("; under MPS this may be how the server turned this client away because the GPU's hardware "
+             "queues are taken (its log, in CUDA_MPS_LOG_DIRECTORY, then says 'Reached maximum number of "
+             "device connections')")
     connections = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if connections:
         text += (f": this process asks for CUDA_DEVICE_MAX_CONNECTIONS={connections}; unset it (a tsgen rank "
