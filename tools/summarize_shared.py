@@ -115,7 +115,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     if ipc_runs:
         md += ["", "ipc runs (`tsgen launch`, one process per rank):", "", "| processes | command | exit | last line |",
                "|---|---|---|---|"]
-        md += [f"| {r['nproc']} | `{r['cmd']}` | {r['rc']} | {r['last'][:160].replace('|', '/')} |" for r in ipc_runs]
+        md += [f"| {r['nproc']} | `{r['cmd'].replace('|', '/')}` | {r['rc']} | {r['last'][:160].replace('|', '/')} |" for r in ipc_runs]
     return {"meta": meta, "summary": summary, "correctness": corr, "dtype_matrix": dtypes,
             "negative_control": negs, "timeout_probe": probes}, "\n".join(md) + "\n"
 
