@@ -21,12 +21,12 @@
 //   entry    uint64_t       signal 8
 //   done     uint64_t       signal 8
 // Contents (line numbers of this file):
-//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 788, tsgen_plan.cuh 875
-//   1292: the op's own code (namespace all_reduce_one_shot: constants, tables, device code)
+//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 805, tsgen_plan.cuh 892
+//   1309: the op's own code (namespace all_reduce_one_shot: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_one_shot_w2 1800, all_reduce_one_shot_w3 1807, all_reduce_one_shot_w4 1814
-//     all_reduce_one_shot_w8 1821, all_reduce_one_shot_w2_launch 1837, all_reduce_one_shot_w3_launch 1838
-//     all_reduce_one_shot_w4_launch 1839, all_reduce_one_shot_w8_launch 1840
+//     all_reduce_one_shot_w2 1817, all_reduce_one_shot_w3 1824, all_reduce_one_shot_w4 1831
+//     all_reduce_one_shot_w8 1838, all_reduce_one_shot_w2_launch 1854, all_reduce_one_shot_w3_launch 1855
+//     all_reduce_one_shot_w4_launch 1856, all_reduce_one_shot_w8_launch 1857
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -779,6 +779,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

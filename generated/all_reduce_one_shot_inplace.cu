@@ -22,13 +22,13 @@
 //   done     uint64_t       signal 8
 //   reduced  uint64_t       signal 1
 // Contents (line numbers of this file):
-//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 790, tsgen_plan.cuh 877
-//   1294: the op's own code (namespace all_reduce_one_shot_inplace: constants, tables, device code)
+//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 807, tsgen_plan.cuh 894
+//   1311: the op's own code (namespace all_reduce_one_shot_inplace: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_one_shot_inplace_w2 1888, all_reduce_one_shot_inplace_w3 1895
-//     all_reduce_one_shot_inplace_w4 1902, all_reduce_one_shot_inplace_w8 1909
-//     all_reduce_one_shot_inplace_w2_launch 1925, all_reduce_one_shot_inplace_w3_launch 1926
-//     all_reduce_one_shot_inplace_w4_launch 1927, all_reduce_one_shot_inplace_w8_launch 1928
+//     all_reduce_one_shot_inplace_w2 1905, all_reduce_one_shot_inplace_w3 1912
+//     all_reduce_one_shot_inplace_w4 1919, all_reduce_one_shot_inplace_w8 1926
+//     all_reduce_one_shot_inplace_w2_launch 1942, all_reduce_one_shot_inplace_w3_launch 1943
+//     all_reduce_one_shot_inplace_w4_launch 1944, all_reduce_one_shot_inplace_w8_launch 1945
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -781,6 +781,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -28,19 +28,19 @@
 //   reduced  uint64_t       signal 4
 //   gathered uint64_t       signal 32
 // Contents (line numbers of this file):
-//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_plan.cuh 889, tsgen_ce.cuh 1303
-//   1474: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
+//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 819, tsgen_plan.cuh 906, tsgen_ce.cuh 1320
+//   1490: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_ce_w2_sync 3134, all_reduce_two_shot_ce_w2_reduce 3139
-//     all_reduce_two_shot_ce_w2_end 3146, all_reduce_two_shot_ce_w2_prepare 3152
-//     all_reduce_two_shot_ce_w2_launch 3162, all_reduce_two_shot_ce_w3_sync 3260
-//     all_reduce_two_shot_ce_w3_reduce 3265, all_reduce_two_shot_ce_w3_end 3272
-//     all_reduce_two_shot_ce_w3_prepare 3278, all_reduce_two_shot_ce_w3_launch 3288
-//     all_reduce_two_shot_ce_w4_sync 3471, all_reduce_two_shot_ce_w4_reduce 3476
-//     all_reduce_two_shot_ce_w4_end 3483, all_reduce_two_shot_ce_w4_prepare 3489
-//     all_reduce_two_shot_ce_w4_launch 3499, all_reduce_two_shot_ce_w8_sync 3807
-//     all_reduce_two_shot_ce_w8_reduce 3812, all_reduce_two_shot_ce_w8_end 3819
-//     all_reduce_two_shot_ce_w8_prepare 3825, all_reduce_two_shot_ce_w8_launch 3835
+//     all_reduce_two_shot_ce_w2_sync 3150, all_reduce_two_shot_ce_w2_reduce 3155
+//     all_reduce_two_shot_ce_w2_end 3162, all_reduce_two_shot_ce_w2_prepare 3168
+//     all_reduce_two_shot_ce_w2_launch 3177, all_reduce_two_shot_ce_w3_sync 3275
+//     all_reduce_two_shot_ce_w3_reduce 3280, all_reduce_two_shot_ce_w3_end 3287
+//     all_reduce_two_shot_ce_w3_prepare 3293, all_reduce_two_shot_ce_w3_launch 3302
+//     all_reduce_two_shot_ce_w4_sync 3485, all_reduce_two_shot_ce_w4_reduce 3490
+//     all_reduce_two_shot_ce_w4_end 3497, all_reduce_two_shot_ce_w4_prepare 3503
+//     all_reduce_two_shot_ce_w4_launch 3512, all_reduce_two_shot_ce_w8_sync 3820
+//     all_reduce_two_shot_ce_w8_reduce 3825, all_reduce_two_shot_ce_w8_end 3832
+//     all_reduce_two_shot_ce_w8_prepare 3838, all_reduce_two_shot_ce_w8_launch 3847
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -795,6 +795,23 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
+}
+
 }  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
@@ -1408,9 +1425,8 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
   int device;
-  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_CE_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
@@ -3150,8 +3166,7 @@ extern "C" __global__ void all_reduce_two_shot_ce_w2_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w2_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -3276,8 +3291,7 @@ extern "C" __global__ void all_reduce_two_shot_ce_w3_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w3_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -3487,8 +3501,7 @@ extern "C" __global__ void all_reduce_two_shot_ce_w4_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w4_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -3823,8 +3836,7 @@ extern "C" __global__ void all_reduce_two_shot_ce_w8_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_reduce_two_shot_ce_w8_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }

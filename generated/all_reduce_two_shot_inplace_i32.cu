@@ -23,13 +23,13 @@
 //   reduced  uint64_t       signal 2
 //   gathered uint64_t       signal 16
 // Contents (line numbers of this file):
-//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 791, tsgen_plan.cuh 878
-//   1295: the op's own code (namespace all_reduce_two_shot_inplace_i32: constants, tables, device code)
+//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 808, tsgen_plan.cuh 895
+//   1312: the op's own code (namespace all_reduce_two_shot_inplace_i32: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_inplace_i32_w2 3082, all_reduce_two_shot_inplace_i32_w3 3089
-//     all_reduce_two_shot_inplace_i32_w4 3096, all_reduce_two_shot_inplace_i32_w8 3103
-//     all_reduce_two_shot_inplace_i32_w2_launch 3119, all_reduce_two_shot_inplace_i32_w3_launch 3120
-//     all_reduce_two_shot_inplace_i32_w4_launch 3121, all_reduce_two_shot_inplace_i32_w8_launch 3122
+//     all_reduce_two_shot_inplace_i32_w2 3099, all_reduce_two_shot_inplace_i32_w3 3106
+//     all_reduce_two_shot_inplace_i32_w4 3113, all_reduce_two_shot_inplace_i32_w8 3120
+//     all_reduce_two_shot_inplace_i32_w2_launch 3136, all_reduce_two_shot_inplace_i32_w3_launch 3137
+//     all_reduce_two_shot_inplace_i32_w4_launch 3138, all_reduce_two_shot_inplace_i32_w8_launch 3139
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -782,6 +782,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

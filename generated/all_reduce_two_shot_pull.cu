@@ -23,13 +23,13 @@
 //   entry    uint64_t       signal 8
 //   gathered uint64_t       signal 8
 // Contents (line numbers of this file):
-//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 791, tsgen_plan.cuh 878
-//   1295: the op's own code (namespace all_reduce_two_shot_pull: constants, tables, device code)
+//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 808, tsgen_plan.cuh 895
+//   1312: the op's own code (namespace all_reduce_two_shot_pull: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_pull_w2 1803, all_reduce_two_shot_pull_w3 1810, all_reduce_two_shot_pull_w4 1817
-//     all_reduce_two_shot_pull_w8 1824, all_reduce_two_shot_pull_w2_launch 1840
-//     all_reduce_two_shot_pull_w3_launch 1841, all_reduce_two_shot_pull_w4_launch 1842
-//     all_reduce_two_shot_pull_w8_launch 1843
+//     all_reduce_two_shot_pull_w2 1820, all_reduce_two_shot_pull_w3 1827, all_reduce_two_shot_pull_w4 1834
+//     all_reduce_two_shot_pull_w8 1841, all_reduce_two_shot_pull_w2_launch 1857
+//     all_reduce_two_shot_pull_w3_launch 1858, all_reduce_two_shot_pull_w4_launch 1859
+//     all_reduce_two_shot_pull_w8_launch 1860
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -782,6 +782,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -24,16 +24,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 795, tsgen_plan.cuh 882, tsgen_ce.cuh 1296
-//   1467: the op's own code (namespace all_to_all_ce: constants, tables, device code)
+//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 812, tsgen_plan.cuh 899, tsgen_ce.cuh 1313
+//   1483: the op's own code (namespace all_to_all_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_ce_w2_sync 1902, all_to_all_ce_w2_reduce 1907, all_to_all_ce_w2_end 1914
-//     all_to_all_ce_w2_prepare 1920, all_to_all_ce_w2_launch 1930, all_to_all_ce_w3_sync 1982
-//     all_to_all_ce_w3_reduce 1987, all_to_all_ce_w3_end 1994, all_to_all_ce_w3_prepare 2000
-//     all_to_all_ce_w3_launch 2010, all_to_all_ce_w4_sync 2079, all_to_all_ce_w4_reduce 2084
-//     all_to_all_ce_w4_end 2091, all_to_all_ce_w4_prepare 2097, all_to_all_ce_w4_launch 2107
-//     all_to_all_ce_w8_sync 2199, all_to_all_ce_w8_reduce 2204, all_to_all_ce_w8_end 2211
-//     all_to_all_ce_w8_prepare 2217, all_to_all_ce_w8_launch 2227
+//     all_to_all_ce_w2_sync 1918, all_to_all_ce_w2_reduce 1923, all_to_all_ce_w2_end 1930
+//     all_to_all_ce_w2_prepare 1936, all_to_all_ce_w2_launch 1945, all_to_all_ce_w3_sync 1997
+//     all_to_all_ce_w3_reduce 2002, all_to_all_ce_w3_end 2009, all_to_all_ce_w3_prepare 2015
+//     all_to_all_ce_w3_launch 2024, all_to_all_ce_w4_sync 2093, all_to_all_ce_w4_reduce 2098
+//     all_to_all_ce_w4_end 2105, all_to_all_ce_w4_prepare 2111, all_to_all_ce_w4_launch 2120
+//     all_to_all_ce_w8_sync 2212, all_to_all_ce_w8_reduce 2217, all_to_all_ce_w8_end 2224
+//     all_to_all_ce_w8_prepare 2230, all_to_all_ce_w8_launch 2239
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -788,6 +788,23 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
+}
+
 }  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
@@ -1401,9 +1418,8 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
   int device;
-  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_CE_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
@@ -1918,8 +1934,7 @@ extern "C" __global__ void all_to_all_ce_w2_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w2_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -1998,8 +2013,7 @@ extern "C" __global__ void all_to_all_ce_w3_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w3_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -2095,8 +2109,7 @@ extern "C" __global__ void all_to_all_ce_w4_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w4_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -2215,8 +2228,7 @@ extern "C" __global__ void all_to_all_ce_w8_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t all_to_all_ce_w8_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }

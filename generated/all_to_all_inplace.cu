@@ -22,12 +22,12 @@
 //   arrive   uint64_t       signal 8
 //   sent     uint64_t       signal 8
 // Contents (line numbers of this file):
-//   41: the hand-written library, inlined: tsgen_ptx.cuh 41, tsgen_sync.cuh 616, tsgen_copy.cuh 789, tsgen_plan.cuh 876
-//   1293: the op's own code (namespace all_to_all_inplace: constants, tables, device code)
+//   41: the hand-written library, inlined: tsgen_ptx.cuh 41, tsgen_sync.cuh 616, tsgen_copy.cuh 806, tsgen_plan.cuh 893
+//   1310: the op's own code (namespace all_to_all_inplace: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_inplace_w2 2207, all_to_all_inplace_w3 2214, all_to_all_inplace_w4 2221
-//     all_to_all_inplace_w8 2228, all_to_all_inplace_w2_launch 2244, all_to_all_inplace_w3_launch 2245
-//     all_to_all_inplace_w4_launch 2246, all_to_all_inplace_w8_launch 2247
+//     all_to_all_inplace_w2 2224, all_to_all_inplace_w3 2231, all_to_all_inplace_w4 2238
+//     all_to_all_inplace_w8 2245, all_to_all_inplace_w2_launch 2261, all_to_all_inplace_w3_launch 2262
+//     all_to_all_inplace_w4_launch 2263, all_to_all_inplace_w8_launch 2264
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -780,6 +780,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

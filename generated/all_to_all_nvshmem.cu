@@ -31,12 +31,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   50: the hand-written library, inlined: tsgen_ptx.cuh 50, tsgen_sync.cuh 625, tsgen_copy.cuh 798, tsgen_plan.cuh 885, tsgen_nvshmem.cuh 1299
-//   1516: the op's own code (namespace all_to_all_nvshmem: constants, tables, device code)
+//   50: the hand-written library, inlined: tsgen_ptx.cuh 50, tsgen_sync.cuh 625, tsgen_copy.cuh 815, tsgen_plan.cuh 902, tsgen_nvshmem.cuh 1316
+//   1533: the op's own code (namespace all_to_all_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_nvshmem_w2 2078, all_to_all_nvshmem_w3 2085, all_to_all_nvshmem_w4 2092
-//     all_to_all_nvshmem_w8 2099, all_to_all_nvshmem_w2_launch 2115, all_to_all_nvshmem_w3_launch 2116
-//     all_to_all_nvshmem_w4_launch 2117, all_to_all_nvshmem_w8_launch 2118
+//     all_to_all_nvshmem_w2 2095, all_to_all_nvshmem_w3 2102, all_to_all_nvshmem_w4 2109
+//     all_to_all_nvshmem_w8 2116, all_to_all_nvshmem_w2_launch 2132, all_to_all_nvshmem_w3_launch 2133
+//     all_to_all_nvshmem_w4_launch 2134, all_to_all_nvshmem_w8_launch 2135
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -789,6 +789,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

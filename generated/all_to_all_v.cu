@@ -27,12 +27,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 794, tsgen_plan.cuh 881
-//   1298: the op's own code (namespace all_to_all_v: constants, tables, device code)
+//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 811, tsgen_plan.cuh 898
+//   1315: the op's own code (namespace all_to_all_v: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_v_w2 1352, all_to_all_v_w3 1359, all_to_all_v_w4 1366, all_to_all_v_w8 1373
-//     all_to_all_v_w2_launch 1389, all_to_all_v_w3_launch 1390, all_to_all_v_w4_launch 1391
-//     all_to_all_v_w8_launch 1392
+//     all_to_all_v_w2 1369, all_to_all_v_w3 1376, all_to_all_v_w4 1383, all_to_all_v_w8 1390
+//     all_to_all_v_w2_launch 1406, all_to_all_v_w3_launch 1407, all_to_all_v_w4_launch 1408
+//     all_to_all_v_w8_launch 1409
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -785,6 +785,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -21,11 +21,11 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   39: the hand-written library, inlined: tsgen_ptx.cuh 39, tsgen_sync.cuh 614, tsgen_copy.cuh 787, tsgen_plan.cuh 874
-//   1291: the op's own code (namespace allgather: constants, tables, device code)
+//   39: the hand-written library, inlined: tsgen_ptx.cuh 39, tsgen_sync.cuh 614, tsgen_copy.cuh 804, tsgen_plan.cuh 891
+//   1308: the op's own code (namespace allgather: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_w2 2129, allgather_w3 2136, allgather_w4 2143, allgather_w8 2150, allgather_w2_launch 2166
-//     allgather_w3_launch 2167, allgather_w4_launch 2168, allgather_w8_launch 2169
+//     allgather_w2 2146, allgather_w3 2153, allgather_w4 2160, allgather_w8 2167, allgather_w2_launch 2183
+//     allgather_w3_launch 2184, allgather_w4_launch 2185, allgather_w8_launch 2186
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -778,6 +778,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

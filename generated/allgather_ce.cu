@@ -25,16 +25,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 796, tsgen_plan.cuh 883, tsgen_ce.cuh 1297
-//   1468: the op's own code (namespace allgather_ce: constants, tables, device code)
+//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 813, tsgen_plan.cuh 900, tsgen_ce.cuh 1314
+//   1484: the op's own code (namespace allgather_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_ce_w2_sync 1903, allgather_ce_w2_reduce 1908, allgather_ce_w2_end 1915
-//     allgather_ce_w2_prepare 1921, allgather_ce_w2_launch 1931, allgather_ce_w3_sync 1983
-//     allgather_ce_w3_reduce 1988, allgather_ce_w3_end 1995, allgather_ce_w3_prepare 2001
-//     allgather_ce_w3_launch 2011, allgather_ce_w4_sync 2080, allgather_ce_w4_reduce 2085
-//     allgather_ce_w4_end 2092, allgather_ce_w4_prepare 2098, allgather_ce_w4_launch 2108
-//     allgather_ce_w8_sync 2200, allgather_ce_w8_reduce 2205, allgather_ce_w8_end 2212
-//     allgather_ce_w8_prepare 2218, allgather_ce_w8_launch 2228
+//     allgather_ce_w2_sync 1919, allgather_ce_w2_reduce 1924, allgather_ce_w2_end 1931
+//     allgather_ce_w2_prepare 1937, allgather_ce_w2_launch 1946, allgather_ce_w3_sync 1998
+//     allgather_ce_w3_reduce 2003, allgather_ce_w3_end 2010, allgather_ce_w3_prepare 2016
+//     allgather_ce_w3_launch 2025, allgather_ce_w4_sync 2094, allgather_ce_w4_reduce 2099
+//     allgather_ce_w4_end 2106, allgather_ce_w4_prepare 2112, allgather_ce_w4_launch 2121
+//     allgather_ce_w8_sync 2213, allgather_ce_w8_reduce 2218, allgather_ce_w8_end 2225
+//     allgather_ce_w8_prepare 2231, allgather_ce_w8_launch 2240
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -789,6 +789,23 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
+}
+
 }  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
@@ -1402,9 +1419,8 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
   int device;
-  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_CE_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
@@ -1919,8 +1935,7 @@ extern "C" __global__ void allgather_ce_w2_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w2_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -1999,8 +2014,7 @@ extern "C" __global__ void allgather_ce_w3_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w3_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -2096,8 +2110,7 @@ extern "C" __global__ void allgather_ce_w4_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w4_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -2216,8 +2229,7 @@ extern "C" __global__ void allgather_ce_w8_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t allgather_ce_w8_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }

@@ -34,13 +34,13 @@
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
-//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_fused.cuh 1854
-//   2318: the op's own code (namespace allgather_gemm: constants, tables, device code)
+//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 819, tsgen_gemm.cuh 906, tsgen_fused.cuh 1871
+//   2333: the op's own code (namespace allgather_gemm: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_w2_gemm 2402, allgather_gemm_w2_sync 2412, allgather_gemm_w3_gemm 2419
-//     allgather_gemm_w3_sync 2429, allgather_gemm_w4_gemm 2436, allgather_gemm_w4_sync 2446
-//     allgather_gemm_w2_prepare 2518, allgather_gemm_w2_launch 2519, allgather_gemm_w3_prepare 2520
-//     allgather_gemm_w3_launch 2521, allgather_gemm_w4_prepare 2522, allgather_gemm_w4_launch 2523
+//     allgather_gemm_w2_gemm 2417, allgather_gemm_w2_sync 2427, allgather_gemm_w3_gemm 2434
+//     allgather_gemm_w3_sync 2444, allgather_gemm_w4_gemm 2451, allgather_gemm_w4_sync 2461
+//     allgather_gemm_w2_prepare 2533, allgather_gemm_w2_launch 2534, allgather_gemm_w3_prepare 2535
+//     allgather_gemm_w3_launch 2536, allgather_gemm_w4_prepare 2537, allgather_gemm_w4_launch 2538
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -793,6 +793,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -2243,8 +2260,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -2265,8 +2281,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }

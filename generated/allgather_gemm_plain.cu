@@ -29,15 +29,15 @@
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
-//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 799, tsgen_gemm.cuh 886, tsgen_fused.cuh 1851
-//   2315: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
+//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 816, tsgen_gemm.cuh 903, tsgen_fused.cuh 1868
+//   2330: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_plain_w2_gemm 2399, allgather_gemm_plain_w2_sync 2409
-//     allgather_gemm_plain_w3_gemm 2416, allgather_gemm_plain_w3_sync 2426
-//     allgather_gemm_plain_w4_gemm 2433, allgather_gemm_plain_w4_sync 2443
-//     allgather_gemm_plain_w2_prepare 2504, allgather_gemm_plain_w2_launch 2505
-//     allgather_gemm_plain_w3_prepare 2506, allgather_gemm_plain_w3_launch 2507
-//     allgather_gemm_plain_w4_prepare 2508, allgather_gemm_plain_w4_launch 2509
+//     allgather_gemm_plain_w2_gemm 2414, allgather_gemm_plain_w2_sync 2424
+//     allgather_gemm_plain_w3_gemm 2431, allgather_gemm_plain_w3_sync 2441
+//     allgather_gemm_plain_w4_gemm 2448, allgather_gemm_plain_w4_sync 2458
+//     allgather_gemm_plain_w2_prepare 2519, allgather_gemm_plain_w2_launch 2520
+//     allgather_gemm_plain_w3_prepare 2521, allgather_gemm_plain_w3_launch 2522
+//     allgather_gemm_plain_w4_prepare 2523, allgather_gemm_plain_w4_launch 2524
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -790,6 +790,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -2240,8 +2257,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -2262,8 +2278,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }

@@ -32,12 +32,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 799, tsgen_plan.cuh 886, tsgen_nvshmem.cuh 1300
-//   1517: the op's own code (namespace allgather_nvshmem: constants, tables, device code)
+//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 816, tsgen_plan.cuh 903, tsgen_nvshmem.cuh 1317
+//   1534: the op's own code (namespace allgather_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_nvshmem_w2 2079, allgather_nvshmem_w3 2086, allgather_nvshmem_w4 2093
-//     allgather_nvshmem_w8 2100, allgather_nvshmem_w2_launch 2116, allgather_nvshmem_w3_launch 2117
-//     allgather_nvshmem_w4_launch 2118, allgather_nvshmem_w8_launch 2119
+//     allgather_nvshmem_w2 2096, allgather_nvshmem_w3 2103, allgather_nvshmem_w4 2110
+//     allgather_nvshmem_w8 2117, allgather_nvshmem_w2_launch 2133, allgather_nvshmem_w3_launch 2134
+//     allgather_nvshmem_w4_launch 2135, allgather_nvshmem_w8_launch 2136
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -790,6 +790,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

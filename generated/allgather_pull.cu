@@ -21,12 +21,12 @@
 //   entry    uint64_t       signal 8
 //   done     uint64_t       signal 8
 // Contents (line numbers of this file):
-//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 788, tsgen_plan.cuh 875
-//   1292: the op's own code (namespace allgather_pull: constants, tables, device code)
+//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 805, tsgen_plan.cuh 892
+//   1309: the op's own code (namespace allgather_pull: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_pull_w2 2130, allgather_pull_w3 2137, allgather_pull_w4 2144, allgather_pull_w8 2151
-//     allgather_pull_w2_launch 2167, allgather_pull_w3_launch 2168, allgather_pull_w4_launch 2169
-//     allgather_pull_w8_launch 2170
+//     allgather_pull_w2 2147, allgather_pull_w3 2154, allgather_pull_w4 2161, allgather_pull_w8 2168
+//     allgather_pull_w2_launch 2184, allgather_pull_w3_launch 2185, allgather_pull_w4_launch 2186
+//     allgather_pull_w8_launch 2187
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -779,6 +779,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

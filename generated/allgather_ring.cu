@@ -25,12 +25,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 32
 // Contents (line numbers of this file):
-//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 792, tsgen_plan.cuh 879
-//   1296: the op's own code (namespace allgather_ring: constants, tables, device code)
+//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 809, tsgen_plan.cuh 896
+//   1313: the op's own code (namespace allgather_ring: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_ring_w2 2970, allgather_ring_w3 2977, allgather_ring_w4 2984, allgather_ring_w8 2991
-//     allgather_ring_w2_launch 3007, allgather_ring_w3_launch 3008, allgather_ring_w4_launch 3009
-//     allgather_ring_w8_launch 3010
+//     allgather_ring_w2 2987, allgather_ring_w3 2994, allgather_ring_w4 3001, allgather_ring_w8 3008
+//     allgather_ring_w2_launch 3024, allgather_ring_w3_launch 3025, allgather_ring_w4_launch 3026
+//     allgather_ring_w8_launch 3027
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -783,6 +783,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -35,10 +35,10 @@
 //   o        __nv_bfloat16  output 4096 * count
 //   lse      float          output 32 * count
 // Contents (line numbers of this file):
-//   52: the hand-written library, inlined: tsgen_ptx.cuh 52, tsgen_sync.cuh 627, tsgen_copy.cuh 800, tsgen_gemm.cuh 887, tsgen_attention.cuh 1852
-//   2638: the op's own code (namespace attention_hd128: constants, tables, device code)
+//   52: the hand-written library, inlined: tsgen_ptx.cuh 52, tsgen_sync.cuh 627, tsgen_copy.cuh 817, tsgen_gemm.cuh 904, tsgen_attention.cuh 1869
+//   2655: the op's own code (namespace attention_hd128: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_hd128_w1_kernel 2730, attention_hd128_w1_forward 2738, attention_hd128_w1_launch 2749
+//     attention_hd128_w1_kernel 2747, attention_hd128_w1_forward 2755, attention_hd128_w1_launch 2766
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -791,6 +791,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

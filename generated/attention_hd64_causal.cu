@@ -35,11 +35,11 @@
 //   o        __nv_bfloat16  output 2048 * count
 //   lse      float          output 32 * count
 // Contents (line numbers of this file):
-//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 801, tsgen_gemm.cuh 888, tsgen_attention.cuh 1853
-//   2639: the op's own code (namespace attention_hd64_causal: constants, tables, device code)
+//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 818, tsgen_gemm.cuh 905, tsgen_attention.cuh 1870
+//   2656: the op's own code (namespace attention_hd64_causal: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_hd64_causal_w1_kernel 2723, attention_hd64_causal_w1_forward 2731
-//     attention_hd64_causal_w1_launch 2742
+//     attention_hd64_causal_w1_kernel 2740, attention_hd64_causal_w1_forward 2748
+//     attention_hd64_causal_w1_launch 2759
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -792,6 +792,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -24,11 +24,11 @@
 //   counter  uint64_t       signal 1
 //   flags    uint64_t       signal 8
 // Contents (line numbers of this file):
-//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 790
-//   880: the op's own code (namespace barrier_all: constants, tables, device code)
+//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 807
+//   897: the op's own code (namespace barrier_all: constants, tables, device code)
 //   entry points (extern "C"):
-//     barrier_all_w2 909, barrier_all_w3 916, barrier_all_w4 923, barrier_all_w2_launch 939
-//     barrier_all_w3_launch 940, barrier_all_w4_launch 941
+//     barrier_all_w2 926, barrier_all_w3 933, barrier_all_w4 940, barrier_all_w2_launch 956
+//     barrier_all_w3_launch 957, barrier_all_w4_launch 958
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -781,6 +781,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

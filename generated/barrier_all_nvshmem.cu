@@ -25,12 +25,12 @@
 //   counter  uint64_t       signal 1
 //   flags    uint64_t       signal 8
 // Contents (line numbers of this file):
-//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 792, tsgen_nvshmem.cuh 879
-//   1096: the op's own code (namespace barrier_all_nvshmem: constants, tables, device code)
+//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 809, tsgen_nvshmem.cuh 896
+//   1113: the op's own code (namespace barrier_all_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     barrier_all_nvshmem_w2 1130, barrier_all_nvshmem_w3 1137, barrier_all_nvshmem_w4 1144
-//     barrier_all_nvshmem_w2_launch 1160, barrier_all_nvshmem_w3_launch 1161
-//     barrier_all_nvshmem_w4_launch 1162
+//     barrier_all_nvshmem_w2 1147, barrier_all_nvshmem_w3 1154, barrier_all_nvshmem_w4 1161
+//     barrier_all_nvshmem_w2_launch 1177, barrier_all_nvshmem_w3_launch 1178
+//     barrier_all_nvshmem_w4_launch 1179
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -783,6 +783,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -23,11 +23,11 @@
 //   dst      uint32_t       output count
 //   counter  uint64_t       signal 1
 // Contents (line numbers of this file):
-//   41: the hand-written library, inlined: tsgen_ptx.cuh 41, tsgen_sync.cuh 616, tsgen_copy.cuh 789
-//   879: the op's own code (namespace barrier_blocks: constants, tables, device code)
+//   41: the hand-written library, inlined: tsgen_ptx.cuh 41, tsgen_sync.cuh 616, tsgen_copy.cuh 806
+//   896: the op's own code (namespace barrier_blocks: constants, tables, device code)
 //   entry points (extern "C"):
-//     barrier_blocks_w2 906, barrier_blocks_w3 913, barrier_blocks_w4 920, barrier_blocks_w2_launch 936
-//     barrier_blocks_w3_launch 937, barrier_blocks_w4_launch 938
+//     barrier_blocks_w2 923, barrier_blocks_w3 930, barrier_blocks_w4 937, barrier_blocks_w2_launch 953
+//     barrier_blocks_w3_launch 954, barrier_blocks_w4_launch 955
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -780,6 +780,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -21,11 +21,11 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 1
 // Contents (line numbers of this file):
-//   39: the hand-written library, inlined: tsgen_ptx.cuh 39, tsgen_sync.cuh 614, tsgen_copy.cuh 787, tsgen_plan.cuh 874
-//   1291: the op's own code (namespace broadcast: constants, tables, device code)
+//   39: the hand-written library, inlined: tsgen_ptx.cuh 39, tsgen_sync.cuh 614, tsgen_copy.cuh 804, tsgen_plan.cuh 891
+//   1308: the op's own code (namespace broadcast: constants, tables, device code)
 //   entry points (extern "C"):
-//     broadcast_w2 1751, broadcast_w3 1758, broadcast_w4 1765, broadcast_w8 1772, broadcast_w2_launch 1788
-//     broadcast_w3_launch 1789, broadcast_w4_launch 1790, broadcast_w8_launch 1791
+//     broadcast_w2 1768, broadcast_w3 1775, broadcast_w4 1782, broadcast_w8 1789, broadcast_w2_launch 1805
+//     broadcast_w3_launch 1806, broadcast_w4_launch 1807, broadcast_w8_launch 1808
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -778,6 +778,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -26,12 +26,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 16
 // Contents (line numbers of this file):
-//   45: the hand-written library, inlined: tsgen_ptx.cuh 45, tsgen_sync.cuh 620, tsgen_copy.cuh 793, tsgen_plan.cuh 880
-//   1297: the op's own code (namespace broadcast_ring: constants, tables, device code)
+//   45: the hand-written library, inlined: tsgen_ptx.cuh 45, tsgen_sync.cuh 620, tsgen_copy.cuh 810, tsgen_plan.cuh 897
+//   1314: the op's own code (namespace broadcast_ring: constants, tables, device code)
 //   entry points (extern "C"):
-//     broadcast_ring_w2 2497, broadcast_ring_w3 2504, broadcast_ring_w4 2511, broadcast_ring_w8 2518
-//     broadcast_ring_w2_launch 2534, broadcast_ring_w3_launch 2535, broadcast_ring_w4_launch 2536
-//     broadcast_ring_w8_launch 2537
+//     broadcast_ring_w2 2514, broadcast_ring_w3 2521, broadcast_ring_w4 2528, broadcast_ring_w8 2535
+//     broadcast_ring_w2_launch 2551, broadcast_ring_w3_launch 2552, broadcast_ring_w4_launch 2553
+//     broadcast_ring_w8_launch 2554
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -784,6 +784,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

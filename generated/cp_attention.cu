@@ -38,13 +38,13 @@
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_gemm.cuh 893, tsgen_attention.cuh 1858, tsgen_fused.cuh 2641, tsgen_cp.cuh 3102
-//   3262: the op's own code (namespace cp_attention: constants, tables, device code)
+//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 823, tsgen_gemm.cuh 910, tsgen_attention.cuh 1875, tsgen_fused.cuh 2658, tsgen_cp.cuh 3117
+//   3277: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 3384, cp_attention_w2_sync 3394, cp_attention_w4_sync 3406
-//     cp_attention_w8_sync 3418, cp_attention_w2_prepare 3510, cp_attention_w2_launch 3511
-//     cp_attention_w4_prepare 3512, cp_attention_w4_launch 3513, cp_attention_w8_prepare 3514
-//     cp_attention_w8_launch 3515
+//     cp_attention_attention 3399, cp_attention_w2_sync 3409, cp_attention_w4_sync 3421
+//     cp_attention_w8_sync 3433, cp_attention_w2_prepare 3525, cp_attention_w2_launch 3526
+//     cp_attention_w4_prepare 3527, cp_attention_w4_launch 3528, cp_attention_w8_prepare 3529
+//     cp_attention_w8_launch 3530
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -797,6 +797,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -3030,8 +3047,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -3052,8 +3068,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }

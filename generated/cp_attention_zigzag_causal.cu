@@ -39,14 +39,14 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 808, tsgen_gemm.cuh 895, tsgen_attention.cuh 1860, tsgen_fused.cuh 2643, tsgen_cp.cuh 3104
-//   3264: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
+//   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 825, tsgen_gemm.cuh 912, tsgen_attention.cuh 1877, tsgen_fused.cuh 2660, tsgen_cp.cuh 3119
+//   3279: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_attention 3386, cp_attention_zigzag_causal_w2_sync 3396
-//     cp_attention_zigzag_causal_w4_sync 3408, cp_attention_zigzag_causal_w8_sync 3420
-//     cp_attention_zigzag_causal_w2_prepare 3512, cp_attention_zigzag_causal_w2_launch 3513
-//     cp_attention_zigzag_causal_w4_prepare 3514, cp_attention_zigzag_causal_w4_launch 3515
-//     cp_attention_zigzag_causal_w8_prepare 3516, cp_attention_zigzag_causal_w8_launch 3517
+//     cp_attention_zigzag_causal_attention 3401, cp_attention_zigzag_causal_w2_sync 3411
+//     cp_attention_zigzag_causal_w4_sync 3423, cp_attention_zigzag_causal_w8_sync 3435
+//     cp_attention_zigzag_causal_w2_prepare 3527, cp_attention_zigzag_causal_w2_launch 3528
+//     cp_attention_zigzag_causal_w4_prepare 3529, cp_attention_zigzag_causal_w4_launch 3530
+//     cp_attention_zigzag_causal_w8_prepare 3531, cp_attention_zigzag_causal_w8_launch 3532
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -799,6 +799,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -3032,8 +3049,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -3054,8 +3070,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }

@@ -38,16 +38,16 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   61: the hand-written library, inlined: tsgen_ptx.cuh 61, tsgen_sync.cuh 636, tsgen_copy.cuh 809, tsgen_gemm.cuh 896, tsgen_attention.cuh 1861, tsgen_fused.cuh 2644, tsgen_cp.cuh 3105
-//   3265: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
+//   61: the hand-written library, inlined: tsgen_ptx.cuh 61, tsgen_sync.cuh 636, tsgen_copy.cuh 826, tsgen_gemm.cuh 913, tsgen_attention.cuh 1878, tsgen_fused.cuh 2661, tsgen_cp.cuh 3120
+//   3280: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_sm_attention 3387, cp_attention_zigzag_causal_sm_w2_sync 3397
-//     cp_attention_zigzag_causal_sm_w2_push 3407, cp_attention_zigzag_causal_sm_w4_sync 3417
-//     cp_attention_zigzag_causal_sm_w4_push 3427, cp_attention_zigzag_causal_sm_w8_sync 3437
-//     cp_attention_zigzag_causal_sm_w8_push 3447, cp_attention_zigzag_causal_sm_w2_prepare 3516
-//     cp_attention_zigzag_causal_sm_w2_launch 3517, cp_attention_zigzag_causal_sm_w4_prepare 3518
-//     cp_attention_zigzag_causal_sm_w4_launch 3519, cp_attention_zigzag_causal_sm_w8_prepare 3520
-//     cp_attention_zigzag_causal_sm_w8_launch 3521
+//     cp_attention_zigzag_causal_sm_attention 3402, cp_attention_zigzag_causal_sm_w2_sync 3412
+//     cp_attention_zigzag_causal_sm_w2_push 3422, cp_attention_zigzag_causal_sm_w4_sync 3432
+//     cp_attention_zigzag_causal_sm_w4_push 3442, cp_attention_zigzag_causal_sm_w8_sync 3452
+//     cp_attention_zigzag_causal_sm_w8_push 3462, cp_attention_zigzag_causal_sm_w2_prepare 3531
+//     cp_attention_zigzag_causal_sm_w2_launch 3532, cp_attention_zigzag_causal_sm_w4_prepare 3533
+//     cp_attention_zigzag_causal_sm_w4_launch 3534, cp_attention_zigzag_causal_sm_w8_prepare 3535
+//     cp_attention_zigzag_causal_sm_w8_launch 3536
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -800,6 +800,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -3033,8 +3050,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -3055,8 +3071,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }

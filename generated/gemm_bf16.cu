@@ -26,10 +26,10 @@
 //   b        __nv_bfloat16  input  67108864
 //   c        __nv_bfloat16  output 8192 * count
 // Contents (line numbers of this file):
-//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 791, tsgen_gemm.cuh 878
-//   1846: the op's own code (namespace gemm_bf16: constants, tables, device code)
+//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 808, tsgen_gemm.cuh 895
+//   1863: the op's own code (namespace gemm_bf16: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_bf16_w1_kernel 1924, gemm_bf16_w1_launch 1931
+//     gemm_bf16_w1_kernel 1941, gemm_bf16_w1_launch 1948
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -782,6 +782,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

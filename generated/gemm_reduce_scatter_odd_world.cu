@@ -36,17 +36,17 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 808, tsgen_gemm.cuh 895, tsgen_fused.cuh 1860
-//   2324: the op's own code (namespace gemm_reduce_scatter_odd_world: constants, tables, device code)
+//   60: the hand-written library, inlined: tsgen_ptx.cuh 60, tsgen_sync.cuh 635, tsgen_copy.cuh 825, tsgen_gemm.cuh 912, tsgen_fused.cuh 1877
+//   2339: the op's own code (namespace gemm_reduce_scatter_odd_world: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_odd_world_w2_gemm 2414, gemm_reduce_scatter_odd_world_w2_reduce 2426
-//     gemm_reduce_scatter_odd_world_w2_sync 2433, gemm_reduce_scatter_odd_world_w3_gemm 2440
-//     gemm_reduce_scatter_odd_world_w3_reduce 2452, gemm_reduce_scatter_odd_world_w3_sync 2459
-//     gemm_reduce_scatter_odd_world_w4_gemm 2466, gemm_reduce_scatter_odd_world_w4_reduce 2478
-//     gemm_reduce_scatter_odd_world_w4_sync 2485, gemm_reduce_scatter_odd_world_w2_prepare 2557
-//     gemm_reduce_scatter_odd_world_w2_launch 2558, gemm_reduce_scatter_odd_world_w3_prepare 2559
-//     gemm_reduce_scatter_odd_world_w3_launch 2560, gemm_reduce_scatter_odd_world_w4_prepare 2561
-//     gemm_reduce_scatter_odd_world_w4_launch 2562
+//     gemm_reduce_scatter_odd_world_w2_gemm 2429, gemm_reduce_scatter_odd_world_w2_reduce 2441
+//     gemm_reduce_scatter_odd_world_w2_sync 2448, gemm_reduce_scatter_odd_world_w3_gemm 2455
+//     gemm_reduce_scatter_odd_world_w3_reduce 2467, gemm_reduce_scatter_odd_world_w3_sync 2474
+//     gemm_reduce_scatter_odd_world_w4_gemm 2481, gemm_reduce_scatter_odd_world_w4_reduce 2493
+//     gemm_reduce_scatter_odd_world_w4_sync 2500, gemm_reduce_scatter_odd_world_w2_prepare 2572
+//     gemm_reduce_scatter_odd_world_w2_launch 2573, gemm_reduce_scatter_odd_world_w3_prepare 2574
+//     gemm_reduce_scatter_odd_world_w3_launch 2575, gemm_reduce_scatter_odd_world_w4_prepare 2576
+//     gemm_reduce_scatter_odd_world_w4_launch 2577
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -799,6 +799,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -2249,8 +2266,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -2271,8 +2287,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }

@@ -36,16 +36,16 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   59: the hand-written library, inlined: tsgen_ptx.cuh 59, tsgen_sync.cuh 634, tsgen_copy.cuh 807, tsgen_gemm.cuh 894, tsgen_fused.cuh 1859
-//   2323: the op's own code (namespace gemm_reduce_scatter_push_interleaved: constants, tables, device code)
+//   59: the hand-written library, inlined: tsgen_ptx.cuh 59, tsgen_sync.cuh 634, tsgen_copy.cuh 824, tsgen_gemm.cuh 911, tsgen_fused.cuh 1876
+//   2338: the op's own code (namespace gemm_reduce_scatter_push_interleaved: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_interleaved_w2_gemm 2413, gemm_reduce_scatter_push_interleaved_w2_reduce 2425
-//     gemm_reduce_scatter_push_interleaved_w2_sync 2432, gemm_reduce_scatter_push_interleaved_w4_gemm 2439
-//     gemm_reduce_scatter_push_interleaved_w4_reduce 2451, gemm_reduce_scatter_push_interleaved_w4_sync 2458
-//     gemm_reduce_scatter_push_interleaved_w2_prepare 2530
-//     gemm_reduce_scatter_push_interleaved_w2_launch 2531
-//     gemm_reduce_scatter_push_interleaved_w4_prepare 2532
-//     gemm_reduce_scatter_push_interleaved_w4_launch 2533
+//     gemm_reduce_scatter_push_interleaved_w2_gemm 2428, gemm_reduce_scatter_push_interleaved_w2_reduce 2440
+//     gemm_reduce_scatter_push_interleaved_w2_sync 2447, gemm_reduce_scatter_push_interleaved_w4_gemm 2454
+//     gemm_reduce_scatter_push_interleaved_w4_reduce 2466, gemm_reduce_scatter_push_interleaved_w4_sync 2473
+//     gemm_reduce_scatter_push_interleaved_w2_prepare 2545
+//     gemm_reduce_scatter_push_interleaved_w2_launch 2546
+//     gemm_reduce_scatter_push_interleaved_w4_prepare 2547
+//     gemm_reduce_scatter_push_interleaved_w4_launch 2548
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -798,6 +798,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -2248,8 +2265,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -2270,8 +2286,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
-  TSGEN_FUSED_TRY(cudaSetDevice(device));
+  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }

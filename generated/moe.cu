@@ -35,13 +35,13 @@
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 803, tsgen_moe.cuh 890
-//   935: the op's own code (namespace moe: constants, tables, device code)
+//   55: the hand-written library, inlined: tsgen_ptx.cuh 55, tsgen_sync.cuh 630, tsgen_copy.cuh 820, tsgen_moe.cuh 907
+//   952: the op's own code (namespace moe: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_w2_dispatch 1580, moe_w2_combine 1588, moe_w2_dispatch_launch 1596, moe_w2_combine_launch 1605
-//     moe_w2_launch 1618, moe_w4_dispatch 1625, moe_w4_combine 1633, moe_w4_dispatch_launch 1641
-//     moe_w4_combine_launch 1650, moe_w4_launch 1663, moe_w8_dispatch 1670, moe_w8_combine 1678
-//     moe_w8_dispatch_launch 1686, moe_w8_combine_launch 1695, moe_w8_launch 1708
+//     moe_w2_dispatch 1597, moe_w2_combine 1605, moe_w2_dispatch_launch 1613, moe_w2_combine_launch 1622
+//     moe_w2_launch 1635, moe_w4_dispatch 1642, moe_w4_combine 1650, moe_w4_dispatch_launch 1658
+//     moe_w4_combine_launch 1667, moe_w4_launch 1680, moe_w8_dispatch 1687, moe_w8_combine 1695
+//     moe_w8_dispatch_launch 1703, moe_w8_combine_launch 1712, moe_w8_launch 1725
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -794,6 +794,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

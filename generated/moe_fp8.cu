@@ -36,15 +36,15 @@
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 806, tsgen_moe.cuh 893
-//   1512: the op's own code (namespace moe_fp8: constants, tables, device code)
+//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 823, tsgen_moe.cuh 910
+//   1529: the op's own code (namespace moe_fp8: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_fp8_w2_dispatch 1585, moe_fp8_w2_combine 1593, moe_fp8_w2_dequantize 1601
-//     moe_fp8_w2_dispatch_launch 1606, moe_fp8_w2_combine_launch 1615, moe_fp8_w2_launch 1628
-//     moe_fp8_w4_dispatch 1639, moe_fp8_w4_combine 1647, moe_fp8_w4_dequantize 1655
-//     moe_fp8_w4_dispatch_launch 1660, moe_fp8_w4_combine_launch 1669, moe_fp8_w4_launch 1682
-//     moe_fp8_w8_dispatch 1693, moe_fp8_w8_combine 1701, moe_fp8_w8_dequantize 1709
-//     moe_fp8_w8_dispatch_launch 1714, moe_fp8_w8_combine_launch 1723, moe_fp8_w8_launch 1736
+//     moe_fp8_w2_dispatch 1602, moe_fp8_w2_combine 1610, moe_fp8_w2_dequantize 1618
+//     moe_fp8_w2_dispatch_launch 1623, moe_fp8_w2_combine_launch 1632, moe_fp8_w2_launch 1645
+//     moe_fp8_w4_dispatch 1656, moe_fp8_w4_combine 1664, moe_fp8_w4_dequantize 1672
+//     moe_fp8_w4_dispatch_launch 1677, moe_fp8_w4_combine_launch 1686, moe_fp8_w4_launch 1699
+//     moe_fp8_w8_dispatch 1710, moe_fp8_w8_combine 1718, moe_fp8_w8_dequantize 1726
+//     moe_fp8_w8_dispatch_launch 1731, moe_fp8_w8_combine_launch 1740, moe_fp8_w8_launch 1753
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -797,6 +797,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

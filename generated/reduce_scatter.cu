@@ -22,12 +22,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 16
 // Contents (line numbers of this file):
-//   41: the hand-written library, inlined: tsgen_ptx.cuh 41, tsgen_sync.cuh 616, tsgen_copy.cuh 789, tsgen_plan.cuh 876
-//   1293: the op's own code (namespace reduce_scatter: constants, tables, device code)
+//   41: the hand-written library, inlined: tsgen_ptx.cuh 41, tsgen_sync.cuh 616, tsgen_copy.cuh 806, tsgen_plan.cuh 893
+//   1310: the op's own code (namespace reduce_scatter: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_w2 2426, reduce_scatter_w3 2433, reduce_scatter_w4 2440, reduce_scatter_w8 2447
-//     reduce_scatter_w2_launch 2463, reduce_scatter_w3_launch 2464, reduce_scatter_w4_launch 2465
-//     reduce_scatter_w8_launch 2466
+//     reduce_scatter_w2 2443, reduce_scatter_w3 2450, reduce_scatter_w4 2457, reduce_scatter_w8 2464
+//     reduce_scatter_w2_launch 2480, reduce_scatter_w3_launch 2481, reduce_scatter_w4_launch 2482
+//     reduce_scatter_w8_launch 2483
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -780,6 +780,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

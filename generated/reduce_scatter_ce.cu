@@ -26,16 +26,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 32
 // Contents (line numbers of this file):
-//   49: the hand-written library, inlined: tsgen_ptx.cuh 49, tsgen_sync.cuh 624, tsgen_copy.cuh 797, tsgen_plan.cuh 884, tsgen_ce.cuh 1298
-//   1469: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
+//   49: the hand-written library, inlined: tsgen_ptx.cuh 49, tsgen_sync.cuh 624, tsgen_copy.cuh 814, tsgen_plan.cuh 901, tsgen_ce.cuh 1315
+//   1485: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_ce_w2_sync 2429, reduce_scatter_ce_w2_reduce 2434, reduce_scatter_ce_w2_end 2441
-//     reduce_scatter_ce_w2_prepare 2447, reduce_scatter_ce_w2_launch 2457, reduce_scatter_ce_w3_sync 2533
-//     reduce_scatter_ce_w3_reduce 2538, reduce_scatter_ce_w3_end 2545, reduce_scatter_ce_w3_prepare 2551
-//     reduce_scatter_ce_w3_launch 2561, reduce_scatter_ce_w4_sync 2684, reduce_scatter_ce_w4_reduce 2689
-//     reduce_scatter_ce_w4_end 2696, reduce_scatter_ce_w4_prepare 2702, reduce_scatter_ce_w4_launch 2712
-//     reduce_scatter_ce_w8_sync 2900, reduce_scatter_ce_w8_reduce 2905, reduce_scatter_ce_w8_end 2912
-//     reduce_scatter_ce_w8_prepare 2918, reduce_scatter_ce_w8_launch 2928
+//     reduce_scatter_ce_w2_sync 2445, reduce_scatter_ce_w2_reduce 2450, reduce_scatter_ce_w2_end 2457
+//     reduce_scatter_ce_w2_prepare 2463, reduce_scatter_ce_w2_launch 2472, reduce_scatter_ce_w3_sync 2548
+//     reduce_scatter_ce_w3_reduce 2553, reduce_scatter_ce_w3_end 2560, reduce_scatter_ce_w3_prepare 2566
+//     reduce_scatter_ce_w3_launch 2575, reduce_scatter_ce_w4_sync 2698, reduce_scatter_ce_w4_reduce 2703
+//     reduce_scatter_ce_w4_end 2710, reduce_scatter_ce_w4_prepare 2716, reduce_scatter_ce_w4_launch 2725
+//     reduce_scatter_ce_w8_sync 2913, reduce_scatter_ce_w8_reduce 2918, reduce_scatter_ce_w8_end 2925
+//     reduce_scatter_ce_w8_prepare 2931, reduce_scatter_ce_w8_launch 2940
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -790,6 +790,23 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
+}
+
 }  // namespace tsgen
 
 #endif  // TSGEN_SYNC_CUH
@@ -1403,9 +1420,8 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
   int device;
-  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_CE_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
@@ -2445,8 +2461,7 @@ extern "C" __global__ void reduce_scatter_ce_w2_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w2_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -2549,8 +2564,7 @@ extern "C" __global__ void reduce_scatter_ce_w3_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w3_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -2700,8 +2714,7 @@ extern "C" __global__ void reduce_scatter_ce_w4_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w4_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }
@@ -2916,8 +2929,7 @@ extern "C" __global__ void reduce_scatter_ce_w8_end(uint64_t* calls) {
 // Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
 // "prepare"; see tsgen::ce::lanes).
 extern "C" cudaError_t reduce_scatter_ce_w8_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(cudaSetDevice(device));
+  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
   tsgen::ce::lanes* lanes = nullptr;
   return tsgen::ce::lanes_get(rank, &lanes);
 }

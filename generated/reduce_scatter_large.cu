@@ -24,12 +24,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 64
 // Contents (line numbers of this file):
-//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 791, tsgen_plan.cuh 878
-//   1295: the op's own code (namespace reduce_scatter_large: constants, tables, device code)
+//   43: the hand-written library, inlined: tsgen_ptx.cuh 43, tsgen_sync.cuh 618, tsgen_copy.cuh 808, tsgen_plan.cuh 895
+//   1312: the op's own code (namespace reduce_scatter_large: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_large_w2 3829, reduce_scatter_large_w3 3836, reduce_scatter_large_w4 3843
-//     reduce_scatter_large_w8 3850, reduce_scatter_large_w2_launch 3866, reduce_scatter_large_w3_launch 3867
-//     reduce_scatter_large_w4_launch 3868, reduce_scatter_large_w8_launch 3869
+//     reduce_scatter_large_w2 3846, reduce_scatter_large_w3 3853, reduce_scatter_large_w4 3860
+//     reduce_scatter_large_w8 3867, reduce_scatter_large_w2_launch 3883, reduce_scatter_large_w3_launch 3884
+//     reduce_scatter_large_w4_launch 3885, reduce_scatter_large_w8_launch 3886
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -782,6 +782,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -28,12 +28,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 64
 // Contents (line numbers of this file):
-//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 795, tsgen_plan.cuh 882
-//   1299: the op's own code (namespace reduce_scatter_ring: constants, tables, device code)
+//   47: the hand-written library, inlined: tsgen_ptx.cuh 47, tsgen_sync.cuh 622, tsgen_copy.cuh 812, tsgen_plan.cuh 899
+//   1316: the op's own code (namespace reduce_scatter_ring: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_ring_w2 3637, reduce_scatter_ring_w3 3644, reduce_scatter_ring_w4 3651
-//     reduce_scatter_ring_w8 3658, reduce_scatter_ring_w2_launch 3674, reduce_scatter_ring_w3_launch 3675
-//     reduce_scatter_ring_w4_launch 3676, reduce_scatter_ring_w8_launch 3677
+//     reduce_scatter_ring_w2 3654, reduce_scatter_ring_w3 3661, reduce_scatter_ring_w4 3668
+//     reduce_scatter_ring_w8 3675, reduce_scatter_ring_w2_launch 3691, reduce_scatter_ring_w3_launch 3692
+//     reduce_scatter_ring_w4_launch 3693, reduce_scatter_ring_w8_launch 3694
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -786,6 +786,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -21,12 +21,12 @@
 //   src      uint64_t       input  count
 //   dst      uint64_t       output count
 // Contents (line numbers of this file):
-//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 788
-//   878: the op's own code (namespace remote_st_release_sys_u64: constants, tables, device code)
+//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 805
+//   895: the op's own code (namespace remote_st_release_sys_u64: constants, tables, device code)
 //   entry points (extern "C"):
-//     remote_st_release_sys_u64_w2 902, remote_st_release_sys_u64_w3 909, remote_st_release_sys_u64_w4 916
-//     remote_st_release_sys_u64_w2_launch 932, remote_st_release_sys_u64_w3_launch 933
-//     remote_st_release_sys_u64_w4_launch 934
+//     remote_st_release_sys_u64_w2 919, remote_st_release_sys_u64_w3 926, remote_st_release_sys_u64_w4 933
+//     remote_st_release_sys_u64_w2_launch 949, remote_st_release_sys_u64_w3_launch 950
+//     remote_st_release_sys_u64_w4_launch 951
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -779,6 +779,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -21,11 +21,11 @@
 //   src      uint32_t       input  4 * count
 //   dst      uint32_t       output 4 * count
 // Contents (line numbers of this file):
-//   39: the hand-written library, inlined: tsgen_ptx.cuh 39, tsgen_sync.cuh 614, tsgen_copy.cuh 787
-//   877: the op's own code (namespace remote_st_weak_v4: constants, tables, device code)
+//   39: the hand-written library, inlined: tsgen_ptx.cuh 39, tsgen_sync.cuh 614, tsgen_copy.cuh 804
+//   894: the op's own code (namespace remote_st_weak_v4: constants, tables, device code)
 //   entry points (extern "C"):
-//     remote_st_weak_v4_w2 901, remote_st_weak_v4_w3 908, remote_st_weak_v4_w4 915
-//     remote_st_weak_v4_w2_launch 931, remote_st_weak_v4_w3_launch 932, remote_st_weak_v4_w4_launch 933
+//     remote_st_weak_v4_w2 918, remote_st_weak_v4_w3 925, remote_st_weak_v4_w4 932
+//     remote_st_weak_v4_w2_launch 948, remote_st_weak_v4_w3_launch 949, remote_st_weak_v4_w4_launch 950
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -778,6 +778,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

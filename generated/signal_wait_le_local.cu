@@ -23,12 +23,12 @@
 //   dst      uint32_t       output count
 //   signal   uint64_t       signal 1  (starts as bytes 0xFF)
 // Contents (line numbers of this file):
-//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 790
-//   880: the op's own code (namespace signal_wait_le_local: constants, tables, device code)
+//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 807
+//   897: the op's own code (namespace signal_wait_le_local: constants, tables, device code)
 //   entry points (extern "C"):
-//     signal_wait_le_local_w2 916, signal_wait_le_local_w3 923, signal_wait_le_local_w4 930
-//     signal_wait_le_local_w2_launch 946, signal_wait_le_local_w3_launch 947
-//     signal_wait_le_local_w4_launch 948
+//     signal_wait_le_local_w2 933, signal_wait_le_local_w3 940, signal_wait_le_local_w4 947
+//     signal_wait_le_local_w2_launch 963, signal_wait_le_local_w3_launch 964
+//     signal_wait_le_local_w4_launch 965
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -781,6 +781,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -25,12 +25,12 @@
 //   ready    uint64_t       signal 1
 //   slot_free uint64_t       signal 1
 // Contents (line numbers of this file):
-//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 792, tsgen_nvshmem.cuh 879
-//   1096: the op's own code (namespace simple_shift_nvshmem: constants, tables, device code)
+//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 809, tsgen_nvshmem.cuh 896
+//   1113: the op's own code (namespace simple_shift_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     simple_shift_nvshmem_w2 1146, simple_shift_nvshmem_w3 1153, simple_shift_nvshmem_w4 1160
-//     simple_shift_nvshmem_w2_launch 1176, simple_shift_nvshmem_w3_launch 1177
-//     simple_shift_nvshmem_w4_launch 1178
+//     simple_shift_nvshmem_w2 1163, simple_shift_nvshmem_w3 1170, simple_shift_nvshmem_w4 1177
+//     simple_shift_nvshmem_w2_launch 1193, simple_shift_nvshmem_w3_launch 1194
+//     simple_shift_nvshmem_w4_launch 1195
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -783,6 +783,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

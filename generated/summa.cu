@@ -37,10 +37,10 @@
 //   b_pan    __nv_bfloat16  scratch 33554432
 //   sig      uint64_t       signal 80
 // Contents (line numbers of this file):
-//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 802, tsgen_gemm.cuh 889, tsgen_grid.cuh 1854
-//   2033: the op's own code (namespace summa: constants, tables, device code)
+//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 819, tsgen_gemm.cuh 906, tsgen_grid.cuh 1871
+//   2049: the op's own code (namespace summa: constants, tables, device code)
 //   entry points (extern "C"):
-//     summa_w4_gemm 2126, summa_w4_sync 2137, summa_w4_prepare 2144, summa_w4_launch 2155
+//     summa_w4_gemm 2142, summa_w4_sync 2153, summa_w4_prepare 2160, summa_w4_launch 2170
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -793,6 +793,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen
@@ -1997,8 +2014,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_RANKS) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_GRID_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_GRID_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
@@ -2142,8 +2158,7 @@ summa_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int 
 // Rank `rank`'s GEMM shared-memory opt-in and side streams, made on `device` before any rank's
 // first call (the manifest's "prepare"; see tsgen::grid::lanes).
 extern "C" cudaError_t summa_w4_prepare(int rank, int device) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_GRID_TRY(cudaSetDevice(device));
+  TSGEN_GRID_TRY(tsgen::prepare_on(4, rank, device));
   int ctas;
   TSGEN_GRID_TRY(tsgen::gemm::resident_ctas<summa::Config<2>>(
       reinterpret_cast<const void*>(summa_w4_gemm), &ctas));

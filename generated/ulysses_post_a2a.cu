@@ -25,14 +25,14 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 794, tsgen_ulysses.cuh 881
-//   1011: the op's own code (namespace ulysses_post_a2a: constants, tables, device code)
+//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 811, tsgen_ulysses.cuh 898
+//   1028: the op's own code (namespace ulysses_post_a2a: constants, tables, device code)
 //   entry points (extern "C"):
-//     ulysses_post_a2a_w2 1051, ulysses_post_a2a_w3 1058, ulysses_post_a2a_w4 1065, ulysses_post_a2a_w8 1072
-//     ulysses_post_a2a_w2_launch 1088, ulysses_post_a2a_w3_launch 1089, ulysses_post_a2a_w4_launch 1090
-//     ulysses_post_a2a_w8_launch 1091, ulysses_post_a2a_w2_launch_seq 1096
-//     ulysses_post_a2a_w3_launch_seq 1104, ulysses_post_a2a_w4_launch_seq 1112
-//     ulysses_post_a2a_w8_launch_seq 1120
+//     ulysses_post_a2a_w2 1068, ulysses_post_a2a_w3 1075, ulysses_post_a2a_w4 1082, ulysses_post_a2a_w8 1089
+//     ulysses_post_a2a_w2_launch 1105, ulysses_post_a2a_w3_launch 1106, ulysses_post_a2a_w4_launch 1107
+//     ulysses_post_a2a_w8_launch 1108, ulysses_post_a2a_w2_launch_seq 1113
+//     ulysses_post_a2a_w3_launch_seq 1121, ulysses_post_a2a_w4_launch_seq 1129
+//     ulysses_post_a2a_w8_launch_seq 1137
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -785,6 +785,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -25,13 +25,13 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   45: the hand-written library, inlined: tsgen_ptx.cuh 45, tsgen_sync.cuh 620, tsgen_copy.cuh 793, tsgen_ulysses.cuh 880
-//   1010: the op's own code (namespace ulysses_pre_a2a: constants, tables, device code)
+//   45: the hand-written library, inlined: tsgen_ptx.cuh 45, tsgen_sync.cuh 620, tsgen_copy.cuh 810, tsgen_ulysses.cuh 897
+//   1027: the op's own code (namespace ulysses_pre_a2a: constants, tables, device code)
 //   entry points (extern "C"):
-//     ulysses_pre_a2a_w2 1053, ulysses_pre_a2a_w3 1060, ulysses_pre_a2a_w4 1067, ulysses_pre_a2a_w8 1074
-//     ulysses_pre_a2a_w2_launch 1090, ulysses_pre_a2a_w3_launch 1091, ulysses_pre_a2a_w4_launch 1092
-//     ulysses_pre_a2a_w8_launch 1093, ulysses_pre_a2a_w2_launch_seq 1098, ulysses_pre_a2a_w3_launch_seq 1106
-//     ulysses_pre_a2a_w4_launch_seq 1114, ulysses_pre_a2a_w8_launch_seq 1122
+//     ulysses_pre_a2a_w2 1070, ulysses_pre_a2a_w3 1077, ulysses_pre_a2a_w4 1084, ulysses_pre_a2a_w8 1091
+//     ulysses_pre_a2a_w2_launch 1107, ulysses_pre_a2a_w3_launch 1108, ulysses_pre_a2a_w4_launch 1109
+//     ulysses_pre_a2a_w8_launch 1110, ulysses_pre_a2a_w2_launch_seq 1115, ulysses_pre_a2a_w3_launch_seq 1123
+//     ulysses_pre_a2a_w4_launch_seq 1131, ulysses_pre_a2a_w8_launch_seq 1139
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -784,6 +784,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

@@ -28,13 +28,13 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 796, tsgen_ulysses.cuh 883
-//   1013: the op's own code (namespace ulysses_pre_a2a_gqa: constants, tables, device code)
+//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 813, tsgen_ulysses.cuh 900
+//   1030: the op's own code (namespace ulysses_pre_a2a_gqa: constants, tables, device code)
 //   entry points (extern "C"):
-//     ulysses_pre_a2a_gqa_w2 1071, ulysses_pre_a2a_gqa_w4 1078, ulysses_pre_a2a_gqa_w8 1085
-//     ulysses_pre_a2a_gqa_w2_launch 1101, ulysses_pre_a2a_gqa_w4_launch 1102
-//     ulysses_pre_a2a_gqa_w8_launch 1103, ulysses_pre_a2a_gqa_w2_launch_seq 1108
-//     ulysses_pre_a2a_gqa_w4_launch_seq 1116, ulysses_pre_a2a_gqa_w8_launch_seq 1124
+//     ulysses_pre_a2a_gqa_w2 1088, ulysses_pre_a2a_gqa_w4 1095, ulysses_pre_a2a_gqa_w8 1102
+//     ulysses_pre_a2a_gqa_w2_launch 1118, ulysses_pre_a2a_gqa_w4_launch 1119
+//     ulysses_pre_a2a_gqa_w8_launch 1120, ulysses_pre_a2a_gqa_w2_launch_seq 1125
+//     ulysses_pre_a2a_gqa_w4_launch_seq 1133, ulysses_pre_a2a_gqa_w8_launch_seq 1141
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -787,6 +787,23 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
+// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
+// are asked for on another device.
+static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
+// `device` made current (the rank's lanes and kernel attributes are then made there).
+static inline cudaError_t prepare_on(int world, int rank, int device) {
+  if (rank < 0 || rank >= world) return cudaErrorInvalidValue;
+  return cudaSetDevice(device);
 }
 
 }  // namespace tsgen

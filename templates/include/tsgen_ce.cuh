@@ -103,9 +103,8 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   if (rank < 0 || rank >= TSGEN_CE_MAX_RANKS) return cudaErrorInvalidValue;
   lanes* l = &all[rank];
   int device;
-  TSGEN_CE_TRY(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(made);
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_CE_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     l->device = device;
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));

@@ -141,8 +141,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_RANKS) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_GRID_TRY(cudaGetDevice(&device));
-  if (l->ready && l->device != device) return cudaErrorInvalidDevice;  // prepared on another device
+  TSGEN_GRID_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     int lo = 0, hi = 0;
