@@ -290,6 +290,25 @@ def _assert_all_released_but_for(machine, violations: int):
     assert machine.allocs == {} and machine.mappings == {} and len(machine.violations) == violations
 
 
+def _every_rank(rvs, run):
+    """run(rank, rendezvous) on every rank at once (results or exceptions, in rank order), then
+    every rendezvous closed."""
+    try:
+        return together(rvs, run)
+    finally:
+        close_ranks(rvs)
+
+
+def _gives_up(world, label: str) -> tuple[str, float]:
+    """A barrier a failed peer never reaches: its error's text and the seconds it waited."""
+    t0 = time.monotonic()
+    try:
+        world.barrier(label)
+    except StoreError as e:
+        return str(e), time.monotonic() - t0
+    raise AssertionError(f"barrier {label!r} completed without the failed rank")
+
+
 def test_heaps_peer_tables_and_free():
     machine, rvs, backends = ipc_world(4)
     try:
@@ -440,16 +459,9 @@ def test_world_and_buffers_over_the_ipc_backend(monkeypatch):
             world.barrier("all freed")
             if r == 1:
                 raise RuntimeError("rank 1 broke")
-            t0 = time.monotonic()
-            try:
-                world.barrier("never complete")  # rank 1 is gone
-            except StoreError as e:
-                return str(e), time.monotonic() - t0
+            return _gives_up(world, "never complete")  # rank 1 is gone
 
-    try:
-        got = together(rvs, run)
-    finally:
-        close_ranks(rvs)
+    got = _every_rank(rvs, run)
     assert str(got[1]) == "rank 1 broke"
     for r in (0, 2):
         message, waited = got[r]
@@ -484,10 +496,7 @@ def test_a_failure_inside_a_world_is_reported_as_is_and_everything_is_freed(monk
             world.barrier("call 0: inputs loaded, outputs poisoned")
 
     t0 = time.monotonic()
-    try:
-        got = together(rvs, run)
-    finally:
-        close_ranks(rvs)
+    got = _every_rank(rvs, run)
     assert time.monotonic() - t0 < 10
     assert str(got[2]).startswith("rank 2 (GPU 2): cudaIpcOpenMemHandle of rank 3's heap 0")
     for r in (0, 1, 3):
@@ -606,16 +615,9 @@ def test_a_rank_whose_context_is_refused_says_why_and_its_peers_stop_at_once(mon
         backend = IpcBackend(cp, 3, env={"RANK": str(r), "WORLD_SIZE": "3"}, rendezvous=rv, share_gpus=True)
         with world_mod.World(3, backend=backend, share_gpus=False) as world:  # rank 2 raises here
             assert world.shared
-            t0 = time.monotonic()
-            try:
-                world.barrier("first call")
-            except StoreError as e:
-                return str(e), time.monotonic() - t0
+            return _gives_up(world, "first call")
 
-    try:
-        got = together(rvs, run)
-    finally:
-        close_ranks(rvs)
+    got = _every_rank(rvs, run)
     assert isinstance(got[2], RuntimeSetupError), got[2]
     why = ("rank 2 on GPU 0: creating the CUDA context failed: cudaErrorMemoryAllocation: out of memory; "
            "under MPS this may be how the server turned this client away")
