@@ -6,9 +6,9 @@
 # go to $OUT. Prediction: with 32, 4 processes fail to start; without it, all pass.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-export TSGEN_SHARE_GPUS=1 CUDA_MPS_PIPE_DIRECTORY=/tmp/tsgen-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tsgen-mps/log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d || { echo "MPS: the control daemon did not start"; exit 2; }
+source "$(dirname "$0")/mps.sh"
+export TSGEN_SHARE_GPUS=1
+mps_start || { echo "MPS: the control daemon did not start"; exit 2; }
 python3 -m tsgen build specs/allgather.yaml --compile >/dev/null
 for n in 4 8; do
   for conn in 32 default; do
@@ -21,6 +21,5 @@ for n in 4 8; do
       "$(grep -m1 -oE 'cudaError[A-Za-z]*|PASS on [^(]*|FAIL on [^(]*' "$log" | head -n 1)" | tee -a "$OUT/table.txt"
   done
 done
-echo quit | nvidia-cuda-mps-control
-cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps_log"
+mps_stop "$OUT/mps_log"
 cat "$OUT/table.txt"

@@ -30,18 +30,15 @@ fi
 # MPS control daemon started here and stopped after them (without MPS those processes are
 # time-sliced and never resident together: the suite above skips them).
 if [ -n "${MPS:-}" ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/tsgen-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tsgen-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
+  source "$(dirname "$0")/mps.sh"
+  if mps_start; then
     timeout -k 5 "${MPS_LIMIT:-240}" python3 -m pytest -q -m gpu tests/test_gpu_ipc.py -p no:cacheprovider \
       --timeout "${PER_TEST:-180}" -rs 2>&1 | tee "$OUT/pytest_ipc_mps.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
-    echo quit | nvidia-cuda-mps-control
-    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps_log" 2>/dev/null  # the server's log names refused clients
+    mps_stop "$OUT/mps_log"
   else
     echo "MPS: the control daemon did not start" | tee "$OUT/pytest_ipc_mps.txt"; code=1
   fi
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 # The vendoring example (examples/vendor, no Python): W ranks on this machine's GPUs.
 if [ -z "${SKIP_VENDOR:-}" ]; then
