@@ -431,3 +431,36 @@ def test_a_context_refused_by_mps_says_why_and_what_to_do(tmp_path):
     other = RuntimeError("cudaErrorInvalidDevice: invalid device ordinal")  # not how MPS refuses: no guess
     assert "MPS" not in context_failure(other, {2: 0}, True, {**mps, "CUDA_DEVICE_MAX_CONNECTIONS": "32"})
     assert context_failure(error, {2: 0}, True, {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")}) == plain
+
+
+def test_host_launchers_of_ranks_sharing_a_gpu_run_in_rank_order_on_the_callers_thread():
+    """Where ranks share a GPU and the launcher has no side streams (no prepare), every rank's host
+    launcher is called from the caller's thread in rank order (measured: from a thread per rank,
+    moe_ll's first call on one GPU hung in most runs at W 4 and W 8, docs/lab/shared_gpu.md,
+    2026-11-26); one rank per GPU, or a launcher with side streams, keeps a thread per rank."""
+    import threading
+
+    from tsgen.runtime.world import Module, sequential_launch
+
+    assert sequential_launch({0: 0, 1: 0}, [0, 1], side_streams=False)
+    assert not sequential_launch({0: 0, 1: 0}, [0, 1], side_streams=True)
+    assert not sequential_launch({0: 0, 1: 1}, [0, 1], side_streams=False)
+
+    fake = _Log()
+    for devices, prepare, on_caller in [({0: 0, 1: 0, 2: 0, 3: 0}, None, True), ({0: 0, 1: 1}, None, False),
+                                        ({0: 0, 1: 0}, "k_prepare", False)]:
+        seen = []
+        world = type("W", (), {"cp": fake, "devices": devices, "ranks": sorted(devices),
+                               "streams": {r: fake.Stream(f"rank{r}") for r in devices}})()
+        module = object.__new__(Module)
+        module.world, module._pool, module._registered = world, None, []
+        module.kernel = KernelEntry("k_w4", "k_w4_launch", 4, (1, 1, 1), (32, 1, 1), 0, (), (), prepare or "")
+        module._host_launch = lambda buffers, rank, stream, seen=seen: seen.append((rank, threading.get_ident()))
+        module.launcher = object()
+        module.launch(None, streams=world.streams)
+        module.close()
+        assert sorted(r for r, _ in seen) == sorted(devices)
+        if on_caller:
+            assert seen == [(r, threading.get_ident()) for r in sorted(devices)]
+        else:
+            assert all(t != threading.get_ident() for _, t in seen)

@@ -309,18 +309,20 @@ class Module:
                     current.wait_event(streams[rank].record())
 
     def _host_launch_all(self, buffers: "Buffers", ranks: list[int], streams) -> None:
-        """Call the host launcher of every rank, each from its own thread when there are
-        several: a launcher may block its thread inside a CUDA call until peers have
-        launched too (measured: a cudaMemcpyAsync that reads a peer, or one queued on the
-        legacy default stream behind a wait), which from a single thread never happens."""
+        """Call the host launcher of every rank. With one rank per GPU, each from its own thread:
+        a launcher may block its thread inside a CUDA call until peers have launched too
+        (measured: a cudaMemcpyAsync that reads a peer, or one queued on the legacy default stream
+        behind a wait), which from a single thread never happens. Where ranks share a GPU, one
+        after another from this thread, in rank order (sequential_launch says why)."""
         cp = self.world.cp
 
         def one(rank: int) -> None:
             with cp.cuda.Device(self.world.devices[rank]):
                 self._host_launch(buffers, rank, streams[rank])
 
-        if len(ranks) == 1:
-            one(ranks[0])
+        if len(ranks) == 1 or sequential_launch(self.world.devices, ranks, side_streams=bool(self.kernel.prepare)):
+            for rank in ranks:
+                one(rank)
             return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -352,6 +354,20 @@ class Module:
                 f"rank {rank}: {self.kernel.launcher} failed with cudaError {err} "
                 f"({self.manifest.name}, count {buffers.count})"
             )
+
+
+def sequential_launch(devices: Mapping[int, int], ranks: Sequence[int], side_streams: bool) -> bool:
+    """Whether the host launchers of `ranks` are called from one thread, in rank order: where two of
+    them share a GPU and the launcher enqueues kernels alone on the stream it is given (no side
+    streams: a module whose launcher has them names a prepare, and may queue copies that hold its
+    thread until a peer has launched). Measured on one H200 (docs/lab/shared_gpu.md, 2026-11-26):
+    with a thread per rank, moe_ll hung at its first call in 6 of 8 runs at W 8 on one GPU and in 8
+    of 14 at W 4 (moe at W 4: 1 of 2): every launcher call had returned within 1.5 ms, yet one
+    rank's dispatch kernel never started, and its peers' waits for it timed out; from one thread,
+    in rank order, 3 of 3 passed. Which driver step holds the kernel back was not found (a larger
+    stack limit set before the first call made every run hang, also from one thread). Pure."""
+    on = [devices[r] for r in ranks]
+    return not side_streams and len(set(on)) < len(on)
 
 
 def prepare_ranks(prepare: Callable[[int, int], int], name: str, devices: dict[int, int], module: str,
