@@ -7,12 +7,11 @@ tools/gpu_cp_attention.sh runs these on one lent GPU."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, gpu_count, need_gpus, sharing
+from results_rows import CONTROL_CALLS, record, record_control
 from tsgen.harness import run_test
 
 pytestmark = pytest.mark.gpu
@@ -29,19 +28,10 @@ CASES = {  # name -> (params, count)
 }
 
 
-def record(kind, row):
-    out = os.environ.get("TSGEN_RESULTS_DIR")
-    if out:
-        import json
-
-        with open(os.path.join(out, f"{kind}.jsonl"), "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
-
-
-def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC):
+def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=None):
     need_gpus(world)
     lines = []
-    ok = run_test(spec, world, count=count, iters=iters, echo=lines.append, skew=skew,
+    ok = run_test(spec, world, count=count, iters=iters, echo=lines.append, skew=skew, report=report,
                   variant={"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000}})
     record("cp_attention", {"case": name, "world": world, "skew": skew, "pass": ok, "lines": lines})
     return ok, lines
@@ -67,7 +57,10 @@ def test_negative_control_unwaited_chunk_fails(case, world):
     """The attention kernel does not wait for the first remote chunk it reads; with the push
     kernels skewed it reads the previous call's K and V (or nothing): the test must fail."""
     params, count = CASES[case]
-    ok, lines = _run(f"neg_{case}", world, {**params, "skip_wait": True}, count, skew=5)
+    report = {}
+    ok, lines = _run(f"neg_{case}", world, {**params, "skip_wait": True}, count, skew=5, iters=CONTROL_CALLS,
+                     report=report)
+    record_control(f"cp_attention unwaited chunk ({case})", report["calls"], report["calls_wrong"], world=world, skew=5)
     assert not ok, "the unwaited chunk was not caught:\n" + "\n".join(lines)
 
 

@@ -8,8 +8,6 @@ GPUs (the spec variant that fits is derived and printed): one GPU runs it all.
 World size 8 runs each spec as a variant built for 8 ranks.
 """
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import need_gpus
+from results_rows import CONTROL_CALLS, record, record_control
 
 from tsgen.harness import run_test
 from tsgen.ops import get_family
@@ -73,12 +72,6 @@ def test_primitive_on_gpus(spec, world):
     assert ok, "\n".join(lines)
 
 
-def record(kind, row):
-    """Append a result row to $TSGEN_RESULTS_DIR/KIND.jsonl (device runs collect these)."""
-    out = os.environ.get("TSGEN_RESULTS_DIR")
-    if out:
-        with open(os.path.join(out, f"{kind}.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
 
 
 @pytest.mark.parametrize("spec", ["signal_wait_ge_peer", "barrier_all", "simple_shift"])
@@ -122,12 +115,14 @@ def test_negative_control_fails(spec, skew):
     with the rank skew; without it the result is recorded (which controls need skew)."""
     need_gpus(2)
     old, new = NEGATIVE_CONTROLS[spec]
-    lines = []
-    ok = run_test(f"specs/{spec}.yaml", 2, iters=20, echo=lines.append, skew=skew,
-                  mutate=lambda text: text.replace(old, new))
+    lines, report = [], {}
+    ok = run_test(f"specs/{spec}.yaml", 2, iters=CONTROL_CALLS, echo=lines.append, skew=skew,
+                  mutate=lambda text: text.replace(old, new), report=report)
     shared = any("shared GPU" in line for line in lines)
     record("negative_control", {"spec": spec, "removed": old, "skew": skew, "shared": shared, "pass": ok,
                                 "lines": lines})
+    record_control(f"{spec}{'' if skew is None else ' (skew)'}", report["calls"], report["calls_wrong"],
+                   world=2, shared=shared)
     if ok and shared and skew is None:
         pytest.skip("not caught on a shared GPU without rank skew (the skew case must catch it)")
     assert not ok, "broken kernel passed:\n" + "\n".join(lines)
@@ -204,10 +199,11 @@ def test_collective_negative_control_wrong_chunk_offset():
                       r"\1{0, 2, 0, 1, 0, 0}", tail, count=1)
         return head + "static __device__ const tsgen::step steps_w2[]" + tail
 
-    lines = []
-    ok = run_test("specs/allgather.yaml", 2, iters=5, echo=lines.append, mutate=mutate)
+    lines, report = [], {}
+    ok = run_test("specs/allgather.yaml", 2, iters=CONTROL_CALLS, echo=lines.append, mutate=mutate, report=report)
     record("negative_control", {"spec": "allgather (plan table)", "removed": "rank 1's put offset 1 -> 0",
                                 "pass": ok, "lines": lines})
+    record_control("allgather (plan table)", report["calls"], report["calls_wrong"], world=2)
     assert not ok, "broken plan passed:\n" + "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import need_gpus
+from results_rows import CONTROL_CALLS, calls_named, record_control
 from tsgen.harness import _mutated, poison_byte, render_to_cache, shared_gpu_variant
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.moe import (combine_reference, counts_array, out_tolerance, dispatch_reference, fp8_dequantize, fp8_error_bound,
@@ -432,9 +433,10 @@ def test_moe_negative_control_counts_wait_removed():
     """Dispatch without its wait for the peers' counts rows must fail (with rank skew)."""
     need_gpus(4)
     old, new = COUNTS_WAIT
-    problems, lines = run_moe(4, cases=("random", "skewed"), iters=10, skew=SKEW_SEED, combine=False,
+    problems, lines = run_moe(4, cases=("random", "skewed"), iters=CONTROL_CALLS, skew=SKEW_SEED, combine=False,
                               mutate=lambda text: text.replace(old, new))
     _record({"test": "negative_control_counts_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
+    record_control("moe counts wait", CONTROL_CALLS, calls_named(problems), world=4, skew=SKEW_SEED)
     assert problems, "dispatch without the counts wait passed:\n" + "\n".join(lines)
 
 
@@ -445,9 +447,10 @@ LL_SLOT_WAIT = ("wait_ge_acquire_sys(b.lsig + i, epoch << 32,", "wait_ge_acquire
 def test_moe_low_latency_negative_control_slot_wait_removed():
     need_gpus(4)
     old, new = LL_SLOT_WAIT
-    problems, lines = run_moe(4, spec=LL_SPEC, cases=("random", "skewed"), iters=10, skew=SKEW_SEED, combine=False,
-                              mutate=lambda text: text.replace(old, new))
+    problems, lines = run_moe(4, spec=LL_SPEC, cases=("random", "skewed"), iters=CONTROL_CALLS, skew=SKEW_SEED,
+                              combine=False, mutate=lambda text: text.replace(old, new))
     _record({"test": "negative_control_ll_slot_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
+    record_control("moe_ll slot wait", CONTROL_CALLS, calls_named(problems), world=4, skew=SKEW_SEED)
     assert problems, "low-latency dispatch without the slot wait passed:\n" + "\n".join(lines)
 
 
@@ -471,7 +474,8 @@ def test_moe_negative_control_other_waits(wait):
     the output must come out wrong."""
     need_gpus(4)
     spec, old, new = MORE_CONTROLS[wait]
-    problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=SKEW_SEED, burst=20,
+    problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=SKEW_SEED, burst=CONTROL_CALLS,
                               mutate=lambda text: text.replace(old, new))
     _record({"test": f"negative_control_{wait}_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
+    record_control(f"moe {wait} wait", CONTROL_CALLS + 1, calls_named(problems), world=4, skew=SKEW_SEED)
     assert problems, f"without the {wait} wait the calls passed:\n" + "\n".join(lines)

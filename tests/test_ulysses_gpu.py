@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, need_gpus
+from results_rows import CONTROL_CALLS, record_control
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +26,8 @@ SKEW_SEED = 7
 
 
 def stream_check(spec_path, world, variant=None, skew=None, iters=20, count=None, seed=0):
-    """(wrong elements over every snapshot, checked elements, log lines)."""
+    """(wrong elements over every snapshot, checked elements, log lines); the log's last line counts
+    the calls with a wrong element ('calls wrong: K of N')."""
     from tsgen.harness import _poison_value, as_bits, gpu_turn, load_call, materialize, shared_gpu_variant
     from tsgen.ops import get_family
     from tsgen.runtime import World
@@ -45,6 +47,7 @@ def stream_check(spec_path, world, variant=None, skew=None, iters=20, count=None
             with cp.cuda.Device(w.devices[r]):
                 snaps.update({(r, n): cp.empty_like(bufs.array(n, r)) for n in outputs})
         wrong = checked = 0
+        bad_calls = set()
         try:
             for call in range(iters):
                 inputs = family.make_inputs(spec, world, count, np.random.default_rng([seed, call]), call == 0)
@@ -65,8 +68,11 @@ def stream_check(spec_path, world, variant=None, skew=None, iters=20, count=None
                         left = int((got == _poison_value(got.dtype, call)).sum())
                         lines.append(f"call {call}: rank {r} {n}: {bad} of {got.size} wrong ({left} still poison)")
                     wrong, checked = wrong + bad, checked + got.size
+                    if bad:
+                        bad_calls.add(call)
         finally:
             bufs.free()
+    lines.append(f"calls wrong: {len(bad_calls)} of {iters}")
     return wrong, checked, lines
 
 
@@ -109,7 +115,9 @@ def test_negative_control_without_the_arrival_wait_fails(name):
     100 us apart, as over NVLink)."""
     need_gpus(4)
     wrong, checked, lines = stream_check(ROOT / "specs" / f"{name}.yaml", 4, {"params": {"arrival_wait": False}},
-                                         skew=SKEW_SEED, count=301)
+                                         skew=SKEW_SEED, count=301, iters=CONTROL_CALLS)
+    caught = int(lines[-1].split()[2])
+    record_control(f"{name} arrival wait", CONTROL_CALLS, caught, world=4, skew=SKEW_SEED)
     assert checked and wrong, "broken kernel passed:\n" + "\n".join(lines)
 
 

@@ -137,6 +137,7 @@ class RankTally:
     wrong: int = 0
     checked: int = 0
     first: list[str] = field(default_factory=list)
+    bad_calls: list[int] = field(default_factory=list)  # the calls with a wrong element, in order
 
 
 def run_test(
@@ -154,6 +155,7 @@ def run_test(
     share_gpus: bool | None = None,
     skew: int | None = None,
     variant: dict | None = None,
+    report: dict | None = None,
 ) -> bool:
     """True when every output of every call on every rank matched. `mutate`
     edits the generated source before compiling: negative controls use it to
@@ -169,7 +171,10 @@ def run_test(
     `share_gpus` (None: TSGEN_SHARE_GPUS) lets ranks share GPUs; the spec variant that fits
     them is derived and printed (shared_gpu_variant). `skew` compiles in the test-only rank
     skew with that seed. `variant`: spec fields to change first (spec_variant), e.g.
-    {"world_sizes": [8]} to run a spec at a world size it does not ship for."""
+    {"world_sizes": [8]} to run a spec at a world size it does not ship for. `report`, if given, gets
+    "calls" (the calls run) and "calls_wrong" (those with a wrong element on some rank): a negative
+    control's detection rate over its calls, each call a new skew schedule (the skew hashes the call
+    number)."""
     from .runtime import World
     from .runtime.backends import world_size
 
@@ -230,6 +235,8 @@ def run_test(
                         t = tallies[rank]
                         t.checked += got.size
                         t.wrong += bad.size
+                        if bad.size and call not in t.bad_calls:
+                            t.bad_calls.append(call)
                         if bad.size and len(t.first) < 3:
                             i = int(bad[0])
                             t.first.append(
@@ -238,11 +245,14 @@ def run_test(
                             )
         finally:
             bufs.free()
-        gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first] for r, t in tallies.items()])
-        tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
+        gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first, t.bad_calls]
+                                                   for r, t in tallies.items()])
+        tallies = {r: RankTally(*rest) for part in gathered for r, *rest in part}
         root, shared = world.is_root, world.shared and len(set(world.backend.bus_ids))
     elapsed = time.perf_counter() - t0
     ok = all(passed(t) for t in tallies.values())
+    if report is not None:
+        report.update(calls=iters, calls_wrong=len({c for t in tallies.values() for c in t.bad_calls}))
     if not root:
         return ok
     for rank, t in sorted(tallies.items()):
