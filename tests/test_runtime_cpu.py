@@ -464,3 +464,40 @@ def test_host_launchers_of_ranks_sharing_a_gpu_run_in_rank_order_on_the_callers_
             assert seen == [(r, threading.get_ident()) for r in sorted(devices)]
         else:
             assert all(t != threading.get_ident() for _, t in seen)
+
+
+def test_a_context_refused_for_memory_is_tried_again_after_the_gpus_turn(tmp_path):
+    """Where test processes take turns on a GPU (TSGEN_GPU_LOCK), a first context refused for memory
+    waits for the lock and is tried again; other errors, MPS ranks and a run without the lock raise
+    at once; after CONTEXT_TRIES the error stands."""
+    from tsgen.runtime.world import CONTEXT_TRIES, first_streams
+
+    class Err(Exception):
+        pass
+
+    def failing(n, text="cudaErrorMemoryAllocation: out of memory"):
+        tries = []
+
+        def make():
+            tries.append(1)
+            if len(tries) <= n:
+                raise Err(text)
+            return {0: "stream"}
+        return make, tries
+
+    env, naps = {"TSGEN_GPU_LOCK": str(tmp_path / "gpu.lock")}, []
+    make, tries = failing(2)
+    assert first_streams(make, Err, False, env, naps.append) == {0: "stream"} and len(tries) == 3
+    assert naps == [1.0, 2.0]
+    for args in [(False, {}), (True, env)]:  # no lock; ranks of processes (MPS)
+        make, tries = failing(1)
+        with pytest.raises(Err):
+            first_streams(make, Err, args[0], args[1], naps.append)
+        assert len(tries) == 1
+    make, tries = failing(1, "cudaErrorInvalidDevice")
+    with pytest.raises(Err):
+        first_streams(make, Err, False, env, naps.append)
+    make, tries = failing(CONTEXT_TRIES)
+    with pytest.raises(Err):
+        first_streams(make, Err, False, env, naps.append)
+    assert len(tries) == CONTEXT_TRIES

@@ -370,6 +370,43 @@ def sequential_launch(devices: Mapping[int, int], ranks: Sequence[int], side_str
     return not side_streams and len(set(on)) < len(on)
 
 
+CONTEXT_TRIES = 4  # a context refused for memory where test processes take turns on a GPU: tries in all
+
+
+def first_streams(make: Callable[[], dict], error: type, processes_share: bool,
+                  env: Mapping[str, str] = os.environ, sleep: Callable[[float], None] | None = None) -> dict:
+    """`make()` (a World's first streams, which create its contexts), tried again where test processes
+    take turns on the GPU (TSGEN_GPU_LOCK) and the context was refused for memory: the other workers'
+    tests hold it for a while (a suite of 17 workers on one H200 had 31 tests fail so, 2026-11-26).
+    Before each new try it waits for the GPU lock, so the test on the GPU has ended, then 1, 2, 3 s.
+    Not for ranks of processes sharing a GPU (MPS: context_failure explains that refusal)."""
+    import time
+
+    lock = env.get("TSGEN_GPU_LOCK")
+    for attempt in range(CONTEXT_TRIES):
+        try:
+            return make()
+        except error as e:
+            if (processes_share or not lock or attempt == CONTEXT_TRIES - 1
+                    or not any(name in str(e) for name in ("cudaErrorMemoryAllocation", "out of memory"))):
+                raise
+            _wait_for_turn(lock)
+            (sleep or time.sleep)(attempt + 1.0)
+    raise AssertionError("unreachable")
+
+
+def _wait_for_turn(path: str) -> None:
+    """Take and give back the GPU lock (harness.gpu_turn's file) without following a link."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def prepare_ranks(prepare: Callable[[int, int], int], name: str, devices: dict[int, int], module: str,
                   device_scope: Callable[[int], Any]) -> None:
     """Call a host-launch module's `prepare(rank, device)` for every rank this process drives, in
@@ -461,7 +498,8 @@ class World:
         # queued there ordered separate devices' default streams against each other (deadlock).
         self._modules: list[Module] = []  # closed with the World
         try:  # the first call that creates this process's context on each device
-            self.streams = self.make_streams()
+            self.streams = first_streams(self.make_streams, self.cp.cuda.runtime.CUDARuntimeError,
+                                         processes_share=self.shared and backend.store is not None)
         except self.cp.cuda.runtime.CUDARuntimeError as e:
             error = RuntimeSetupError(context_failure(e, self.devices, self.shared and backend.store is not None))
             self.__exit__(RuntimeSetupError, error, None)  # the peers stop waiting for this rank
