@@ -7,7 +7,6 @@ tools/gpu_cp_attention.sh runs these on one lent GPU."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import ROOT, gpu_count, need_gpus, sharing
@@ -45,10 +44,11 @@ def test_cp_attention(case, world):
     assert ok, "\n".join(lines)
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_cp_attention_with_rank_skew(world):
+@pytest.mark.parametrize("world,skew", [(4, 3), (8, 3), (4, "lag")])
+def test_cp_attention_with_rank_skew(world, skew):
+    """The seeded skew, and the negative control's lag schedule with the wait compiled in."""
     params, count = CASES["zigzag_causal_gqa"]
-    ok, lines = _run("skewed", world, params, count, skew=3)
+    ok, lines = _run(f"skewed_{skew}", world, params, count, skew=skew)
     assert ok, "\n".join(lines)
 
 
@@ -58,9 +58,10 @@ def test_negative_control_unwaited_chunk_fails(case, world):
     kernels skewed it reads the previous call's K and V (or nothing): the test must fail."""
     params, count = CASES[case]
     report = {}
-    ok, lines = _run(f"neg_{case}", world, {**params, "skip_wait": True}, count, skew=5, iters=CONTROL_CALLS,
+    ok, lines = _run(f"neg_{case}", world, {**params, "skip_wait": True}, count, skew="lag", iters=CONTROL_CALLS,
                      report=report)
-    record_control(f"cp_attention unwaited chunk ({case})", report["calls"], report["calls_wrong"], world=world, skew=5)
+    record_control(f"cp_attention unwaited chunk ({case})", report["calls"], report["calls_wrong"], world=world,
+                   skew="lag")
     assert not ok, "the unwaited chunk was not caught:\n" + "\n".join(lines)
 
 

@@ -107,24 +107,28 @@ NEGATIVE_CONTROLS = {
 SKEW_SEED = 7  # the rank skew of `tsgen test --skew`: seeded, so a failure reproduces
 
 
-@pytest.mark.parametrize("skew", [None, SKEW_SEED], ids=["no-skew", "skew"])
+@pytest.mark.parametrize("skew", [None, "lag"], ids=["no-skew", "lag"])
 @pytest.mark.parametrize("spec", sorted(NEGATIVE_CONTROLS))
 def test_negative_control_fails(spec, skew):
     """With each rank on its own GPU the broken kernel must fail as it is. Ranks sharing one
-    GPU share its L2 and clock, which can hide a missing wait: there the control must fail
-    with the rank skew; without it the result is recorded (which controls need skew)."""
+    GPU share its L2 and clock, which can hide a missing wait: there the control must fail under
+    the lag schedule (rank 0 runs ahead of every peer, templates/ops/skew.j2), at every one of its
+    CONTROL_CALLS calls (recorded); without it the result is recorded (which controls need it).
+    Under the lag schedule the intact kernel must pass first: the schedule alone breaks nothing."""
     need_gpus(2)
     old, new = NEGATIVE_CONTROLS[spec]
     lines, report = [], {}
+    if skew is not None:
+        assert run_test(f"specs/{spec}.yaml", 2, iters=5, echo=lines.append, skew=skew), "\n".join(lines)
     ok = run_test(f"specs/{spec}.yaml", 2, iters=CONTROL_CALLS, echo=lines.append, skew=skew,
                   mutate=lambda text: text.replace(old, new), report=report)
     shared = any("shared GPU" in line for line in lines)
     record("negative_control", {"spec": spec, "removed": old, "skew": skew, "shared": shared, "pass": ok,
-                                "lines": lines})
-    record_control(f"{spec}{'' if skew is None else ' (skew)'}", report["calls"], report["calls_wrong"],
-                   world=2, shared=shared)
+                                "calls": report["calls"], "calls_wrong": report["calls_wrong"], "lines": lines})
+    if skew is not None:
+        record_control(spec, report["calls"], report["calls_wrong"], world=2, shared=shared, skew=skew)
     if ok and shared and skew is None:
-        pytest.skip("not caught on a shared GPU without rank skew (the skew case must catch it)")
+        pytest.skip("not caught on a shared GPU without the lag schedule (the lag case must catch it)")
     assert not ok, "broken kernel passed:\n" + "\n".join(lines)
 
 

@@ -423,20 +423,29 @@ def test_moe_receive_overflow_is_reported(world):
     assert not problems, "\n".join(lines + problems[:10])
 
 
-SKEW_SEED = 7
+SKEW = "lag"  # the negative controls' schedule: rank 0 ahead of every peer (templates/ops/skew.j2)
 # the wait for every rank's counts row: satisfied at once (stale rows give wrong offsets)
 COUNTS_WAIT = ("wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, epoch,",
                "wait_ge_acquire_sys(b.sig + SIG_COUNTS * WMAX + tid, 0ull,")
+
+
+@pytest.mark.parametrize("spec", [SPEC, LL_SPEC], ids=["normal", "low_latency"])
+def test_moe_passes_under_the_lag_schedule(spec):
+    """The positive twin of the controls below: the same schedule, every wait compiled in."""
+    need_gpus(4)
+    problems, lines = run_moe(4, spec=spec, cases=("random", "skewed"), iters=4, skew=SKEW, burst=4)
+    _record({"test": "lag_schedule", "spec": spec, "world": 4, "pass": not problems, "problems": problems[:5]})
+    assert not problems, "\n".join(lines + problems[:10])
 
 
 def test_moe_negative_control_counts_wait_removed():
     """Dispatch without its wait for the peers' counts rows must fail (with rank skew)."""
     need_gpus(4)
     old, new = COUNTS_WAIT
-    problems, lines = run_moe(4, cases=("random", "skewed"), iters=CONTROL_CALLS, skew=SKEW_SEED, combine=False,
+    problems, lines = run_moe(4, cases=("random", "skewed"), iters=CONTROL_CALLS, skew=SKEW, combine=False,
                               mutate=lambda text: text.replace(old, new))
     _record({"test": "negative_control_counts_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
-    record_control("moe counts wait", CONTROL_CALLS, calls_named(problems), world=4, skew=SKEW_SEED)
+    record_control("moe counts wait", CONTROL_CALLS, calls_named(problems), world=4, skew=SKEW)
     assert problems, "dispatch without the counts wait passed:\n" + "\n".join(lines)
 
 
@@ -447,10 +456,10 @@ LL_SLOT_WAIT = ("wait_ge_acquire_sys(b.lsig + i, epoch << 32,", "wait_ge_acquire
 def test_moe_low_latency_negative_control_slot_wait_removed():
     need_gpus(4)
     old, new = LL_SLOT_WAIT
-    problems, lines = run_moe(4, spec=LL_SPEC, cases=("random", "skewed"), iters=CONTROL_CALLS, skew=SKEW_SEED,
+    problems, lines = run_moe(4, spec=LL_SPEC, cases=("random", "skewed"), iters=CONTROL_CALLS, skew=SKEW,
                               combine=False, mutate=lambda text: text.replace(old, new))
     _record({"test": "negative_control_ll_slot_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
-    record_control("moe_ll slot wait", CONTROL_CALLS, calls_named(problems), world=4, skew=SKEW_SEED)
+    record_control("moe_ll slot wait", CONTROL_CALLS, calls_named(problems), world=4, skew=SKEW)
     assert problems, "low-latency dispatch without the slot wait passed:\n" + "\n".join(lines)
 
 
@@ -474,8 +483,8 @@ def test_moe_negative_control_other_waits(wait):
     the output must come out wrong."""
     need_gpus(4)
     spec, old, new = MORE_CONTROLS[wait]
-    problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=SKEW_SEED, burst=CONTROL_CALLS,
+    problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=SKEW, burst=CONTROL_CALLS,
                               mutate=lambda text: text.replace(old, new))
     _record({"test": f"negative_control_{wait}_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
-    record_control(f"moe {wait} wait", CONTROL_CALLS + 1, calls_named(problems), world=4, skew=SKEW_SEED)
+    record_control(f"moe {wait} wait", CONTROL_CALLS + 1, calls_named(problems), world=4, skew=SKEW)
     assert problems, f"without the {wait} wait the calls passed:\n" + "\n".join(lines)

@@ -263,6 +263,14 @@ def test_skew_adds_only_the_delay(name):
     assert len(calls) == len(loaded.model.world_sizes)  # once per entry point, right after the epoch is read
 
 
+def test_the_lag_schedule_puts_rank_0_first():
+    """skew="lag" (the negative controls'): rank 0's block 0 at once, its other blocks 1 ms later,
+    every other rank 2 ms later; no seed hash."""
+    source = render(load_spec(ROOT / "specs" / "simple_shift.yaml"), base=ROOT, skew="lag").source
+    assert "rank != 0 ? 2000000ull : blockIdx.x == 0 ? 0ull : 1000000ull" in source
+    assert "0x9E3779B97F4A7C15ull" not in source and source.count("tsgen_skew(rank, epoch);") == 3
+
+
 # One spec of the generic skew (module.cu.j2) and one of each template that places its own call:
 # a skewed source is compiled only when a test asks for it, so nothing else would build it.
 SKEWED = ["simple_shift", "cp_attention_zigzag_causal_sm", "moe"]
@@ -275,8 +283,8 @@ def test_every_template_that_places_a_skew_call_is_compiled_skewed():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name", SKEWED)
-def test_skewed_source_compiles(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,skew", [(name, 3) for name in SKEWED] + [("simple_shift", "lag")])
+def test_skewed_source_compiles(name, skew, tmp_path, monkeypatch):
     from tsgen.toolchain import ToolchainError, compile_source, find_nvcc
 
     try:
@@ -285,7 +293,7 @@ def test_skewed_source_compiles(name, tmp_path, monkeypatch):
         pytest.skip(str(e))
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     src = tmp_path / f"{name}.cu"
-    src.write_text(render(load_spec(ROOT / "specs" / f"{name}.yaml"), base=ROOT, skew=3).source)
+    src.write_text(render(load_spec(ROOT / "specs" / f"{name}.yaml"), base=ROOT, skew=skew).source)
     assert compile_source(src).output.exists()
 
 

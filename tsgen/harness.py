@@ -67,7 +67,7 @@ class CachedModule:
     source: Path
 
 
-def render_to_cache(loaded: LoadedSpec, skew: int | None = None) -> CachedModule:
+def render_to_cache(loaded: LoadedSpec, skew: int | str | None = None) -> CachedModule:
     """Lower and render the spec and write its source into the cache (so tests always match
     the spec); the manifest stays in memory. `skew`: render the test-only rank skew with this
     seed (render's `skew`)."""
@@ -81,7 +81,7 @@ def render_to_cache(loaded: LoadedSpec, skew: int | None = None) -> CachedModule
     return CachedModule(rendered.lowered.manifest, source)
 
 
-def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
+def materialize(loaded: LoadedSpec, skew: int | str | None = None) -> Path:
     """render_to_cache, and the manifest written beside the source: its path, for tools that
     load a module by path (World.load(path)) or read its files."""
     module = render_to_cache(loaded, skew)
@@ -153,7 +153,7 @@ def run_test(
     backend: str = "single",
     before_launch: Callable[[int], None] | None = None,
     share_gpus: bool | None = None,
-    skew: int | None = None,
+    skew: int | str | None = None,
     variant: dict | None = None,
     report: dict | None = None,
 ) -> bool:

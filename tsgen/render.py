@@ -76,11 +76,12 @@ class Rendered:
         return {f"{self.name}.cu": self.source, f"{self.name}.json": self.manifest}
 
 
-def render_source(lowered: Lowered, skew: int | None = None) -> str:
+def render_source(lowered: Lowered, skew: int | str | None = None) -> str:
     """NAME.cu: the lowered spec's template inputs substituted into its template. `skew`
     (tests only, never in shipped sources): every block of every rank waits a seeded, varying
     time before its call's work (templates/module.cu.j2), so on a shared GPU a missing wait
-    or fence shows up as it would over NVLink. Ops with their own entry points ignore it."""
+    or fence shows up as it would over NVLink; "lag": the fixed schedule of the negative controls
+    (rank 0 first, templates/ops/skew.j2). Ops with their own entry points ignore it."""
     text = environment().get_template(f"ops/{lowered.template}").render(**lowered.template_inputs, skew=skew)
     return with_contents(text, lowered.name)
 
@@ -131,7 +132,7 @@ def with_contents(text: str, module: str) -> str:
     return "\n".join(lines[:at] + block(size) + lines[at:])
 
 
-def render(spec: LoadedSpec | Lowered, base: Path | None = None, skew: int | None = None) -> Rendered:
+def render(spec: LoadedSpec | Lowered, base: Path | None = None, skew: int | str | None = None) -> Rendered:
     """Render one spec (lowering it first unless it is lowered already); `base` is the folder
     spec paths in banners are relative to (lowering's). `skew`: render_source's."""
     lowered = spec if isinstance(spec, Lowered) else lower(spec, base)
