@@ -379,13 +379,13 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
 def pair(op: TorchOp, adjoint: TorchOp) -> None:
     """Make each op the other's backward: allgather's gradient is the reduce-scatter of its output's
     gradient, and the other way round. Both on the same group, same dtype, mirrored shapes."""
+    if op.group_name != adjoint.group_name:
+        raise TsgenTorchError(f"{op.signature.qualname} is on group {op.group_name!r}, "
+                              f"{adjoint.signature.qualname} on {adjoint.group_name!r}: an adjoint runs on the same group")
     for a, b in ((op, adjoint), (adjoint, op)):
         problem = a.signature.adjoint_problem(b.signature)
         if problem:
             raise TsgenTorchError(problem)
-    if op.group_name != adjoint.group_name:
-        raise TsgenTorchError(f"{op.signature.qualname} is on group {op.group_name!r}, "
-                              f"{adjoint.signature.qualname} on {adjoint.group_name!r}: an adjoint runs on the same group")
     op.adjoint, adjoint.adjoint = adjoint, op
 
 

@@ -2,14 +2,16 @@
 
 Pure Python (no torch): the fake kernels, the real op and the CPU tests share it.
 
-A module qualifies when its manifest has exactly one `input` buffer and one `output` buffer
-(every other buffer a `signal` or `scratch`), each holding `units` x count elements, where
-units = per_count + per_world_count x W (W: the group's size) and no fixed part. The op takes
-a tensor of shape (d0, *rest), solves count = numel / in_units, and returns a tensor of shape
-(d0 x out_units / in_units, *rest): the layout of torch.distributed's all_gather_into_tensor
-(allgather: in 1, out W), reduce_scatter_tensor (in W, out 1), all_reduce and broadcast (1, 1)
-and all_to_all_single (W, W). Which rank's chunk lands where is the op family's semantics
-(tsgen/ops/collectives/*.py, SEMANTICS); for the shipped collectives it is torch's.
+A module qualifies when its op kind is a plan-based collective (its family states a `Semantics`:
+allgather, reduce_scatter, all_reduce, all_to_all, broadcast) and its manifest has exactly one
+`input` buffer and one `output` buffer (every other buffer a `signal` or `scratch`), each holding
+`units` x count elements, where units = per_count + per_world_count x W (W: the group's size) and
+no fixed part. The op takes a tensor of shape (d0, *rest), solves count = numel / in_units, and
+returns a tensor of shape (d0 x out_units / in_units, *rest): the layout of torch.distributed's
+all_gather_into_tensor (allgather: in 1, out W), reduce_scatter_tensor (in W, out 1), all_reduce
+and broadcast (1, 1) and all_to_all_single (W, W). Which rank's chunk lands where is the op
+family's semantics (tsgen/ops/collectives/*.py, SEMANTICS); for the shipped collectives it is
+torch's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ class TsgenTorchError(RuntimeSetupError):
 
 class TsgenArgumentError(TsgenTorchError, ValueError):
     """A tensor handed to a tsgen op has the wrong dtype, shape, device or layout."""
+
+
+def kind_problem(op: str) -> str | None:
+    """Why op kind `op` is not (yet) a tsgen.torch op, or None. The ops it runs are the collectives
+    whose family states what they compute as a `Semantics` (tsgen/ops/collectives/semantics.py):
+    their input and output are count-sized chunks along dimension 0, torch's layout. Other families'
+    tensors have shapes of their own (GEMM operands, attention heads, MoE token lists)."""
+    from ..ops import get_family
+
+    family = get_family(op)
+    if getattr(family, "semantics", None) is None:
+        return (f"op kind {op} ({family.category}) is not a tsgen.torch op yet; tsgen.torch runs the plan-based "
+                f"collectives ({', '.join(supported_kinds())})")
+    return None
+
+
+def supported_kinds() -> list[str]:
+    """The op kinds tsgen.torch runs (see kind_problem)."""
+    from ..ops import families
+
+    return sorted(f.kind for f in families() if getattr(f, "semantics", None) is not None)
 
 
 def units(buffer: Buffer, world: int) -> int:
@@ -75,6 +98,9 @@ class OpSignature:
         """The signature of `manifest` for a group of `world` ranks; TsgenTorchError when it was not
         compiled for that size (naming the sizes it was), or is not one tensor in, one tensor out."""
         where = f"tsgen::{manifest.name} on rank {rank}"
+        problem = kind_problem(manifest.op)
+        if problem:
+            raise TsgenTorchError(f"{where}: {problem}")
         if world not in manifest.world_sizes:
             raise TsgenTorchError(
                 f"{where}: the process group has {world} ranks, but {manifest.spec} was compiled for world sizes "
