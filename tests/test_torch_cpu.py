@@ -332,3 +332,34 @@ def test_timeout_diagnosis_becomes_an_error(groups, monkeypatch, capfd):
                                               r"failure; the CUDA context is lost"):
         tt.synchronize()
     assert line in capfd.readouterr().out  # passed on to stdout as well
+
+
+@pytest.mark.compile
+def test_launcher_plumbing_without_a_driver():
+    """The path a call takes to the kernel, up to the driver: the module compiled as the shared library
+    with the host launchers, `<kernel>_launch` through ctypes, the arguments by the manifest's roles
+    (what TorchOp._heap builds). With no CUDA driver the launcher returns a CUDA error (35,
+    insufficient driver) instead of launching: the call got through. Skipped where a driver is (the
+    made-up addresses would then reach a GPU)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a CUDA driver is installed: the made-up heap addresses must not reach a GPU")
+    except OSError:
+        pass
+    from tsgen.runtime.world import _host_launcher, arg_values, launcher_cargs
+    from tsgen.toolchain import compile_source
+
+    manifest = Manifest.load(GEN / "allgather.json")
+    kernel = manifest.kernel(2)
+    launch, prepare = _host_launcher(compile_source(GEN / "allgather.cu", mode="shared").output, kernel)
+    assert prepare is None
+    slots, nbytes = manifest.layout(1000, 2)
+    base = 1 << 40
+    values = arg_values(kernel.launcher_args, 1, 1000, base, {s.name: s.offset for s in slots}, 1 << 41, 0)
+    by_name = {a.name: v for a, v in zip(kernel.launcher_args, values)}
+    assert by_name["peers"] == 1 << 41 and by_name["rank"] == 1 and by_name["count"] == 1000
+    assert by_name["calls"] == base and by_name["dst"] == base + {s.name: s.offset for s in slots}["dst"]
+    err = launch(*launcher_cargs(kernel.launcher_args, values), ctypes.c_void_p(0))
+    assert err != 0  # a cudaError_t, returned rather than crashed

@@ -176,8 +176,7 @@ class _DeviceBytes:
 def _ipc_heap(nbytes: int, group: Any, device: int, init: Callable[[torch.Tensor], None]) -> Heap:
     drv = _Driver()
     rank = dist.get_rank(group)
-    base = ctypes.c_uint64()
-    drv.call("cuMemAlloc_v2", ctypes.byref(base), ctypes.c_size_t(nbytes))
+    base = ctypes.c_uint64(0)
     opened: dict[int, int] = {}
 
     def release(barrier: bool) -> None:
@@ -190,14 +189,17 @@ def _ipc_heap(nbytes: int, group: Any, device: int, init: Callable[[torch.Tensor
         opened.clear()
         if barrier:  # no peer may still map the heap when it is freed
             all_gather(group, None)
-        try:
-            drv.call("cuMemFree_v2", base)
-        except TsgenTorchError as e:
-            problems.append(f"freeing the heap: {e}")
+        if base.value:
+            try:
+                drv.call("cuMemFree_v2", base)
+            except TsgenTorchError as e:
+                problems.append(f"freeing the heap: {e}")
+            base.value = 0
         if problems:
             raise TsgenTorchError(f"rank {rank}: " + "; ".join(problems))
 
-    try:
+    try:  # any failure here is agreed on below: a rank that raised alone would leave the others waiting
+        drv.call("cuMemAlloc_v2", ctypes.byref(base), ctypes.c_size_t(nbytes))
         tensor = torch.as_tensor(_DeviceBytes(base.value, nbytes), device=f"cuda:{device}")
         _prepare(tensor, init, device)
         handle = _IpcHandle()
