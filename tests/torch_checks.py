@@ -8,6 +8,8 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   allgather / reduce_scatter against torch.distributed's all_gather_into_tensor /
     reduce_scatter_tensor (NCCL) on random data: integer-valued (every sum exact: bit-equal) and
     normal (close), shapes with odd sizes, the heap's output buffer poisoned before every call;
+  all_reduce_one_shot / all_to_all / broadcast against all_reduce / all_to_all_single / broadcast,
+    bit for bit (integer data for the sum);
   zero_copy: an input from op.empty() is read in place (no copy) and gives the same result;
   graph: allgather -> reduce_scatter captured in one torch.cuda.CUDAGraph, 100 replays with new
     data each, every replay checked;
@@ -82,15 +84,16 @@ def data(shape, gen, integer: bool) -> torch.Tensor:
 def poison(op, x: torch.Tensor, byte: int) -> None:
     """Fill the heap's output buffer for x's size with `byte` (a missing write then shows; a fresh heap
     would otherwise hold zeros). Makes the heap first if needed: a collective, as the call is."""
-    count = op.signature.count(x.shape, "bfloat16")
+    count = op.signature.count(x.shape, op.signature.dtype)
     op._heap(count).view(op.signature.output.name).view(torch.uint8).fill_(byte)
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, str]:
     if got.shape != want.shape or got.dtype != want.dtype:
         return False, f"shape/dtype {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
-    if exact:
-        wrong = int((got.view(torch.int16) != want.view(torch.int16)).sum().item())
+    if exact:  # bit for bit
+        bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+        wrong = int((got.view(bits) != want.view(bits)).sum().item())
         return wrong == 0, f"{wrong} of {got.numel()} wrong"
     diff = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
     ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
@@ -122,6 +125,49 @@ def check_collective(op, ref, name: str, gen) -> None:
     run()
 
 
+def check_others(gen) -> None:
+    """all_reduce (one_shot), all_to_all and broadcast against torch.distributed: the other plan-based
+    collectives tsgen.torch loads (no adjoints for them yet)."""
+    from tsgen.spec import load_spec
+
+    w = dist.get_world_size()
+
+    def all_reduce(x):
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    def all_to_all(x):
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x)
+        return out
+
+    root = load_spec(ROOT / "specs" / "broadcast.yaml").model.params.root
+
+    def broadcast(x):
+        out = x.clone()
+        dist.broadcast(out, src=root)
+        return out
+
+    for spec, ref, integer in (("all_reduce_one_shot", all_reduce, True), ("all_to_all", all_to_all, False),
+                               ("broadcast", broadcast, False)):
+        @checked(f"{spec}_vs_nccl")
+        def run():
+            op = tt.load(ROOT / "specs" / f"{spec}.yaml")
+            dtype = getattr(torch, op.signature.dtype)
+            notes, ok = [], True
+            for shape in ((4096 * w, 33), (262147 * w,)):
+                x = data(shape, gen, integer).to(dtype)
+                poison(op, x, 0xFF)
+                good, why = compare(op(x), ref(x), exact=True)
+                ok &= good
+                notes.append(f"{tuple(shape)} {dtype}: {why}")
+            op.close()
+            return ok, "; ".join(notes)
+
+        run()
+
+
 def main_checks() -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -139,6 +185,8 @@ def main_checks() -> None:
     check_collective(rs, twins.reduce_scatter, "reduce_scatter_vs_nccl", gen)
     report("heap_kind", ag.heap_kind is not None,
            f"{ag.heap_kind} (TSGEN_TORCH_HEAP={os.environ.get('TSGEN_TORCH_HEAP', 'auto')}), torch {torch.__version__}")
+
+    check_others(gen)
 
     @checked("zero_copy")
     def zero_copy():

@@ -3,11 +3,12 @@
 # Needs 2 GPUs, torch with CUDA, nvcc (and pydantic: carry it in .whl/ where the image lacks it,
 # README "Running on GPUs"). One command; every step has a timeout and the script starts no step
 # after BUDGET s (default 540), so it ends inside a 10-minute device call. Logs under $OUT/torch;
-# the CHECK / TIME table last (also $OUT/torch_summary.md). NVLink multicast stays off
+# the CHECK / TIME table ($OUT/torch_checks.md) and the steps' PASS/FAIL table ($OUT/torch_summary.md)
+# last. NVLink multicast stays off
 # (tools/device_env.sh sets the variables; tsgen.torch refuses a multicast handle).
 #   1. tests/torch_checks.py: allgather / reduce_scatter against NCCL (poisoned outputs, exact on
-#      integer data), op.empty zero copy, CUDA graph capture + 100 replays, gradients against the
-#      torch-only twins, CUDA IPC heaps, argument errors
+#      integer data), all_reduce / all_to_all / broadcast against NCCL, op.empty zero copy, CUDA graph
+#      capture + 100 replays, gradients against the torch-only twins, CUDA IPC heaps, argument errors
 #   2. tests/torch_checks.py --probe: a peer that never arrives -> the timeout diagnosis as an error
 #   3. examples/torch/tp_mlp.py --compile: TP MLP forward + backward against its NCCL twin, eager and
 #      torch.compile(fullgraph=True), step times of both
@@ -27,7 +28,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.
 print('peer access 0->1:', n > 1 and torch.cuda.can_device_access_peer(0, 1))
 sys.exit(0 if n >= 2 else 1)" || { summary "tsgen.torch on GPUs: needs 2 GPUs" torch_summary.md; exit 1; }
 cat "$LOG/environment.log"
-# render + compile both modules once, in parallel, before the ranks ask for them (they would wait on the lock)
+# render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock)
 step "compile" 120 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache
@@ -36,8 +37,9 @@ from tsgen.toolchain import compile_source
 def one(spec):
     m = render_to_cache(load_spec(spec))
     return compile_source(m.source, mode='shared').output
-with ThreadPoolExecutor(2) as pool:
-    print(*pool.map(one, ['specs/allgather.yaml', 'specs/reduce_scatter.yaml']), sep='\n')"
+with ThreadPoolExecutor(5) as pool:
+    specs = ['allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast']
+    print(*pool.map(one, [f'specs/{s}.yaml' for s in specs]), sep='\n')"
 step "torch checks (2 ranks, NCCL group)" 200 $RUN tests/torch_checks.py
 step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torch_checks.py --probe
 step "tp_mlp eager + compiled vs NCCL twin" 240 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
