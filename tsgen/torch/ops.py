@@ -201,6 +201,8 @@ class TorchOp:
         share = share_from_env()
         joined = join_problem([m for m, _ in members], self.world, one_host=True, share=share, mps=mps_active())
         if joined:
+            if "both run on GPU" in joined:
+                joined += "; under torchrun: torch.cuda.set_device(LOCAL_RANK) before tsgen.torch.load"
             problems.append(joined)
         if problems:
             raise TsgenTorchError("; ".join(problems))
