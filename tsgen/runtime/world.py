@@ -40,6 +40,37 @@ def checked_args(args: Sequence[Arg], values: list[int]) -> list[int]:
     return values
 
 
+def arg_values(args: Sequence[Arg], rank: int, count: int, base: int, offsets: Mapping[str, int],
+               peer_table: int, host_peer_table: int) -> list[int]:
+    """The value of each manifest argument of `rank`, by role: an address (the peer table on the
+    device, `peers`, or its host copy, `peers_host`, for cudaMemcpyAsync; the call counter and the
+    buffers: `base`, the rank's heap, plus the buffer's offset in it), the rank, or the count.
+    Pure: every runtime that launches from a manifest (World's Buffers, tsgen.torch) uses it."""
+    out = []
+    for a in args:
+        role = a.role
+        if role == "peers":
+            out.append(peer_table)
+        elif role == "peers_host":
+            out.append(host_peer_table)
+        elif role == "rank":
+            out.append(rank)
+        elif role == "count":
+            out.append(count)
+        else:  # "calls" or a buffer: its place in this rank's heap
+            out.append(base + offsets["calls" if role == "calls" else a.name])
+    return out
+
+
+def launcher_cargs(specs: Sequence[Arg], values: list[int]) -> list[Any]:
+    """`values` of a host launcher's arguments as ctypes values (int rank, uint64 count, else an
+    address), after checked_args; the caller appends the stream."""
+    import ctypes
+
+    wrap = {"rank": ctypes.c_int, "count": ctypes.c_uint64}
+    return [wrap.get(a.role, ctypes.c_void_p)(v) for a, v in zip(specs, checked_args(specs, values))]
+
+
 def check_array(array: Any, *, name: str, rank: int, device: int, dtype: str, elems: int) -> None:
     """Raise RuntimeSetupError unless `array` is a CuPy array of the right dtype,
     size and device for buffer `name` on `rank`. Pure: testable without a GPU."""
@@ -129,22 +160,9 @@ class Buffers:
             self.array(name, rank)[...] = array.reshape(-1)
 
     def arg_values(self, args: Sequence[Arg], rank: int) -> list[int]:
-        """The value of each manifest argument for `rank`, by role: an address (peer
-        tables, the call counter, buffers), the rank, or the count."""
-        out = []
-        for a in args:
-            role = a.role
-            if role == "peers":
-                out.append(self.peer_tables[rank].data.ptr)
-            elif role == "peers_host":  # the same table in host memory, for cudaMemcpyAsync
-                out.append(self.host_peer_tables[rank].ctypes.data)
-            elif role == "rank":
-                out.append(rank)
-            elif role == "count":
-                out.append(self.count)
-            else:  # "calls" or a buffer: its place in this rank's heap
-                out.append(self.bases[rank] + self.by_name["calls" if role == "calls" else a.name].offset)
-        return out
+        """The value of each manifest argument for `rank` (see arg_values)."""
+        return arg_values(args, rank, self.count, self.bases[rank], {n: s.offset for n, s in self.by_name.items()},
+                          self.peer_tables[rank].data.ptr, self.host_peer_tables[rank].ctypes.data)
 
     def free(self) -> None:
         if self.bases:
@@ -344,9 +362,7 @@ class Module:
         import ctypes
 
         specs = self.kernel.launcher_args
-        wrap = {"rank": ctypes.c_int, "count": ctypes.c_uint64}
-        values = checked_args(specs, buffers.arg_values(specs, rank))
-        args = [wrap.get(a.role, ctypes.c_void_p)(v) for a, v in zip(specs, values)]
+        args = launcher_cargs(specs, buffers.arg_values(specs, rank))
         args.append(ctypes.c_void_p(stream.ptr))
         err = self.launcher(*args)
         if err != 0:

@@ -1,0 +1,365 @@
+"""tsgen.torch on CPU: the fake kernels (shapes, dtypes, errors), torch.compile(fullgraph=True) of a
+module that calls two tsgen ops (forward and backward graphs) under FakeTensorMode, the error
+messages (importing tsgen without torch: tests/test_torch_import.py). No GPU: the ops are loaded on a process group of
+torch's "fake" backend, where they trace but do not run (tools/gpu_torch.sh runs them on GPUs).
+Skipped, with the reason, where torch is not installed (`pip install "tsgen-cuda[torch]"`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GEN = ROOT / "generated"
+
+
+torch = pytest.importorskip("torch", reason="tsgen.torch needs PyTorch: pip install 'tsgen-cuda[torch]'")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():  # pragma: no cover - builds without distributed
+    pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
+
+import tsgen.torch as tt  # noqa: E402
+from tsgen.manifest import Manifest  # noqa: E402
+from tsgen.torch.signature import OpSignature, TsgenArgumentError, TsgenTorchError  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """A fake world of 8 ranks (this process is rank 0) and groups of 2, 4 and 5 ranks in it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():  # pragma: no cover - another test left one behind
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    made = {n: dist.new_group(list(range(n))) for n in (2, 4, 5)}
+    made["other"] = dist.new_group([1, 2])  # rank 0 is not in it
+    yield made
+    tt.close_all()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ops(groups):
+    """allgather and reduce_scatter at W 2 and W 4, paired (each the other's backward)."""
+    out = {}
+    for w in (2, 4):
+        ag = tt.load(GEN / "allgather.json", groups[w])
+        rs = tt.load(GEN / "reduce_scatter.json", groups[w])
+        tt.pair(ag, rs)
+        out[w] = (ag, rs)
+    return out
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# -- fake kernels: shapes and dtypes --------------------------------------------------------
+
+@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("shape", [(8,), (8, 16), (4, 3, 5)])
+def test_fake_shapes(ops, w, shape):
+    """Under FakeTensorMode the ops have torch's shapes: allgather (n, ...) -> (W n, ...) as
+    all_gather_into_tensor, reduce_scatter (W n, ...) -> (n, ...) as reduce_scatter_tensor."""
+    ag, rs = ops[w]
+    with fake_mode():
+        x = torch.empty(shape, dtype=BF16, device="cuda")
+        y = ag(x)
+        assert tuple(y.shape) == (shape[0] * w, *shape[1:]) and y.dtype == BF16 and y.device == x.device
+        z = rs(y)
+        assert tuple(z.shape) == shape and z.dtype == BF16
+
+
+def test_ops_are_custom_ops(ops):
+    ag, rs = ops[2]
+    assert ag.signature.qualname == "tsgen::allgather" and rs.signature.qualname == "tsgen::reduce_scatter"
+    schema = str(torch.ops.tsgen.allgather.default._schema)
+    assert schema == "tsgen::allgather(Tensor x, str group_name) -> Tensor", schema
+    assert ag.trace_only and "trace only" in repr(ag)
+
+
+def test_make_fx_fake(ops):
+    ag, rs = ops[4]
+
+    def f(x):
+        return rs(torch.relu(ag(x)))
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_mode():
+        gm = make_fx(f, tracing_mode="fake")(torch.empty(6, 8, dtype=BF16, device="cuda"))
+    code = gm.code
+    assert "torch.ops.tsgen.allgather.default" in code and "torch.ops.tsgen.reduce_scatter.default" in code
+
+
+def test_symbolic_shapes(ops):
+    """Dynamic shapes: the fake kernels compute on symbolic sizes."""
+    ag, rs = ops[2]
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: rs(ag(x)), tracing_mode="symbolic")(torch.empty(6, 8, dtype=BF16))  # fakes it itself
+    outs = [n for n in gm.graph.nodes if n.op == "call_function" and "tsgen" in str(n.target)]
+    assert len(outs) == 2
+    assert "s" in str(outs[0].meta["val"].shape[0])  # a symbol, not a constant
+
+
+# -- torch.compile(fullgraph=True) ---------------------------------------------------------------
+
+class Block(torch.nn.Module):
+    """A tensor-parallel MLP's communication pattern: allgather -> matmul -> gelu -> reduce_scatter."""
+
+    def __init__(self, ag, rs, h=16, device="cpu"):
+        super().__init__()
+        self.ag, self.rs = ag, rs
+        # on fake CUDA tensors (a CPU-only torch) nothing may require grad: autograd needs a CUDA build
+        self.w = torch.nn.Parameter(torch.randn(h, h, dtype=BF16, device=device), requires_grad=device == "cpu")
+
+    def forward(self, x):
+        return self.rs(torch.nn.functional.gelu(self.ag(x) @ self.w))
+
+
+def test_compile_fullgraph_forward(ops):
+    """torch.compile(fullgraph=True) traces both tsgen ops into one graph (a graph break raises)."""
+    ag, rs = ops[2]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with fake_mode():
+        block = Block(ag, rs, device="cuda")
+        y = torch.compile(block, fullgraph=True, backend=backend)(torch.empty(4, 16, dtype=BF16, device="cuda"))
+    assert tuple(y.shape) == (4, 16)
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert "tsgen.allgather" in targets and "tsgen.reduce_scatter" in targets, targets
+
+
+def test_compile_fullgraph_backward(ops):
+    """With AOTAutograd the backward graph runs each op's adjoint: allgather's gradient is a
+    reduce_scatter, reduce_scatter's an allgather."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    ag, rs = ops[2]
+    fw, bw = [], []
+
+    def keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    with fake_mode():  # CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build
+        block = Block(ag, rs)
+        x = torch.empty(4, 16, dtype=BF16, requires_grad=True)
+        y = torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(x)
+        y.sum().backward()
+        assert tuple(x.grad.shape) == (4, 16) and tuple(block.w.grad.shape) == (16, 16)
+    fwd = [str(n.target) for n in fw[0].graph.nodes if n.op == "call_function"]
+    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+    assert fwd.index("tsgen.allgather.default") < fwd.index("tsgen.reduce_scatter.default"), fwd
+    assert bwd.index("tsgen.allgather.default") < bwd.index("tsgen.reduce_scatter.default"), bwd
+
+
+def test_backward_without_adjoint(groups):
+    """An op with no adjoint paired says how to get one when its backward runs."""
+    g = groups[2]
+    pull = tt.load(GEN / "allgather_pull.json", g)
+    with fake_mode():
+        x = torch.empty(4, 8, dtype=BF16, requires_grad=True)
+        y = pull(x)
+        with pytest.raises(TsgenTorchError, match=r"tsgen::allgather_pull on rank 0: no adjoint .*tsgen.torch.pair"):
+            y.sum().backward()
+
+
+# -- errors: argument and rank named ----------------------------------------------------------------
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: torch.empty(4, 8, dtype=torch.float32, device="cuda"),
+     r"tsgen::reduce_scatter on rank 0: argument x: dtype float32, but specs/reduce_scatter.yaml was compiled for "
+     r"bfloat16"),
+    (lambda: torch.empty(8, 4, dtype=BF16, device="cuda").t(),
+     r"argument x: not contiguous \(shape \(4, 8\)\); call .contiguous\(\)"),
+    (lambda: torch.empty(3, 8, dtype=BF16, device="cuda"),
+     r"argument x: dimension 0 is 3 \(shape \(3, 8\)\), not a multiple of the group size"),
+    (lambda: torch.empty((), dtype=BF16, device="cuda"), r"argument x: a 0-dimensional tensor"),
+])
+def test_fake_kernel_errors(ops, make, match):
+    _, rs = ops[2]
+    with fake_mode():
+        x = make()
+        with pytest.raises(TsgenArgumentError, match=match):
+            rs(x)
+
+
+def test_errors_inside_compile(ops):
+    """torch.compile reports the fake kernel's message (rank and argument)."""
+    _, rs = ops[2]
+    torch._dynamo.reset()
+    with fake_mode():
+        f = torch.compile(lambda x: rs(x), fullgraph=True, backend=lambda gm, ex: gm.forward)
+        with pytest.raises(Exception, match=r"tsgen::reduce_scatter on rank 0: argument x: dimension 0 is 5"):
+            f(torch.empty(5, 8, dtype=BF16, device="cuda"))
+
+
+def test_real_call_errors(ops):
+    """The real kernel checks the device too; on a fake group it refuses to run."""
+    ag, _ = ops[2]
+    with pytest.raises(TsgenArgumentError, match=r"tsgen::allgather on rank 0: argument x: on cpu, but this rank's "
+                                                 r"op runs on a CUDA device"):
+        ag(torch.zeros(4, 8, dtype=BF16))
+    with pytest.raises(TsgenArgumentError, match=r"argument x: dtype int32"):
+        ag(torch.zeros(4, 8, dtype=torch.int32))
+    with pytest.raises(TsgenTorchError, match=r"tsgen::allgather on rank 0: loaded on a group without GPUs"):
+        ag._need_gpu()
+    with pytest.raises(TsgenTorchError, match=r"loaded on a group without GPUs"):
+        ag.empty(4, 8)
+
+
+def test_group_size_not_compiled(groups):
+    with pytest.raises(TsgenTorchError, match=r"tsgen::allgather on rank 0: the process group has 5 ranks, but "
+                                              r"specs/allgather.yaml was compiled for world sizes \[2, 3, 4, 8\]"):
+        tt.load(GEN / "allgather.json", groups[5])
+
+
+def test_not_a_member(groups):
+    with pytest.raises(TsgenTorchError, match=r"not a member of the group"):
+        tt.load(GEN / "allgather.json", groups["other"])
+
+
+@pytest.mark.parametrize("name, match", [
+    ("allgather_inplace", r"one input and one output buffer; specs/allgather_inplace.yaml has dst \(inout\)"),
+    ("allgather_multimem", r"NVLink multicast"),
+    ("allgather_nvshmem", r"NVSHMEM transport"),
+    ("simple_shift", r"op kind simple_shift \(primitive\) is not a tsgen.torch op yet.*allgather"),
+    ("allgather_gemm", r"op kind allgather_gemm \(fused\) is not a tsgen.torch op yet"),
+])
+def test_unsupported_modules(groups, name, match):
+    with pytest.raises(TsgenTorchError, match=match):
+        tt.load(GEN / f"{name}.json", groups[2])
+
+
+def test_load_twice_and_from_spec(ops, groups):
+    """The same module on the same group is one op, whether loaded from its manifest or its spec."""
+    ag, _ = ops[2]
+    assert tt.load(GEN / "allgather.json", groups[2]) is ag
+    assert tt.load(ROOT / "specs" / "allgather.yaml", groups[2]) is ag
+    assert ag in tt.loaded()
+
+
+def test_same_name_other_spec(ops, groups):
+    data = json.loads((GEN / "allgather.json").read_text())
+    data["spec_sha256"] = "0" * 64
+    other = Manifest.from_json(json.dumps(data))
+    with pytest.raises(TsgenTorchError, match=r"already loaded on this group from another spec"):
+        tt.load(other, groups[2], source=GEN / "allgather.cu")
+    with pytest.raises(TsgenTorchError, match=r"another spec of this name"):
+        tt.load(other, dist.group.WORLD, source=GEN / "allgather.cu")  # not loaded on this group yet
+
+
+def test_pair_checks(ops, groups):
+    ag2, rs2 = ops[2]
+    ag4, _ = ops[4]
+    with pytest.raises(TsgenTorchError, match=r"needs a reduce_scatter op as its adjoint, not tsgen::allgather"):
+        tt.pair(ag2, ag2)
+    with pytest.raises(TsgenTorchError, match=r"on group .* an adjoint runs on the same group"):
+        tt.pair(ag4, rs2)
+    one_shot = tt.load(GEN / "all_reduce_one_shot.json", groups[2])
+    with pytest.raises(TsgenTorchError, match=r"\(all_reduce\) has no adjoint op in tsgen.torch"):
+        tt.pair(one_shot, one_shot)
+
+
+def test_not_initialised(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(TsgenTorchError, match=r"needs torch.distributed initialised"):
+        tt.load(GEN / "allgather.json")
+
+
+def test_heap_mode_checked(groups):
+    from tsgen.torch.heap import heap_mode
+
+    assert heap_mode(None, {}) == "auto" and heap_mode(None, {"TSGEN_TORCH_HEAP": "ipc"}) == "ipc"
+    with pytest.raises(TsgenTorchError, match=r"heap mode 'nccl'.*auto, symm_mem, ipc"):
+        heap_mode("nccl", {})
+
+
+# -- signatures of every shipped collective --------------------------------------------------------
+
+def _manifests():
+    return sorted(GEN.glob("*.json"))
+
+
+@pytest.mark.parametrize("path", _manifests(), ids=lambda p: p.stem)
+def test_signature_matches_semantics(path):
+    """Every shipped module either loads as a torch op, with the chunk counts its family's semantics
+    state (the torch layout), or is refused with a TsgenTorchError, never anything else."""
+    from tsgen.ops import get_family
+
+    manifest = Manifest.load(path)
+    for w in manifest.world_sizes:
+        try:
+            sig = OpSignature.of(manifest, w, 0)
+        except TsgenTorchError:
+            continue
+        sem = get_family(manifest.op).semantics
+        assert (sig.in_units, sig.out_units) == (sem.n_in(w), sem.n_out(w)), (path.stem, w)
+
+
+def test_timeout_diagnosis_becomes_an_error(groups, monkeypatch, capfd):
+    """synchronize() captures what the kernel printed at the failing synchronization and raises it
+    as the error of this rank (simulated: a CUDA synchronize that prints a timeout and fails)."""
+    line = ("tsgen: timeout: rank 0 block 3 thread 0 waited 10000 ms on arrive[1] (memory of rank 0) "
+            "for a value >= 5; last seen 4")
+
+    def failing_sync(device=None):
+        os.write(1, (line + "\n").encode())
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", failing_sync)
+    with pytest.raises(TsgenTorchError, match=r"rank 0: a tsgen kernel timed out waiting for a peer: tsgen: timeout: "
+                                              r"rank 0 block 3 .* last seen 4; CUDA: CUDA error: unspecified launch "
+                                              r"failure; the CUDA context is lost"):
+        tt.synchronize()
+    assert line in capfd.readouterr().out  # passed on to stdout as well
+
+
+@pytest.mark.compile
+def test_launcher_plumbing_without_a_driver():
+    """The path a call takes to the kernel, up to the driver: the module compiled as the shared library
+    with the host launchers, `<kernel>_launch` through ctypes, the arguments by the manifest's roles
+    (what TorchOp._heap builds). With no CUDA driver the launcher returns a CUDA error (35,
+    insufficient driver) instead of launching: the call got through. Skipped where a driver is (the
+    made-up addresses would then reach a GPU)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a CUDA driver is installed: the made-up heap addresses must not reach a GPU")
+    except OSError:
+        pass
+    from tsgen.runtime.world import _host_launcher, arg_values, launcher_cargs
+    from tsgen.toolchain import compile_source
+
+    manifest = Manifest.load(GEN / "allgather.json")
+    kernel = manifest.kernel(2)
+    launch, prepare = _host_launcher(compile_source(GEN / "allgather.cu", mode="shared").output, kernel)
+    assert prepare is None
+    slots, nbytes = manifest.layout(1000, 2)
+    base = 1 << 40
+    values = arg_values(kernel.launcher_args, 1, 1000, base, {s.name: s.offset for s in slots}, 1 << 41, 0)
+    by_name = {a.name: v for a, v in zip(kernel.launcher_args, values)}
+    assert by_name["peers"] == 1 << 41 and by_name["rank"] == 1 and by_name["count"] == 1000
+    assert by_name["calls"] == base and by_name["dst"] == base + {s.name: s.offset for s in slots}["dst"]
+    err = launch(*launcher_cargs(kernel.launcher_args, values), ctypes.c_void_p(0))
+    assert err != 0  # a cudaError_t, returned rather than crashed

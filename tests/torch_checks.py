@@ -1,0 +1,326 @@
+"""tsgen.torch on GPUs, one process per GPU: run under torchrun (tools/gpu_torch.sh does, and so does
+tests/test_torch_gpu.py where there are 2 GPUs and torch):
+
+    torchrun --nproc-per-node 2 tests/torch_checks.py            # the checks, NCCL group
+    torchrun --nproc-per-node 2 tests/torch_checks.py --probe    # a peer that never arrives, gloo group
+
+Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's detail):
+  allgather / reduce_scatter against torch.distributed's all_gather_into_tensor /
+    reduce_scatter_tensor (NCCL) on random data: integer-valued (every sum exact: bit-equal) and
+    normal (close), shapes with odd sizes, the heap's output buffer poisoned before every call;
+  all_reduce_one_shot / all_to_all / broadcast against all_reduce / all_to_all_single / broadcast,
+    bit for bit (integer data for the sum);
+  zero_copy: an input from op.empty() is read in place (no copy) and gives the same result;
+  graph: allgather -> reduce_scatter captured in one torch.cuda.CUDAGraph, 100 replays with new
+    data each, every replay checked;
+  grad: autograd through the ops (allgather's backward a tsgen reduce_scatter and the other way
+    round) against the torch-only twins (examples/torch/twins.py);
+  ipc_heap: the same op on a second group with heaps from CUDA IPC instead of symmetric memory;
+  errors: a tensor on the other GPU, a float32 tensor: exceptions naming argument and rank.
+--probe: both ranks call allgather once (CUDA IPC heaps on a gloo group: no NCCL watchdog to
+  take the process down), then rank 1 stops calling: rank 0's kernel waits for it, times out after
+  the spec's sync.timeout_ms (10 s), traps, and tsgen.torch.synchronize() must raise the kernel's
+  diagnosis as an error on rank 0.
+Exit code 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples" / "torch"))
+
+import tsgen.torch as tt  # noqa: E402
+import twins  # noqa: E402
+
+BF16 = torch.bfloat16
+SHAPES = [(262147,), (1024, 513), (6, 5, 7), (2,)]  # odd sizes: element-wise tails
+RESULTS: list[bool] = []
+
+
+def report(name: str, ok: bool, detail: str = "", group=None) -> bool:
+    """Gather every rank's (ok, detail); rank 0 prints one CHECK line."""
+    results = [None] * dist.get_world_size(group)
+    dist.all_gather_object(results, (bool(ok), f"r{dist.get_rank()}: {detail}" if detail else ""), group=group)
+    all_ok = all(r[0] for r in results)
+    if dist.get_rank() == 0:
+        text = "; ".join(r[1] for r in results if r[1])
+        print(f"CHECK {name} {'PASS' if all_ok else 'FAIL'} {text}".rstrip(), flush=True)
+    RESULTS.append(all_ok)
+    return all_ok
+
+
+def checked(name: str):
+    """Run a check function; an exception is its FAIL (with the first line of the error)."""
+    def wrap(fn):
+        def run(*args):
+            try:
+                ok, detail = fn(*args)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return report(name, ok, detail)
+        return run
+    return wrap
+
+
+def data(shape, gen, integer: bool) -> torch.Tensor:
+    if integer:  # small integers: every sum of two ranks is exact in bf16
+        return torch.randint(-8, 9, shape, generator=gen, device="cuda").to(BF16)
+    return torch.randn(shape, generator=gen, device="cuda").to(BF16)
+
+
+def poison(op, x: torch.Tensor, byte: int) -> None:
+    """Fill the heap's output buffer for x's size with `byte` (a missing write then shows; a fresh heap
+    would otherwise hold zeros). Makes the heap first if needed: a collective, as the call is."""
+    count = op.signature.count(x.shape, op.signature.dtype)
+    op._heap(count).view(op.signature.output.name).view(torch.uint8).fill_(byte)
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, str]:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False, f"shape/dtype {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+    if exact:  # bit for bit
+        bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+        wrong = int((got.view(bits) != want.view(bits)).sum().item())
+        return wrong == 0, f"{wrong} of {got.numel()} wrong"
+    diff = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    return bool(ok), f"max diff {diff:.3g}"
+
+
+def check_collective(op, ref, name: str, gen) -> None:
+    w = dist.get_world_size()
+
+    @checked(name)
+    def run():
+        notes = []
+        ok = True
+        for call, shape in enumerate(SHAPES):
+            if name.startswith("reduce_scatter"):
+                shape = (shape[0] * w, *shape[1:])
+            for integer in (True, False):
+                x = data(shape, gen, integer)
+                poison(op, x, 0xFF if call % 2 else 0x7F)  # NaN patterns in bf16
+                got = op(x)
+                want = ref(x)
+                good, why = compare(got, want, exact=integer)
+                ok &= good
+                if not good or shape == SHAPES[0] or (integer and shape[0] == SHAPES[0][0] * w):
+                    notes.append(f"{tuple(shape)} {'int' if integer else 'randn'}: {why}")
+        torch.cuda.synchronize()
+        return ok, "; ".join(notes)
+
+    run()
+
+
+def check_others(gen) -> None:
+    """all_reduce (one_shot), all_to_all and broadcast against torch.distributed: the other plan-based
+    collectives tsgen.torch loads (no adjoints for them yet)."""
+    from tsgen.spec import load_spec
+
+    w = dist.get_world_size()
+
+    def all_reduce(x):
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    def all_to_all(x):
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x)
+        return out
+
+    root = load_spec(ROOT / "specs" / "broadcast.yaml").model.params.root
+
+    def broadcast(x):
+        out = x.clone()
+        dist.broadcast(out, src=root)
+        return out
+
+    for spec, ref, integer in (("all_reduce_one_shot", all_reduce, True), ("all_to_all", all_to_all, False),
+                               ("broadcast", broadcast, False)):
+        @checked(f"{spec}_vs_nccl")
+        def run():
+            op = tt.load(ROOT / "specs" / f"{spec}.yaml")
+            dtype = getattr(torch, op.signature.dtype)
+            notes, ok = [], True
+            for shape in ((4096 * w, 33), (262147 * w,)):
+                x = data(shape, gen, integer).to(dtype)
+                poison(op, x, 0xFF)
+                good, why = compare(op(x), ref(x), exact=True)
+                ok &= good
+                notes.append(f"{tuple(shape)} {dtype}: {why}")
+            op.close()
+            return ok, "; ".join(notes)
+
+        run()
+
+
+def main_checks() -> None:
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=120))
+    rank, w = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator(device="cuda").manual_seed(17 + rank)
+
+    t0 = time.perf_counter()
+    ag = tt.load(ROOT / "specs" / "allgather.yaml")
+    rs = tt.load(ROOT / "specs" / "reduce_scatter.yaml")
+    tt.pair(ag, rs)
+    report("load", True, f"{time.perf_counter() - t0:.1f} s (render + nvcc + group checks)")
+
+    check_collective(ag, twins.all_gather, "allgather_vs_nccl", gen)
+    check_collective(rs, twins.reduce_scatter, "reduce_scatter_vs_nccl", gen)
+    report("heap_kind", ag.heap_kind is not None,
+           f"{ag.heap_kind} (TSGEN_TORCH_HEAP={os.environ.get('TSGEN_TORCH_HEAP', 'auto')}), torch {torch.__version__}")
+
+    check_others(gen)
+
+    @checked("zero_copy")
+    def zero_copy():
+        x = ag.empty(1024, 512)
+        x.copy_(data((1024, 512), gen, True))
+        src = ag._heaps[1024 * 512].view(ag.signature.input.name)
+        same = x.data_ptr() == src.data_ptr()
+        good, why = compare(ag(x), twins.all_gather(x), exact=True)
+        return same and good, f"input in the heap: {same}; {why}"
+
+    zero_copy()
+
+    @checked("graph_100_replays")
+    def graph():
+        n, h = 4096, 256
+        static_x = data((n, h), gen, True)
+        for _ in range(2):  # warm-up: the heaps exist before capture (their first call is a collective)
+            rs(ag(static_x))
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = ag(static_x)
+            z = rs(y)
+        wrong_y = wrong_z = 0
+        for i in range(100):
+            static_x.copy_(data((n, h), gen, True))
+            g.replay()
+            # allgather then reduce_scatter of the gathered rows: rank r gets W times its own rows
+            wrong_y += int((y != twins.all_gather(static_x)).sum().item())
+            wrong_z += int((z != static_x * w).sum().item())
+        torch.cuda.synchronize()
+        return wrong_y == 0 and wrong_z == 0, f"100 replays: {wrong_y} wrong allgather, {wrong_z} wrong reduce_scatter elements"
+
+    graph()
+
+    @checked("grad")
+    def grad():
+        notes, ok = [], True
+        for op, twin, shape in ((ag, twins.AllGather.apply, (1000, 64)), (rs, twins.ReduceScatter.apply, (1000 * w, 64))):
+            x = data(shape, gen, True)
+            out_shape = op.signature.out_shape(shape)
+            dy = data(out_shape, gen, True)
+            xa = x.clone().requires_grad_(True)
+            op(xa).backward(dy)
+            xb = x.clone().requires_grad_(True)
+            twin(xb).backward(dy)
+            good, why = compare(xa.grad, xb.grad, exact=True)
+            ok &= good
+            notes.append(f"{op.signature.qualname}: grad {why}")
+        return ok, "; ".join(notes)
+
+    grad()
+
+    @checked("ipc_heap")
+    def ipc():
+        g2 = dist.new_group(list(range(w)))
+        ag2 = tt.load(ROOT / "specs" / "allgather.yaml", g2, heap="ipc")
+        x = data((3001, 7), gen, False)
+        good, why = compare(ag2(x), twins.all_gather(x), exact=True)
+        kind = ag2.heap_kind
+        ag2.close()
+        return good and kind == "ipc", f"heap {kind}: {why}"
+
+    ipc()
+
+    @checked("errors")
+    def errors():
+        seen = []
+        cases = [(torch.zeros(8, 4, dtype=torch.float32, device="cuda"), "dtype float32")]
+        if torch.cuda.device_count() > 1:
+            other = (local + 1) % torch.cuda.device_count()
+            cases.append((torch.zeros(8, 4, dtype=BF16, device=f"cuda:{other}"), f"on cuda:{other}"))
+        for x, want in cases:
+            try:
+                ag(x)
+                seen.append(f"no error for {want}")
+            except tt.TsgenArgumentError as e:
+                seen.append("ok" if f"rank {rank}: argument x: {want}" in str(e) else f"message: {e}")
+        return all(s == "ok" for s in seen), "; ".join(seen)
+
+    errors()
+    tt.close_all()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def probe() -> None:
+    """A peer that never arrives: rank 0's kernel must time out and the error name it."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, w = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    ag = tt.load(ROOT / "specs" / "allgather.yaml", heap="ipc")
+    n = 4096
+    x = torch.full((n,), float(rank + 1), dtype=BF16, device="cuda")
+    y = ag(x)
+    tt.synchronize()
+    want = torch.cat([torch.full((n,), float(r + 1), dtype=BF16, device="cuda") for r in range(w)])
+    first_ok = bool(torch.equal(y, want))
+    dist.barrier()
+    if rank != 0:
+        # stay alive (rank 0's kernel writes into this rank's heap) until rank 0 has its answer
+        store.wait(["tsgen_probe_done"], timedelta(seconds=90))
+        print(f"rank {rank}: probe result from rank 0: {store.get('tsgen_probe_done').decode()}", flush=True)
+        os._exit(0)
+    start = time.perf_counter()
+    ag(x)  # rank 1 never makes this call
+    try:
+        tt.synchronize()
+        ok, detail = False, "the call completed although rank 1 never called"
+    except tt.TsgenTorchError as e:
+        text = str(e)
+        ok = "rank 0: a tsgen kernel timed out waiting for a peer: tsgen: timeout:" in text
+        detail = text
+    waited = time.perf_counter() - start
+    ok = ok and first_ok
+    line = (f"CHECK peer_never_arrives {'PASS' if ok else 'FAIL'} first call {'right' if first_ok else 'WRONG'} "
+            f"(ipc heap, gloo group); raised after {waited:.1f} s: {detail}")
+    print(line, flush=True)
+    store.set("tsgen_probe_done", "PASS" if ok else "FAIL")
+    os._exit(0 if ok else 1)  # the CUDA context is lost: no clean shutdown
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--probe", action="store_true", help="the peer-never-arrives probe (see the module doc)")
+    args = ap.parse_args()
+    if args.probe:
+        probe()
+        return 0
+    main_checks()
+    return 0 if all(RESULTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 31 on GPUs: tsgen kernels as torch ops (tsgen.torch), one process per GPU under torchrun.
+# Needs 2 GPUs, torch with CUDA, nvcc (and pydantic: carry it in .whl/ where the image lacks it,
+# README "Running on GPUs"). One command; every step has a timeout and the script starts no step
+# after BUDGET s (default 540), so it ends inside a 10-minute device call. Logs under $OUT/torch;
+# the CHECK / TIME table ($OUT/torch_checks.md) and the steps' PASS/FAIL table ($OUT/torch_summary.md)
+# last. NVLink multicast stays off
+# (tools/device_env.sh sets the variables; tsgen.torch refuses a multicast handle).
+#   1. tests/torch_checks.py: allgather / reduce_scatter against NCCL (poisoned outputs, exact on
+#      integer data), all_reduce / all_to_all / broadcast against NCCL, op.empty zero copy, CUDA graph
+#      capture + 100 replays, gradients against the torch-only twins, CUDA IPC heaps, argument errors
+#   2. tests/torch_checks.py --probe: a peer that never arrives -> the timeout diagnosis as an error
+#   3. examples/torch/tp_mlp.py --compile: TP MLP forward + backward against its NCCL twin, eager and
+#      torch.compile(fullgraph=True), step times of both
+# Environment: TP_ARGS (extra tp_mlp.py arguments), TSGEN_TORCH_HEAP (auto | symm_mem | ipc).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source tools/device_env.sh
+LOG=$OUT/torch
+BUDGET=${BUDGET:-540}
+source tools/steps.sh
+RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+
+step "environment" 60 python3 -c "
+import torch, sys
+n = torch.cuda.device_count()
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.cuda.get_device_name(i) for i in range(n)])
+print('peer access 0->1:', n > 1 and torch.cuda.can_device_access_peer(0, 1))
+sys.exit(0 if n >= 2 else 1)" || { summary "tsgen.torch on GPUs: needs 2 GPUs" torch_summary.md; exit 1; }
+cat "$LOG/environment.log"
+# render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock)
+step "compile" 120 python3 -c "
+from concurrent.futures import ThreadPoolExecutor
+from tsgen.harness import render_to_cache
+from tsgen.spec import load_spec
+from tsgen.toolchain import compile_source
+def one(spec):
+    m = render_to_cache(load_spec(spec))
+    return compile_source(m.source, mode='shared').output
+with ThreadPoolExecutor(5) as pool:
+    specs = ['allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast']
+    print(*pool.map(one, [f'specs/{s}.yaml' for s in specs]), sep='\n')"
+step "torch checks (2 ranks, NCCL group)" 200 $RUN tests/torch_checks.py
+step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torch_checks.py --probe
+step "tp_mlp eager + compiled vs NCCL twin" 240 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
+
+{
+  echo "| check | result | detail |"
+  echo "|---|---|---|"
+  grep -h "^CHECK " "$LOG"/*.log | sed -E 's/^CHECK ([^ ]+) ([A-Z]+) ?(.*)$/| \1 | \2 | \3 |/'
+  echo
+  grep -h "^TIME " "$LOG"/*.log | sed -E 's/^TIME /- /'
+} > "$OUT/torch_checks.md"
+echo
+cat "$OUT/torch_checks.md"
+grep -qh "^CHECK [^ ]* FAIL" "$LOG"/*.log && FAILS=$((FAILS + 1))
+summary "tsgen.torch on 2 GPUs" torch_summary.md

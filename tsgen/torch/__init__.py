@@ -1,0 +1,26 @@
+"""tsgen kernels inside PyTorch (`pip install "tsgen-cuda[torch]"`): torch ops on your process group.
+
+    import torch, torch.distributed as dist, tsgen.torch
+    dist.init_process_group("nccl"); torch.cuda.set_device(local_rank)    # under torchrun
+    ag = tsgen.torch.load("specs/allgather.yaml")                         # this rank's op, default group
+    rs = tsgen.torch.load("specs/reduce_scatter.yaml")
+    tsgen.torch.pair(ag, rs)                                              # each is the other's backward
+    y = ag(x)                  # torch.ops.tsgen.allgather(x, group_name): (n, ...) -> (W*n, ...)
+    x = ag.empty(n, 1024)      # an input in the symmetric heap: no copy in
+
+docs/torch.md has the whole story: what a call costs, CUDA graphs, torch.compile, errors.
+Importing tsgen never imports torch; importing tsgen.torch without torch says what to install.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _e:  # pragma: no cover - exercised by tests/test_torch_cpu.py in a subprocess
+    raise ImportError(f"tsgen.torch needs PyTorch (>= 2.4): pip install 'tsgen-cuda[torch]' ({_e})") from None
+
+from .ops import TorchOp, close_all, load, loaded, pair, synchronize  # noqa: E402
+from .signature import OpSignature, TsgenArgumentError, TsgenTorchError  # noqa: E402
+
+__all__ = ["load", "pair", "synchronize", "loaded", "close_all", "TorchOp", "OpSignature", "TsgenTorchError",
+           "TsgenArgumentError"]

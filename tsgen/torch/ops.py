@@ -1,0 +1,445 @@
+"""Generated modules as torch ops: one custom op `tsgen::<module>` per module, launched on the
+current stream through the module's own host launcher.
+
+`load` reads a module (a spec, or a manifest and its source), checks it against the group, and
+returns this rank's `TorchOp`. The op is a `torch.library` custom op with the schema
+`(Tensor x, str group_name) -> Tensor`, so torch.compile sees one opaque call per op (no graph
+break) whose output shape comes from a fake kernel (FakeTensor shape propagation needs no GPU).
+Which loaded op a call means is looked up by (module, group name): that is how the group
+travels through a traced graph, as it does for torch's own symm_mem and functional collectives.
+
+Launching reuses the runtime's pieces: the source compiles to the shared library with the host
+launchers (toolchain.compile_source mode "shared", the form a C++ user vendors), `<kernel>_launch`
+comes through ctypes (runtime.world._host_launcher), and the arguments follow the manifest's roles
+(runtime.world.arg_values). Every call: check the tensor, copy it into the heap's input buffer
+(skipped when it is that buffer: `op.empty`), launch on torch.cuda.current_stream(), copy the heap's
+output buffer into a new tensor. Nothing here waits on the host, so the op is capturable in a CUDA
+graph once each shape has been called before (the first call of a shape makes its heap, a
+collective).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..env import force_no_multicast
+from ..errors import TsgenError
+from ..manifest import Manifest, Slot
+from ..runtime.ipc import join_problem
+from ..runtime.placement import mps_active, ranks_per_gpu, residency_problem, share_from_env
+from ..runtime.world import (_host_launcher, arg_values, launcher_cargs, module_files, multimem_refusal,
+                             prepare_ranks)
+from . import heap as heap_mod
+from .signature import TORCH_DTYPES, OpSignature, TsgenArgumentError, TsgenTorchError
+
+_LIB: Any = None  # the torch.library.Library fragment that holds every tsgen op (kept alive)
+_DEFINED: dict[str, str] = {}  # module name -> spec sha256 of the module that defined tsgen::<name>
+_OPS: dict[tuple[str, str], "TorchOp"] = {}  # (module name, group name) -> the op loaded on that group
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _lookup(name: str, group_name: str) -> "TorchOp":
+    op = _OPS.get((name, group_name))
+    if op is None:
+        loaded = sorted(g for n, g in _OPS if n == name)
+        raise TsgenTorchError(f"tsgen::{name} is not loaded on process group {group_name!r} in this process "
+                              f"(loaded on: {loaded or 'none'}); call tsgen.torch.load(...) on every rank first")
+    return op
+
+
+def _library() -> Any:
+    global _LIB
+    if _LIB is None:
+        _LIB = torch.library.Library("tsgen", "FRAGMENT")
+    return _LIB
+
+
+def _define(name: str) -> None:
+    """Register tsgen::<name>: schema, the real kernel (any device: it names a wrong one itself),
+    the fake kernel, and the autograd formula (the adjoint op, see pair)."""
+    if name in _DEFINED:
+        return
+    lib = _library()
+    qual = f"tsgen::{name}"
+    lib.define(f"{name}(Tensor x, str group_name) -> Tensor")
+
+    def real(x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return _lookup(name, group_name)._forward(x)
+
+    def fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
+        sig = _lookup(name, group_name).signature
+        sig.count(x.shape, _dtype_name(x.dtype), x.is_contiguous())
+        return x.new_empty(sig.out_shape(x.shape))
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.group_name = inputs[1]
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        op = _lookup(name, ctx.group_name)
+        if op.adjoint is None:
+            raise TsgenTorchError(
+                f"{qual} on rank {op.rank}: no adjoint op for its backward; load the "
+                f"{'reduce_scatter' if op.signature.op == 'allgather' else 'allgather'} spec on the same group and "
+                "call tsgen.torch.pair(op, adjoint)")
+        return getattr(torch.ops.tsgen, op.adjoint.name)(grad.contiguous(), ctx.group_name), None
+
+    torch.library.impl(qual, "default", real, lib=lib)
+    torch.library.register_fake(qual, fake, lib=lib)
+    torch.library.register_autograd(qual, backward, setup_context=setup_context, lib=lib)
+
+
+def _resolve(spec_or_manifest: Any, source: Any) -> tuple[Manifest, Path]:
+    """(manifest, source path) of a spec file (rendered into the compile cache), a NAME.json
+    manifest (its NAME.cu beside it unless `source`), or a Manifest with `source`."""
+    if isinstance(spec_or_manifest, Manifest):
+        return module_files(spec_or_manifest, source)
+    path = Path(spec_or_manifest)
+    if path.suffix in (".yaml", ".yml"):
+        from ..harness import render_to_cache
+        from ..spec import load_spec
+
+        module = render_to_cache(load_spec(path))
+        return module.manifest, module.source
+    if path.suffix == ".json":
+        return module_files(path, source)
+    raise TsgenTorchError(f"{path}: give a spec (.yaml), a manifest (NAME.json) or a tsgen.manifest.Manifest")
+
+
+def _arch(device: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def _bus_id(device: int) -> str | None:
+    """The PCI bus id of a torch device, as cudaDeviceGetPCIBusId writes it; None if torch does not say."""
+    p = torch.cuda.get_device_properties(device)
+    try:
+        return f"{p.pci_domain_id:04X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
+    except AttributeError:
+        return None
+
+
+@dataclass
+class _HeapState:
+    heap: heap_mod.Heap
+    slots: dict[str, Slot]
+    cargs: list[Any]  # the launcher's arguments but the stream
+
+    def view(self, slot: str) -> torch.Tensor:
+        s = self.slots[slot]
+        return self.heap.view(s.offset, s.nbytes, getattr(torch, TORCH_DTYPES[s.dtype]))
+
+
+class TorchOp:
+    """One generated module on one process group, as seen from this rank. Call it with a tensor;
+    `empty(shape)` gives an input in the symmetric heap (no copy in); `close()` frees the heaps."""
+
+    def __init__(self, manifest: Manifest, source: Path, group: Any, signature: OpSignature,
+                 arch: str | None, heap: str | None):
+        self.manifest, self.source, self.group = manifest, Path(source), group
+        self.signature = signature
+        self.name = manifest.name
+        self.group_name = group.group_name
+        self.rank, self.world = signature.rank, signature.world
+        self.kernel = manifest.kernel(self.world)
+        self.adjoint: TorchOp | None = None
+        self.heap_mode = heap_mod.heap_mode(heap)
+        self.heap_kind: str | None = None  # what the heaps came from: symm_mem or ipc (after the first)
+        self._heaps: dict[int, _HeapState] = {}
+        self._launcher: Any = None
+        self.device: int | None = None
+        # a group of torch's fake backend (tracing on a machine without GPUs) or no CUDA: trace only
+        self.trace_only = dist.get_backend(group) == "fake" or not torch.cuda.is_available()
+        if not self.trace_only:
+            self._bind(arch)
+
+    def __repr__(self) -> str:
+        return (f"<tsgen.torch op {self.signature.qualname} rank {self.rank}/{self.world} group {self.group_name!r} "
+                f"{'trace only' if self.trace_only else f'cuda:{self.device}'}>")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(torch.ops.tsgen, self.name)(x, self.group_name)
+
+    @property
+    def where(self) -> str:
+        return f"{self.signature.qualname} on rank {self.rank}"
+
+    # -- setup (collective) ---------------------------------------------------------------
+    def _bind(self, arch: str | None) -> None:
+        """Compile and load the launcher, then check the group as one: every rank on one host, on
+        its own GPU (or sharing under MPS with TSGEN_SHARE_GPUS=1), with peer access to every peer's
+        GPU, the grid resident. Every rank raises if any rank found a problem."""
+        from ..runtime.topology import check_full_mesh
+        from ..toolchain import compile_source
+
+        dev = torch.cuda.current_device()
+        self.device = dev
+        problem, prepare = None, None
+        try:
+            binary = compile_source(self.source, arch=arch or _arch(dev), mode="shared").output
+            self._launcher, prepare = _host_launcher(binary, self.kernel)
+        except (TsgenError, OSError, AttributeError) as e:
+            problem = f"{self.where}: loading {self.source.name}: {e}"
+        bus = _bus_id(dev) or f"cuda:{dev} {torch.cuda.get_device_properties(dev).uuid}"
+        me = {"rank": self.rank, "size": self.world, "host": socket.gethostname(), "bus": bus}
+        members = heap_mod.all_gather(self.group, (me, problem))
+        problems = [p for _, p in members if p]
+        share = share_from_env()
+        joined = join_problem([m for m, _ in members], self.world, one_host=True, share=share, mps=mps_active())
+        if joined:
+            if "both run on GPU" in joined:
+                joined += "; under torchrun: torch.cuda.set_device(LOCAL_RANK) before tsgen.torch.load"
+            problems.append(joined)
+        if problems:
+            raise TsgenTorchError("; ".join(problems))
+        bus_ids = [m["bus"] for m, _ in members]
+        heap_mod.agree(self.group, self._local_problem(dev, bus_ids))
+        check_full_mesh(list(dict.fromkeys(bus_ids)))  # NVML: a partial NVLink mesh is refused (same on every rank)
+        if prepare is not None:  # the launcher's side streams, before the first call (KernelEntry.prepare)
+            prepare_ranks(prepare, self.kernel.prepare, {self.rank: dev}, self.name, torch.cuda.device)
+
+    def _local_problem(self, dev: int, bus_ids: list[str]) -> str | None:
+        """Peer access from this rank's GPU to every peer's it can see, and the residency of the
+        grid (its blocks wait on each other: all must be resident, those of co-located ranks too)."""
+        props = torch.cuda.get_device_properties(dev)
+        visible = {_bus_id(i): i for i in range(torch.cuda.device_count())}
+        for r, bus in enumerate(bus_ids):
+            peer = visible.get(bus)
+            if r == self.rank or peer is None or peer == dev:
+                continue  # a peer GPU this process cannot see: opening its memory is the test
+            if not torch.cuda.can_device_access_peer(dev, peer):
+                return (f"{self.where}: GPU {bus_ids[self.rank]} has no peer access to rank {r}'s GPU {bus}; tsgen's p2p "
+                        "kernels load and store peer memory directly (NVLink or PCIe P2P between every pair)")
+        colocated = ranks_per_gpu(bus_ids)
+        if self.manifest.blocks_wait or colocated > 1:
+            per_sm = max(1, props.max_threads_per_multi_processor // self.kernel.block[0])
+            return residency_problem(self.kernel.name, self.kernel.grid[0], colocated, props.multi_processor_count,
+                                     per_sm)
+        return None
+
+    def _heap(self, count: int) -> _HeapState:
+        """The heap for `count` (made on first use: a collective, so every rank calls the op with the
+        same shapes in the same order, as for any collective)."""
+        state = self._heaps.get(count)
+        if state is not None:
+            return state
+        if torch.cuda.is_current_stream_capturing():
+            raise TsgenTorchError(f"{self.where}: the first call with {count} elements per chunk makes its symmetric "
+                                  "heap (a collective with host waits), which cannot happen inside CUDA graph capture; "
+                                  "call the op once with this shape before capturing (warm-up)")
+        slots, nbytes = self.manifest.layout(count, self.world)
+
+        def init(tensor: torch.Tensor) -> None:
+            for s in slots:
+                if s.role == "signal" and s.init_byte:
+                    tensor[s.offset:s.offset + s.nbytes].fill_(s.init_byte)
+
+        with torch.cuda.device(self.device):
+            heap, why = heap_mod.make_heap(nbytes, self.group, self.device, self.heap_mode, init)
+        if why and self.heap_kind is None:
+            warnings.warn(f"{self.where}: torch symmetric memory failed ({why}); using CUDA IPC heaps", stacklevel=3)
+        if heap.kind == "ipc":
+            self.heap_mode = "ipc"  # decided once: every rank agreed
+        self.heap_kind = heap.kind
+        values = arg_values(self.kernel.launcher_args, self.rank, count, heap.base, {s.name: s.offset for s in slots},
+                            heap.peer_table.data_ptr(), ctypes.addressof(heap.host_table))
+        state = _HeapState(heap, {s.name: s for s in slots}, launcher_cargs(self.kernel.launcher_args, values))
+        self._heaps[count] = state
+        return state
+
+    # -- calls ----------------------------------------------------------------------------
+    def _check(self, x: Any, arg: str = "x") -> int:
+        if not isinstance(x, torch.Tensor):
+            raise TsgenArgumentError(f"{self.signature.where(arg)}: got {type(x).__name__}, not a torch.Tensor")
+        count = self.signature.count(x.shape, _dtype_name(x.dtype), x.is_contiguous(), arg)
+        want = "a CUDA device" if self.device is None else f"cuda:{self.device}"
+        if x.device.type != "cuda" or (self.device is not None and x.device.index != self.device):
+            raise TsgenArgumentError(f"{self.signature.where(arg)}: on {x.device}, but this rank's op runs on {want} "
+                                     "(torch.cuda.set_device before tsgen.torch.load picks it)")
+        return count
+
+    def _need_gpu(self) -> None:
+        if self.trace_only:
+            raise TsgenTorchError(f"{self.where}: loaded on a group without GPUs (backend "
+                                  f"{dist.get_backend(self.group)!r}, CUDA available: {torch.cuda.is_available()}): it "
+                                  "traces (fake kernels) but does not run")
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        count = self._check(x)
+        self._need_gpu()
+        sig = self.signature
+        out = torch.empty(sig.out_shape(x.shape), dtype=x.dtype, device=x.device)
+        if count == 0:
+            return out
+        state = self._heap(count)
+        src = state.view(sig.input.name)
+        if x.data_ptr() != src.data_ptr():  # not op.empty()'s tensor: one copy in
+            src.copy_(x.reshape(-1))
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream()
+            err = self._launcher(*state.cargs, ctypes.c_void_p(stream.cuda_stream))
+        if err != 0:
+            raise TsgenTorchError(f"{self.where}: {self.kernel.launcher} failed with cudaError {err} "
+                                  f"(count {count}); a kernel that trapped before leaves this error: "
+                                  "tsgen.torch.synchronize() names it")
+        out.view(-1).copy_(state.view(sig.output.name))
+        return out
+
+    def empty(self, *shape: Any) -> torch.Tensor:
+        """An input tensor of `shape` that lives in this op's symmetric heap: the op reads it where it
+        is (no copy in). A collective the first time a shape is used (it makes the heap). Valid until
+        close(); the op's next call with this shape reads whatever it holds then."""
+        shape = self.signature.input_shape_for(shape)
+        count = self.signature.count(shape, TORCH_DTYPES[self.signature.dtype], True, "shape")
+        self._need_gpu()
+        if count == 0:
+            return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[self.signature.dtype]),
+                               device=f"cuda:{self.device}")
+        return self._heap(count).view(self.signature.input.name).view(shape)
+
+    def close(self) -> None:
+        """Free this op's heaps (collective for CUDA IPC heaps) and unregister it; tensors from
+        empty() are invalid afterwards."""
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+        problems = []
+        for count in sorted(self._heaps):
+            try:
+                self._heaps[count].heap.close()
+            except TsgenTorchError as e:
+                problems.append(str(e))
+        self._heaps.clear()
+        if _OPS.get((self.name, self.group_name)) is self:
+            del _OPS[(self.name, self.group_name)]
+        if problems:
+            raise TsgenTorchError("; ".join(problems))
+
+
+def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: str | None = None,
+         heap: str | None = None) -> TorchOp:
+    """This rank's op for a generated module on `group` (default: the default process group).
+
+    `spec_or_manifest`: a spec file (.yaml; rendered into the compile cache), a manifest
+    (NAME.json, its NAME.cu beside it unless `source`), or a tsgen.manifest.Manifest with `source`.
+    `arch`: nvcc's target (default: the GPU's, sm_90a on Hopper). `heap`: "auto" (torch symmetric
+    memory, else CUDA IPC), "symm_mem" or "ipc" (default: $TSGEN_TORCH_HEAP or auto).
+
+    Collective on `group` when it has GPUs (every rank compiles the module and checks the group
+    together); on torch's "fake" backend, or without CUDA, the op only traces (fake kernels).
+    Loading the same module on the same group again returns the same op."""
+    force_no_multicast()  # NVLink multicast never: symmetric memory reads this before its first heap
+    if not dist.is_available() or not dist.is_initialized():
+        raise TsgenTorchError("tsgen.torch.load needs torch.distributed initialised (torchrun + "
+                              "torch.distributed.init_process_group); the op runs on a process group")
+    group = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise TsgenTorchError(f"this process (global rank {dist.get_rank()}) is not a member of the group it "
+                              "loads the op on")
+    manifest, src = _resolve(spec_or_manifest, source)
+    signature = OpSignature.of(manifest, world, rank)
+    refusal = multimem_refusal(manifest, os.environ, False)
+    if refusal:
+        raise TsgenTorchError(f"{signature.qualname} on rank {rank}: {refusal}")
+    if manifest.device_libs:
+        raise TsgenTorchError(f"{signature.qualname} on rank {rank}: built for the NVSHMEM transport (device libraries "
+                              f"{', '.join(manifest.device_libs)}), which tsgen.torch does not load yet; use the p2p "
+                              "variant of the spec")
+    key = (manifest.name, group.group_name)
+    if key in _OPS:
+        op = _OPS[key]
+        if op.manifest.spec_sha256 != manifest.spec_sha256:
+            raise TsgenTorchError(f"{signature.qualname} on rank {rank}: already loaded on this group from another "
+                                  f"spec ({op.manifest.spec}, sha256 {op.manifest.spec_sha256[:12]}); close() it "
+                                  "first, or give the new spec another name")
+        return op
+    if _DEFINED.get(manifest.name, manifest.spec_sha256) != manifest.spec_sha256:
+        raise TsgenTorchError(f"{signature.qualname}: another spec of this name (sha256 "
+                              f"{_DEFINED[manifest.name][:12]}) defined the op in this process; one module name is one "
+                              "op: give the spec another name")
+    op = TorchOp(manifest, src, group, signature, arch, heap)
+    _define(manifest.name)
+    _DEFINED[manifest.name] = manifest.spec_sha256
+    _OPS[key] = op
+    return op
+
+
+def pair(op: TorchOp, adjoint: TorchOp) -> None:
+    """Make each op the other's backward: allgather's gradient is the reduce-scatter of its output's
+    gradient, and the other way round. Both on the same group, same dtype, mirrored shapes."""
+    if op.group_name != adjoint.group_name:
+        raise TsgenTorchError(f"{op.signature.qualname} is on group {op.group_name!r}, "
+                              f"{adjoint.signature.qualname} on {adjoint.group_name!r}: an adjoint runs on the same group")
+    for a, b in ((op, adjoint), (adjoint, op)):
+        problem = a.signature.adjoint_problem(b.signature)
+        if problem:
+            raise TsgenTorchError(problem)
+    op.adjoint, adjoint.adjoint = adjoint, op
+
+
+def loaded() -> list[TorchOp]:
+    """Every op loaded in this process."""
+    return list(_OPS.values())
+
+
+def close_all() -> None:
+    """close() every loaded op (collective for CUDA IPC heaps), in load order."""
+    for op in list(_OPS.values()):
+        op.close()
+
+
+def timeout_lines(printed: str) -> list[str]:
+    """The timeout diagnoses a tsgen kernel printed (tsgen_sync.cuh's timeout_trap), in order."""
+    return [line.strip() for line in printed.splitlines() if line.lstrip().startswith("tsgen: timeout")]
+
+
+def synchronize(device: Any = None) -> None:
+    """torch.cuda.synchronize(device), turning a failed kernel into a TsgenTorchError that names this
+    rank and the diagnosis a tsgen kernel printed when one of its waits timed out (a peer that never
+    arrived): who waited for which signal of which rank, for what value, having seen what. The
+    device's printf output reaches stdout at such a synchronization; it is captured here, passed
+    on to stdout, and read. After a trap the CUDA context is lost: the process must end."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    error = None
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError or AcceleratorError by version
+            error = e
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        printed = captured.read().decode(errors="replace")
+    if printed:
+        sys.stdout.write(printed)
+        sys.stdout.flush()
+    if error is None:
+        return
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    who = f"rank {rank}" if rank is not None else "this process"
+    lines = timeout_lines(printed)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if lines:
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        text = f"{who}: a tsgen kernel timed out waiting for a peer: {lines[0]}{more}; CUDA: {first}"
+    else:
+        text = f"{who}: a kernel failed ({first}); no tsgen timeout diagnosis was printed"
+    raise TsgenTorchError(text + "; the CUDA context is lost, end this process") from error
