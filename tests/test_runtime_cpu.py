@@ -349,14 +349,16 @@ def test_launch_is_ordered_with_the_callers_streams_without_ranks_waiting_for_ea
     fake = _Log()
     devices = {0: 0, 1: 0, 2: 1}  # ranks 0 and 1 share GPU 0
     streams = {r: fake.Stream(f"rank{r}") for r in devices}
-    world = type("W", (), {"cp": fake, "devices": devices, "ranks": sorted(devices), "streams": streams})()
+    world = type("W", (), {"cp": fake, "devices": devices, "ranks": sorted(devices), "streams": streams,
+                           "launched": {}})()
     module = object.__new__(Module)
-    module.world, module.launcher = world, None
+    module.world, module.launcher, module.manifest = world, None, type("M", (), {"name": "k"})()
     module.kernel = KernelEntry("k_w3", "k_w3_launch", 3, (1, 1, 1), (32, 1, 1), 0, (), ())
     module.functions = {r: (lambda r: lambda *a, **k: fake.log.append(("launch", f"rank{r}")))(r) for r in devices}
     bufs = type("B", (), {"arg_values": staticmethod(lambda args, rank: [])})()
 
     module.launch(bufs)
+    assert world.launched == {0: "k/k_w3", 1: "k/k_w3", 2: "k/k_w3"}  # what World.synchronize names on a failure
     kinds = [e[0] for e in fake.log]
     first_launch, last_launch = kinds.index("launch"), len(kinds) - 1 - kinds[::-1].index("launch")
     before, after = fake.log[:first_launch], fake.log[last_launch + 1:]

@@ -1,7 +1,8 @@
 """The `tsgen` command line.
 
 Exit codes: 0 ok, 1 a check failed (stale outputs, wrong results, a
-timeout), 2 bad input (spec, arguments, environment).
+kernel that failed on the GPU: a timeout trap, a launch failure), 2 bad
+input (spec, arguments, environment).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import click
 from . import __version__
 from .env import force_no_multicast, shared_gpu_env
 from .runtime.placement import share_from_env
-from .errors import SpecError, TsgenError
+from .errors import KernelFailed, SpecError, TsgenError
 
 
 def _reports_errors(fn):
@@ -196,10 +197,12 @@ def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout, share_gpu
         ok = run_test(spec, gpus, count=count, iters=iters, seed=seed, arch=arch, echo=click.echo,
                       backend=backend, share_gpus=share_gpus, skew=skew)
     except TsgenError as e:
-        if backend == "single":
+        if backend == "single" and not isinstance(e, KernelFailed):
             raise
-        # After a kernel failed (a peer died and a wait timed out) this process's CUDA
-        # context is dead; the other ranks were told through the store.
+        # After a kernel failed (its wait timed out, or a peer died and a wait timed out) this
+        # process's CUDA context is dead: one message, then out without the interpreter's
+        # teardown (unloading modules from a dead context fails loudly); with one process per
+        # GPU the other ranks were told through the store.
         click.echo(f"tsgen: {e}", err=True)
         leave_now(e.exit_code)
     sys.exit(0 if ok else 1)

@@ -42,3 +42,9 @@ class CheckFailed(TsgenError):
     """A check ran and found a problem (stale output, wrong result)."""
 
     exit_code = 1
+
+
+class KernelFailed(CheckFailed):
+    """A kernel failed on the GPU (a wait's timeout trapped, a launch failure): the kernel under
+    test is broken, so exit 1 as for a wrong result. The CUDA context of that GPU is lost: the
+    process can only report and end (tsgen.harness.leave_now)."""

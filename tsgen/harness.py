@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import RuntimeSetupError
+from .errors import KernelFailed, RuntimeSetupError
 from .manifest import Manifest
 from .ops import get_family
 from .render import render, write_if_different
@@ -112,6 +112,64 @@ def gpu_turn(world=None):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass
+class Printed:
+    """What the kernels printed while a `device_output` block ran (set when the block ends)."""
+
+    text: str = ""
+
+    def diagnosis(self) -> str:
+        """The printed lines, indented, to end a failure's message with."""
+        lines = [line for line in self.text.splitlines() if line.strip()]
+        if not lines:
+            return "; the kernel printed nothing"
+        return "; the kernel printed:\n" + "\n".join(f"    {line}" for line in lines)
+
+
+def _flush_stdout() -> None:
+    """Python's and C's stdout buffers: the device printf reaches fd 1 through C stdio."""
+    import ctypes
+
+    sys.stdout.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def device_output(echo_through: bool = True):
+    """Capture what kernels printf (their timeout diagnosis: the driver writes it to this
+    process's fd 1) while the block runs, into the Printed it yields; `echo_through` then writes
+    it to stdout as well, where it would have gone."""
+    printed = Printed()
+    _flush_stdout()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            yield printed
+        finally:
+            _flush_stdout()
+            os.dup2(saved, 1)
+            os.close(saved)
+            captured.seek(0)
+            printed.text = captured.read().decode(errors="replace")
+            if echo_through and printed.text:
+                sys.stdout.write(printed.text)
+                sys.stdout.flush()
+
+
+def free_quietly(bufs) -> None:
+    """Free a test's buffers while an error is on its way: after a kernel failed, the CUDA
+    context is lost and freeing fails too, which would only hide the error that matters (the
+    memory goes back to the driver with the process)."""
+    try:
+        bufs.free()
+    except Exception:  # noqa: BLE001
+        bufs.bases = {}
 
 
 # The byte written over every output before call `call` (POISON_BYTES[call % 8]; neighbours
@@ -219,9 +277,12 @@ def run_test(
                 world.barrier(f"call {call}: inputs loaded, outputs poisoned")
                 if before_launch is not None:
                     before_launch(call)
-                with gpu_turn(world):  # alone on the GPU while its kernels run, where tests share one
-                    module.launch(bufs)
-                    world.synchronize()
+                try:  # alone on the GPU while its kernels run, where tests share one
+                    with gpu_turn(world), device_output() as printed:
+                        module.launch(bufs)
+                        world.synchronize()
+                except KernelFailed as e:
+                    raise KernelFailed(f"{spec.name}, call {call} of {iters}: {e}{printed.diagnosis()}") from None
                 world.barrier(f"call {call}: every kernel done")
                 poison_call = call if poison_survives else None  # see OpFamily.poison_survives
                 for rank in world.ranks:
@@ -243,8 +304,10 @@ def run_test(
                                 f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
                                 f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
                             )
-        finally:
-            bufs.free()
+        except BaseException:
+            free_quietly(bufs)
+            raise
+        bufs.free()
         gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first, t.bad_calls]
                                                    for r, t in tallies.items()])
         tallies = {r: RankTally(*rest) for part in gathered for r, *rest in part}
@@ -324,14 +387,8 @@ def wrong_elements(got: np.ndarray, want: np.ndarray, tol: np.ndarray | None, dt
 def leave_now(code: int) -> None:
     """End the process with `code` without the interpreter's teardown: after a kernel
     trapped, the CUDA context is dead and unloading modules from it fails loudly."""
-    import ctypes
-
-    sys.stdout.flush()
+    _flush_stdout()  # C stdio too: the device printf of a timeout goes through it
     sys.stderr.flush()
-    try:
-        ctypes.CDLL(None).fflush(None)  # C stdio too: the device printf of a timeout goes through it
-    except (OSError, AttributeError):
-        pass
     os._exit(code)
 
 
@@ -371,29 +428,19 @@ def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeou
     with World(gpus, share_gpus=share_gpus) as world, gpu_turn():
         module = world.load(probe.manifest, arch=arch, source=probe.source)
         bufs = module.alloc(1024)
-        # Capture what the device printf writes to this process's stdout.
-        sys.stdout.flush()
-        saved = os.dup(1)
-        with tempfile.TemporaryFile(mode="w+b") as captured:
-            os.dup2(captured.fileno(), 1)
+        with device_output(echo_through=False) as printed:
+            start = time.perf_counter()
+            module.launch(bufs, ranks=[0])
             try:
-                start = time.perf_counter()
-                module.launch(bufs, ranks=[0])
-                try:
-                    world.synchronize()
-                    failed = None
-                except RuntimeSetupError as e:
-                    failed = str(e)
-                waited = time.perf_counter() - start
-            finally:
-                sys.stdout.flush()
-                os.dup2(saved, 1)
-                os.close(saved)
-            captured.seek(0)
-            printed = captured.read().decode(errors="replace")
+                world.synchronize()
+                failed = None
+            except KernelFailed as e:
+                failed = str(e)
+            waited = time.perf_counter() - start
         # The context is dead after a trap: leak the heap rather than touch it.
         bufs.bases = {}
         world.backend._heaps.clear()
+    printed = printed.text
     print(printed.rstrip())
     if failed and "tsgen: timeout" in printed:
         print(f"probe: the wait timed out after {waited:.2f} s as it should ({failed.splitlines()[0]})")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ..env import force_no_multicast, shared_gpu_env
-from ..errors import RuntimeSetupError
+from ..errors import KernelFailed, RuntimeSetupError
 from ..manifest import ALIGN, Arg, KernelEntry, Manifest, Slot, layout, np_dtype  # noqa: F401 (re-exported)
 from .backends import Backend, cupy_or_error, make_backend
 from .placement import mps_active, ranks_per_gpu, residency_problem, share_from_env
@@ -291,6 +291,7 @@ class Module:
         bench does, on the streams it times)."""
         world, cp = self.world, self.world.cp
         ranks = list(ranks if ranks is not None else world.ranks)
+        world.launched.update({rank: f"{self.manifest.name}/{self.kernel.name}" for rank in ranks})
         ordered = streams is None
         streams = world.streams if streams is None else streams
         if ordered:
@@ -513,6 +514,8 @@ class World:
         # serialized behind each other (a hang when one waits for the other), and peer copies
         # queued there ordered separate devices' default streams against each other (deadlock).
         self._modules: list[Module] = []  # closed with the World
+        self.launched: dict[int, str] = {}  # rank -> "module/kernel" it last launched (synchronize names it)
+        self.cleanup_errors: list[str] = []  # what closing after an error raised (kept, not raised)
         try:  # the first call that creates this process's context on each device
             self.streams = first_streams(self.make_streams, self.cp.cuda.runtime.CUDARuntimeError,
                                          processes_share=self.shared and backend.store is not None)
@@ -570,17 +573,23 @@ class World:
             return False
 
     def synchronize(self) -> None:
-        """Wait for this process's ranks; a failed kernel raises with the rank(s) of its GPU named."""
+        """Wait for this process's ranks. Kernels that failed raise one KernelFailed naming, per
+        failed GPU, its ranks, the kernel each last launched and CUDA's error (every GPU is waited
+        for first: a peer of a failed rank times out and traps too, and says what it waited for)."""
         on_gpu: dict[int, list[int]] = {}
         for rank, dev in sorted(self.devices.items()):
             on_gpu.setdefault(dev, []).append(rank)
+        failed = []
         for dev, ranks in on_gpu.items():
             try:
                 with self.cp.cuda.Device(dev):
                     self.cp.cuda.runtime.deviceSynchronize()
             except self.cp.cuda.runtime.CUDARuntimeError as e:
                 who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-                raise RuntimeSetupError(f"{who} (GPU {dev}): kernel failed: {e}") from e
+                kernels = ", ".join(dict.fromkeys(self.launched[r] for r in ranks if r in self.launched))
+                failed.append(f"{who} (GPU {dev}{', kernel ' + kernels if kernels else ''}): {e}")
+        if failed:
+            raise KernelFailed("kernel failed on " + "; ".join(failed))
 
     def check_resident(self, kernel: KernelEntry, function: Any) -> None:
         """Kernels whose blocks wait on each other (or, on a shared GPU, on other ranks) need
@@ -614,6 +623,12 @@ class World:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None and self.backend.store is not None:
+        if exc is None:
+            self.close()
+            return
+        if self.backend.store is not None:
             self.backend.store.abort(f"{exc_type.__name__}: {exc}")
-        self.close()
+        try:  # after a kernel failed, freeing fails too (the context is lost): the first error is the one to see
+            self.close()
+        except Exception as e:  # noqa: BLE001
+            self.cleanup_errors.append(f"{type(e).__name__}: {e}")
