@@ -10,6 +10,7 @@ between calls: the epoch just counts up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import sys
@@ -128,15 +129,21 @@ class Printed:
         return "; the kernel printed:\n" + "\n".join(f"    {line}" for line in lines)
 
 
-def _flush_stdout() -> None:
-    """Python's and C's stdout buffers: the device printf reaches fd 1 through C stdio."""
+@functools.lru_cache(maxsize=1)
+def _c_fflush():
     import ctypes
 
-    sys.stdout.flush()
     try:
-        ctypes.CDLL(None).fflush(None)
+        return ctypes.CDLL(None).fflush
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+def _flush_stdout() -> None:
+    """Python's and C's stdout buffers: the device printf reaches fd 1 through C stdio."""
+    sys.stdout.flush()
+    if _c_fflush() is not None:
+        _c_fflush()(None)
 
 
 @contextlib.contextmanager
