@@ -5,6 +5,7 @@ folders with the right tallies."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,52 @@ def test_an_mps_only_run_lists_each_ipc_launch_and_no_suite(tmp_path):
     assert "1 passed, 1 failed, 0 skipped (stopped before the end" in out
     assert "| 4 | `python -m tsgen test specs/x.yaml` | 1 | tsgen: rank 3: cudaErrorMpsMaxConnectionsReached / 809 |" in out
     assert "| 2 | `python -m tsgen test specs/x.yaml` | 0 | x: PASS |" in out
+
+
+def test_failed_ids_skip_reasons_and_control_detection_are_kept(tmp_path):
+    """pytest's short summary (-rfEs) gives every failed test with its message and every skip
+    reason with its count; negative controls run over seeds give caught / seeds per control;
+    --kind files the run under results/tests/KIND/ (issue 29: results/tests kept counts only)."""
+    run = _run_dir(tmp_path, "pytest_shared.txt")
+    (run / "pytest_shared.txt").write_text(
+        "...sF.sE\n=========================== short test summary info ============================\n"
+        "FAILED tests/test_gpu.py::test_primitive_on_gpus[moe_ll-8] - tsgen.errors.KernelFailed: moe_ll | boom\n"
+        "ERROR tests/test_moe_gpu.py::test_x - RuntimeError: fixture broke\n"
+        "SKIPPED [3] tests/test_gpu.py:45: needs 4 GPUs; this machine has 2\n"
+        "SKIPPED [1] tests/test_gpu_ipc.py:20: needs MPS\n"
+        "SKIPPED [2] tests/test_gpu.py:88: needs 4 GPUs; this machine has 2\n"
+        "== 1 failed, 3 passed, 6 skipped, 1 error in 9.97s ==\n")
+    (run / "negative_control.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"control": "ulysses_pre_a2a arrival wait", "seeds": 50, "caught": 49},
+        {"control": "barrier_all", "seeds": 25, "caught": 25}, {"control": "barrier_all", "seeds": 25, "caught": 25},
+        {"spec": "simple_shift", "removed": "x", "skew": None, "shared": True, "pass": False}]))
+    (run / "moe.jsonl").write_text(json.dumps({"control": "moe counts wait", "seed": 3, "caught": True}) + "\n")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "summarize_shared.py"), str(run), str(tmp_path / "res"),
+                        "abc1234", "bash tools/gpu_gate.sh", "--kind", "gate-h100"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    md = tmp_path / "res" / "tests" / "gate-h100" / "2026-11-23-abc1234.md"
+    s = json.loads(md.with_suffix(".json").read_text())["summary"]
+    assert s["failed_tests"] == ["tests/test_gpu.py::test_primitive_on_gpus[moe_ll-8]"]
+    assert s["failures"][0]["message"] == "tsgen.errors.KernelFailed: moe_ll | boom"
+    assert s["failures"][1] == {"id": "tests/test_moe_gpu.py::test_x", "outcome": "ERROR",
+                                "message": "RuntimeError: fixture broke"}
+    assert s["skips"] == [{"reason": "needs 4 GPUs; this machine has 2", "count": 5,
+                           "where": ["tests/test_gpu.py:45", "tests/test_gpu.py:88"]},
+                          {"reason": "needs MPS", "count": 1, "where": ["tests/test_gpu_ipc.py:20"]}]
+    assert s["controls"] == [{"control": "barrier_all", "seeds": 50, "caught": 50, "detection": 1.0},
+                             {"control": "moe counts wait", "seeds": 1, "caught": 1, "detection": 1.0},
+                             {"control": "ulysses_pre_a2a arrival wait", "seeds": 50, "caught": 49, "detection": 0.98}]
+    text = md.read_text()
+    assert "| ulysses_pre_a2a arrival wait | 50 | 49 | 49/50 (MISSED 1) |" in text and "| barrier_all | 50 | 50 | 50/50 |" in text
+    assert "| `tests/test_gpu.py::test_primitive_on_gpus[moe_ll-8]` | FAILED | tsgen.errors.KernelFailed: moe_ll / boom |" in text
+    assert "| 5 | needs 4 GPUs; this machine has 2 | tests/test_gpu.py:45, tests/test_gpu.py:88 |" in text
+    assert "| simple_shift | none | yes |" in text  # the per-run controls' table stays
+
+
+def test_the_gpu_scripts_ask_pytest_for_failures_and_skips():
+    """-rs alone drops the FAILED lines from pytest's short summary: the summarizer reads them."""
+    for script in ("gpu_shared.sh", "gpu_real.sh"):
+        for line in (ROOT / "tools" / script).read_text().splitlines():
+            if "-m pytest" in line or line.strip().startswith("--"):
+                assert not re.search(r"\s-rs\b", line), (script, line)
+        assert "-rfEs" in (ROOT / "tools" / script).read_text(), script

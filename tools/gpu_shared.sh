@@ -22,7 +22,7 @@ cores=$(( $(nproc) > 4 ? $(nproc) - 2 : 2 )); by_memory=$(( ${mib:-16384} / 8192
 code=0
 if [ "${SUITE:-1}" != 0 ]; then
   python3 -m pytest -q -m gpu ${FIRST:-} tests/ -n "${JOBS:-$(( cores < by_memory ? cores : by_memory ))}" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
-    --durations=10 -rs "$@" 2>&1 | tee "$OUT/pytest_shared.txt"
+    --durations=10 -rfEs "$@" 2>&1 | tee "$OUT/pytest_shared.txt"
   code=${PIPESTATUS[0]}
   echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$OUT/device.txt"
 fi
@@ -33,7 +33,7 @@ if [ -n "${MPS:-}" ]; then
   source "$(dirname "$0")/mps.sh"
   if mps_start; then
     timeout -k 5 "${MPS_LIMIT:-240}" python3 -m pytest -q -m gpu tests/test_gpu_ipc.py -p no:cacheprovider \
-      --timeout "${PER_TEST:-180}" -rs 2>&1 | tee "$OUT/pytest_ipc_mps.txt"
+      --timeout "${PER_TEST:-180}" -rfEs 2>&1 | tee "$OUT/pytest_ipc_mps.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
     mps_stop "$OUT/mps_log"
   else

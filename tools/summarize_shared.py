@@ -4,14 +4,20 @@ pytest_real.txt) into results/tests/real-gpu/<date>-<commit>.{json,md}: the pyte
 spec x world rows by world, the dtype matrix, the negative controls (caught or not, with and
 without skew), the timeout probes, the ipc tests under MPS and the vendoring example.
 
-Usage: python tools/summarize_shared.py RUN_DIR RESULTS_DIR COMMIT "COMMAND"
+What a run left out is kept too: every failed test (or error) with pytest's one-line message and
+every skip reason with its count (pytest's short summary: run pytest with -rfEs), and, per
+negative control, how often it caught its broken kernel over how many seeds (rows with `control`,
+`caught` and `seeds` (or one `seed`) in any *.jsonl of the run: detection = caught / seeds).
+
+Usage: python tools/summarize_shared.py RUN_DIR RESULTS_DIR COMMIT "COMMAND" [--kind KIND]
+(KIND: the folder under RESULTS_DIR/tests/; default real-gpu for a gpu_real.sh run, else shared-gpu)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,6 +29,41 @@ def jsonl(run: Path, kind: str) -> list[dict]:
 
 def shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def short_summary(text: str) -> tuple[list[dict], list[dict]]:
+    """pytest's short test summary (-rfEs): the failed tests and errors ({id, outcome, message}),
+    and the skips grouped by reason ({reason, count, where: the file:line of each})."""
+    failures = [{"id": m["id"], "outcome": m["outcome"], "message": (m["message"] or "").strip()}
+                for m in re.finditer(r"^(?P<outcome>FAILED|ERROR) (?P<id>\S+)(?: - (?P<message>.*))?$", text, re.M)]
+    skips: dict[str, dict] = {}
+    for m in re.finditer(r"^SKIPPED \[(\d+)\] ([^:\s]+:\d+): (.*)$", text, re.M):
+        group = skips.setdefault(m[3].strip(), {"reason": m[3].strip(), "count": 0, "where": []})
+        group["count"] += int(m[1])
+        if m[2] not in group["where"]:
+            group["where"].append(m[2])
+    return failures, sorted(skips.values(), key=lambda s: (-s["count"], s["reason"]))
+
+
+def controls(run: Path) -> list[dict]:
+    """Detection per negative control: rows with `control` and `caught` in any *.jsonl of the run,
+    each over `seeds` seeds (caught: how many of them caught it) or one `seed` (caught: a bool)."""
+    out: dict[str, dict] = {}
+    for f in sorted(run.glob("*.jsonl")):
+        for row in jsonl(run, f.stem):
+            if not isinstance(row, dict) or "control" not in row or "caught" not in row:
+                continue
+            c = out.setdefault(str(row["control"]), {"control": str(row["control"]), "seeds": 0, "caught": 0})
+            c["seeds"] += int(row.get("seeds", 1))
+            c["caught"] += int(row["caught"])
+    for c in out.values():
+        c["detection"] = round(c["caught"] / c["seeds"], 4) if c["seeds"] else None
+    return sorted(out.values(), key=lambda c: c["control"])
+
+
+def cell(text: str, width: int = 160) -> str:
+    """Text for one Markdown table cell: one line, no '|', at most `width` characters."""
+    return shorten(" ".join(str(text).split()).replace("|", "/"), width)
 
 
 def tally(text: str) -> dict:
@@ -51,7 +92,12 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     log = run / ("pytest_real.txt" if real else "pytest_shared.txt")
     suite = tally(log.read_text()) if log.exists() else {}
     ipc = tally((run / "pytest_ipc_mps.txt").read_text()) if (run / "pytest_ipc_mps.txt").exists() else {}
-    failed = re.findall(r"^FAILED (\S+)", log.read_text(), re.M) if log.exists() else []
+    failures, skips = short_summary(log.read_text()) if log.exists() else ([], [])
+    if (run / "pytest_ipc_mps.txt").exists():  # the ipc tests under MPS: a pytest run of their own
+        ipc_failures, ipc_skips = short_summary((run / "pytest_ipc_mps.txt").read_text())
+        failures += [dict(f, part="ipc under MPS") for f in ipc_failures]
+        skips += [dict(s, part="ipc under MPS") for s in ipc_skips]
+    failed = [f["id"] for f in failures if f["outcome"] == "FAILED"]
     families = {kind: jsonl(run, kind) for kind in ("cp_attention", "moe")}
     corr, dtypes = jsonl(run, "correctness"), jsonl(run, "dtype_matrix")
     negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
@@ -61,11 +107,13 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
                  "last": next((ln for ln in reversed((r["stderr"] + "\n" + r["stdout"]).splitlines()) if ln.strip()), "")}
                 for r in jsonl(run, "ipc")]
     summary = {
-        "suite": suite, "failed_tests": failed, "ipc_under_mps": ipc, "ipc_runs": ipc_runs,
+        "suite": suite, "failed_tests": failed, "failures": failures, "skips": skips, "controls": controls(run),
+        "ipc_under_mps": ipc, "ipc_runs": ipc_runs,
         "correctness": {"tests": len(corr), "passed": sum(r["pass"] for r in corr),
                         "worlds": dict(sorted(Counter(str(r["world"]) for r in corr).items()))},
         "dtype_matrix": {"tests": len(dtypes), "passed": sum(r["pass"] for r in dtypes)},
-        "negative_controls": sorted(({"spec": r["spec"], "skew": r.get("skew"), "caught": not r["pass"]} for r in negs),
+        "negative_controls": sorted(({"spec": r["spec"], "skew": r.get("skew"), "caught": not r["pass"]}
+                                     for r in negs if "spec" in r and "pass" in r),  # one run each (`controls`: seeds)
                                     key=lambda n: (n["spec"], n["skew"] or 0)),
         "timeout_probes": {"tests": len(probes), "passed": sum(r.get("rc") == 0 for r in probes)},  # rc 0: timed out, printed, trapped
         "vendor": [ln for ln in vendor if "PASS" in ln or "FAIL" in ln],
@@ -110,8 +158,20 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     md += ["", "Negative controls (a broken kernel must FAIL):", "", "| control | skew | caught |", "|---|---|---|"]
     md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
            for n in summary["negative_controls"]]
-    if failed:
-        md += ["", "Failed tests:", ""] + [f"- `{t}`" for t in failed]
+    if summary["controls"]:
+        md += ["", "Negative controls over seeds (detection = runs that caught the broken kernel / seeds):", "",
+               "| control | seeds | caught | detection |", "|---|---|---|---|"]
+        md += [f"| {cell(c['control'])} | {c['seeds']} | {c['caught']} | "
+               f"{c['caught']}/{c['seeds']}{'' if c['caught'] == c['seeds'] else ' (MISSED ' + str(c['seeds'] - c['caught']) + ')'} |"
+               for c in summary["controls"]]
+    if failures:
+        md += ["", "Failed tests (pytest's message):", "", "| test | outcome | message |", "|---|---|---|"]
+        md += [f"| `{cell(f['id'], 200)}` | {f['outcome']}{' (' + f['part'] + ')' if f.get('part') else ''} | "
+               f"{cell(f['message'])} |" for f in failures]
+    if skips:
+        md += ["", "Skips by reason:", "", "| skipped | reason | where |", "|---|---|---|"]
+        md += [f"| {s['count']} | {cell(s['reason'])}{' (' + s['part'] + ')' if s.get('part') else ''} | "
+               f"{cell(', '.join(s['where']), 120)} |" for s in skips]
     if ipc_runs:
         md += ["", "ipc runs (`tsgen launch`, one process per rank):", "", "| processes | command | exit | last line |",
                "|---|---|---|---|"]
@@ -120,10 +180,21 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
             "negative_control": negs, "timeout_probe": probes}, "\n".join(md) + "\n"
 
 
-def main() -> None:
-    run, results, commit, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    data, md = summarize(run, commit, command)
-    folder = results / "tests" / ("real-gpu" if (run / "pytest_real.txt").exists() else "shared-gpu")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="the run's folder ($OUT)")
+    parser.add_argument("results", type=Path, help="the results folder (results/)")
+    parser.add_argument("commit")
+    parser.add_argument("command", help="the command that made the run")
+    parser.add_argument("--kind", default=None,
+                        help="folder under RESULTS/tests/ (default: real-gpu for gpu_real.sh's run, else shared-gpu)")
+    args = parser.parse_args(argv)
+    run, results, commit = args.run, args.results, args.commit
+    data, md = summarize(run, commit, args.command)
+    kind = args.kind or ("real-gpu" if (run / "pytest_real.txt").exists() else "shared-gpu")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", kind):
+        parser.error(f"--kind {kind!r}: a folder name (letters, digits, '.', '_', '-')")
+    folder = results / "tests" / kind
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"{data['meta']['date']}-{commit}"
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
