@@ -181,10 +181,16 @@ def _finish(rows: list[dict], errors: list[str], control: str | None) -> None:
 @click.option("--readme", type=click.Path(dir_okay=False, path_type=Path), default=Path("README.md"), show_default=True)
 @click.option("--suites", "suites_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("suites"),
               show_default=True)
-@click.option("--check", is_flag=True, help="write nothing; exit 1 when latest.md or the README's tables are stale")
-def results(results_dir, readme, suites_dir, check):
+@click.option("--docs", "docs_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("docs"),
+              show_default=True, help="--check: the Markdown files under it are checked with the README")
+@click.option("--check", is_flag=True, help="write nothing; exit 1 when latest.md or the README's tables are stale, "
+              "when a performance figure in the README or docs/ is in no results file its section cites, or when a "
+              "relative link leads nowhere; warn when no GPU test run in results/tests/ has seen the newest change "
+              "of templates/, generated/ or tsgen/runtime/")
+def results(results_dir, readme, suites_dir, docs_dir, check):
     """Keep the results index: archive superseded runs, write results/latest.md and the README's
-    performance tables from the newest run of each suite."""
+    performance tables from the newest run of each suite. --check: also every performance figure
+    of the README and docs/ against the results files (tsgen/bench/figures.py says what counts)."""
     from .index import archive_superseded, latest_md, readme_block, scan, update_readme
 
     if not results_dir.is_dir():
@@ -197,9 +203,13 @@ def results(results_dir, readme, suites_dir, check):
             stale.append(f"{latest} is stale")
         if readme.exists() and readme.read_text() != update_readme(readme, readme_block(results_dir, suites_dir)):
             stale.append(f"{readme}'s generated tables are stale")
-        if stale:
-            raise CheckFailed("; ".join(stale) + ": run `tsgen results`")
-        click.echo("tsgen: results index up to date")
+        unbacked = _check_figures(results_dir, readme, docs_dir)
+        if stale or unbacked:
+            raise CheckFailed("; ".join(stale + ([f"{unbacked} problem(s) with the figures and links above"]
+                                                 if unbacked else []))
+                              + (": run `tsgen results`" if stale else ""))
+        click.echo("tsgen: results index up to date; every performance figure in the README and docs/ is in a "
+                   "results file its section cites")
         return
     for old, new in archive_superseded(results_dir):
         click.echo(f"archived: {old} -> {new}")
@@ -211,3 +221,22 @@ def results(results_dir, readme, suites_dir, check):
             readme.write_text(text)
             click.echo(f"tsgen: updated the generated tables in {readme}")
 
+
+def _check_figures(results_dir: Path, readme: Path, docs_dir: Path) -> int:
+    """Print the problems of the figures and links of the README and docs/ (and the figures marked
+    as backed by no file, and whether a GPU test run has seen the newest device code); their count."""
+    from .figures import check_figures, check_links, markdown_files
+    from .index import gate_warning
+
+    paths = markdown_files(readme, docs_dir)
+    root = Path.cwd()
+    report = check_figures(paths, root, results_dir)
+    problems = report.problems + check_links(paths, root)
+    for line in problems:
+        click.echo(line, err=True)
+    for line in report.unbacked:
+        click.echo(f"note: {line}", err=True)
+    warning = gate_warning(results_dir)
+    if warning:
+        click.echo(f"tsgen: warning: {warning}", err=True)
+    return len(problems)

@@ -7,6 +7,11 @@ date, commit, device, command and table), and rewrites the README's block betwee
 suites/NAME.yaml has a `readme:` section (its sizes and labels), tsgen's rows with their
 ratios. `--check` writes nothing and fails when latest.md or the README block is stale.
 Files written before this bench keep their content; legacy.py reads their rows.
+
+A run stopped part way (its suite's time limit: meta `stopped`, an "incomplete run" error) is
+indexed like any other: its finished entries are rows, and latest.md and the README say
+"incomplete" beside them. `evidence` lists every file a figure in the README or docs/ may cite
+(tsgen/bench/figures.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +58,11 @@ class Result:
     def data(self):
         return json.loads(self.json.read_text()) if self.json else None
 
+    @property
+    def incomplete(self) -> str | None:
+        """Why the run stopped before its last entry (a suite's time limit), or None."""
+        return incomplete(self.data())
+
     def order(self) -> tuple:
         """Runs sort by date, then by the time the file records, then by the -n suffix."""
         m = _STEM.match(self.stem)
@@ -59,6 +70,33 @@ class Result:
         meta = (data.get("meta") if isinstance(data, dict) else None) or (data if isinstance(data, dict) else {})
         when = str(meta.get("date", "")) if isinstance(meta, dict) else ""
         return (m.group(1) if m else self.stem, when, int(m.group(3) or 1) if m else 0)
+
+
+INCOMPLETE = "incomplete run: "  # the error a stopped suite records (tsgen/bench/cli.py)
+
+
+def incomplete(data) -> str | None:
+    """Why a result file's run stopped part way (meta `stopped`, or its "incomplete run" error),
+    or None for a run that finished."""
+    if not isinstance(data, dict):
+        return None
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    if meta.get("stopped"):
+        return str(meta["stopped"])
+    errors = data.get("errors") if isinstance(data.get("errors"), list) else []
+    return next((str(e)[len(INCOMPLETE):] for e in errors if str(e).startswith(INCOMPLETE)), None)
+
+
+EVIDENCE_SUFFIXES = (".json", ".jsonl", ".md", ".txt")
+
+
+def evidence(results: Path) -> list[Path]:
+    """Every measured file under results/: the runs of every suite (the newest and the archived,
+    finished or incomplete), results/tests/, and the files kept from before this index
+    (results/archive/, results/<op>/*). Not README.md files (prose about the files) nor
+    latest.md (the newest runs again)."""
+    return sorted(p for p in Path(results).rglob("*") if p.is_file() and p.suffix in EVIDENCE_SUFFIXES
+                  and p.name != "README.md" and p != Path(results) / "latest.md")
 
 
 def scan(results: Path) -> dict[tuple[str, str], list[Result]]:
@@ -126,13 +164,16 @@ def latest_md(results: Path) -> str:
                 "Files: " + ", ".join(f"[{rel(f)}]({rel(f)})" for f in run.files) + "."]
         if isinstance(meta, dict) and meta.get("command"):
             out.append(f"Command: `{meta['command']}`.")
+        if run.incomplete:
+            out.append(f"**Incomplete run**: {run.incomplete}; the rows below are the entries it finished.")
         out.append("")
         table = markdown_table([r for r in rows if r.get("time_us")]) if rows else ""
         if not table and run.md:
             table = _first_table(run.md.read_text())
         out += [table or "(no table)", ""]
         errors = (data or {}).get("errors") if isinstance(data, dict) else None
-        if isinstance(errors, list) and errors:
+        errors = [e for e in errors if not str(e).startswith(INCOMPLETE)] if isinstance(errors, list) else []
+        if errors:
             out += ["Errors (no rows):", ""] + [f"- {e}" for e in errors] + [""]
     return "\n".join(out).rstrip() + "\n"
 
@@ -155,7 +196,8 @@ def readme_block(results: Path, suites_dir: Path) -> str:
             if not keep:
                 continue
             rel = run.json.relative_to(Path(results).parent).as_posix() if run.json else ""
-            parts += [f"**{sel['title']}** ({_provenance(run, meta)}; [{rel}]({rel}))", "",
+            stopped = f"; incomplete run: {run.incomplete}" if run.incomplete else ""
+            parts += [f"**{sel['title']}** ({_provenance(run, meta)}{stopped}; [{rel}]({rel}))", "",
                       markdown_table(keep).replace("### ", "Table: "), ""]
     parts.append(END)
     return "\n".join(parts)
@@ -168,3 +210,41 @@ def update_readme(readme: Path, block: str) -> str:
         head, rest = text.split(BEGIN, 1)
         return head + block + rest.split(END, 1)[1]
     return text.rstrip() + "\n\n" + block + "\n"
+
+
+GATED = ("templates", "generated", "tsgen/runtime")  # the code a GPU run must have seen
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gate_warning(results: Path) -> str | None:
+    """A warning when no GPU test run in results/tests/ (tools/gpu_gate.sh, gpu_shared.sh,
+    gpu_real.sh write them, named after the commit they ran) ran the newest commit that changed
+    templates/, generated/ or tsgen/runtime/, or a later one (by git's history); None when one did,
+    or when git cannot tell (no repository, no such commit)."""
+    results = Path(results).resolve()
+    top = _git(results, "rev-parse", "--show-toplevel")
+    if top is None or top.returncode:
+        return None
+    root = Path(top.stdout.strip())
+    last = _git(root, "log", "-1", "--format=%H %h %s", "--", *GATED)
+    if last is None or last.returncode or not last.stdout.strip():
+        return None
+    full, short, subject = (last.stdout.strip().split(" ", 2) + ["", ""])[:3]
+    runs = [run for (kind, _), found in scan(results).items() if kind == "tests" for run in found]
+    for run in runs:
+        m = _STEM.match(run.stem)
+        if m and m.group(2) != "unknown":
+            ran = _git(root, "merge-base", "--is-ancestor", full, m.group(2).removesuffix("-dirty"))
+            if ran is not None and ran.returncode == 0:  # the run's commit has that change
+                return None
+    newest = max(runs, key=Result.order, default=None)
+    where = f"the newest: {newest.folder.relative_to(results).as_posix()}/{newest.stem}" if newest else "there is none"
+    return (f"no GPU test run in results/tests/ ({where}) ran {short} ({subject[:60]}), which changed templates/, "
+            "generated/ or tsgen/runtime/, or a later commit: run tools/gpu_gate.sh on a GPU")
+
