@@ -452,10 +452,11 @@ def test_host_launchers_of_ranks_sharing_a_gpu_run_in_rank_order_on_the_callers_
     for devices, prepare, on_caller in [({0: 0, 1: 0, 2: 0, 3: 0}, None, True), ({0: 0, 1: 1}, None, False),
                                         ({0: 0, 1: 0}, "k_prepare", False)]:
         seen = []
-        world = type("W", (), {"cp": fake, "devices": devices, "ranks": sorted(devices),
+        world = type("W", (), {"cp": fake, "devices": devices, "ranks": sorted(devices), "launched": {},
                                "streams": {r: fake.Stream(f"rank{r}") for r in devices}})()
         module = object.__new__(Module)
         module.world, module._pool, module._registered = world, None, []
+        module.manifest = type("M", (), {"name": "k"})()
         module.kernel = KernelEntry("k_w4", "k_w4_launch", 4, (1, 1, 1), (32, 1, 1), 0, (), (), prepare or "")
         module._host_launch = lambda buffers, rank, stream, seen=seen: seen.append((rank, threading.get_ident()))
         module.launcher = object()

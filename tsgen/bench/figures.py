@@ -60,7 +60,7 @@ _APPROX = re.compile(r"(?:~|≈|\babout|\baround|\broughly|\bnearly|\balmost|\bs
 _BOUND = re.compile(r"(?:\bunder|\bbelow|\bover|\babove|\bat most|\bat least|\bup to|\bwithin|\bless than|\bmore than"
                     r"|<|>|≤|≥|<=|>=|±|\+-|\+/-)\s*$", re.I)
 MARKER = re.compile(r"\[(anchor|not backed by a file):\s*([^\]]+)\]", re.I)
-_CITATION = re.compile(r"(?:\.\./)*results/[\w./*-]*|\b\d{4}-\d\d-\d\d-[\w.-]+\.(?:jsonl|json|md|txt)\b")
+_CITATION = re.compile(r"(?:\.\./)*results/[\w./*-]*(?:\{[\w,]+\})?|\b\d{4}-\d\d-\d\d-[\w.-]+\.(?:jsonl|json|md|txt)\b")
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 _HEADING = re.compile(r"^(#{1,6})\s")
@@ -334,6 +334,10 @@ class Evidence:
         rel = re.sub(r"^(?:\.\./|\./)+", "", citation).split("#")[0].rstrip(".,;:")
         if not rel.startswith("results"):
             return [], True  # a link elsewhere: the link check's business
+        braces = re.search(r"\{([\w,]+)\}$", rel)
+        if braces:  # results/x/run.{json,md}: each of them
+            found = [self.resolve(rel[:braces.start()] + ext) for ext in braces.group(1).split(",")]
+            return [f for files, _ in found for f in files], all(exists for _, exists in found)
         rel = rel[len("results"):].strip("/")
         hits = sorted(self.results.glob(rel)) if any(c in rel for c in "*?[") else [self.results / rel]
         archived = [self.results / "archive" / h.relative_to(self.results) for h in hits
