@@ -2,7 +2,9 @@
 
 **A performance figure** is a number, or a list or range of numbers (`303 / 341 / 351`,
 `0.89-1.03`, `337 / 352 vs 245 / 268`), written directly before a unit of speed or time: TFLOP/s
-(TFLOPS, GFLOP/s), TB/s, GB/s, MB/s, us (µs), ms, a ratio `x` (`×`) or a percentage `%`. A ratio
+(TFLOPS, GFLOP/s), TB/s, GB/s, MB/s, us (µs), ms, a ratio `x` (`×`) or a percentage `%` in a
+sentence that speaks of speed or time (faster, cost, peak, busbw, us, ...: a share of the tests run
+or of the bytes written is no figure). A ratio
 is a number with a decimal point or an `x` right after the number (`1.18x`, `2.0-2.4x`, `4x`; not
 `4 x H200`, `128 × 256` or `2 x hidden`). In a table, a bare number in a column whose header names
 one of these units (`time us`, `busbw`, `TFLOP/s`, `vs NCCL`, `ratio`, `%`) is one too. Not
@@ -32,9 +34,9 @@ its sentence. Citations of docs/lab/ back nothing: a lab log repeats files, it i
   it covers, and fails when there are more than MAX_UNBACKED of them: they must stay rare.
 - Any marker in a heading covers the section under it; at the end of the paragraph above a
   table, the table.
-- A prediction: a sentence that starts with "Predict" (and the list right after a sentence
-  "Predictions ...:"), or a figure right after "prediction" / "predicted": the lab logs'
-  figures written before a run.
+- A prediction: a paragraph or sentence that starts with "Predict" (and the list right after a
+  sentence "Predictions ...:"), or a figure right after "prediction" / "predicted": the lab
+  logs' figures written before a run.
 
 docs/lab/ (the dated lab log) is checked like the rest: an entry names the results file of each
 number it reports; what a run printed but did not keep is marked as not backed by a file. An
@@ -56,7 +58,7 @@ from .index import BEGIN, END, evidence, incomplete
 MAX_UNBACKED = 12  # markers "[not backed by a file: ...]" in README.md and docs/, all together
 
 _NUM = r"[+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_SEP = r"\s*(?:/|–|—|-|,|\bto\b|\band\b|\bor\b|\bvs\.?|\bagainst\b)\s*"
+_SEP = r"\s*(?:/|–|—|-|\bto\b|\band\b|\bor\b|\bvs\.?|\bagainst\b)\s*"
 _UNIT = r"TFLOP/s|TFLOPS|GFLOP/s|TB/s|GB/s|MB/s|µs|μs|us|ms|%|x|×"
 FIGURE = re.compile(rf"(?<![\w.,/−+-])(?P<nums>{_NUM}(?:{_SEP}{_NUM})*)(?P<space>\s?)(?P<unit>{_UNIT})(?![\w/])")
 NUMBER = re.compile(_NUM)
@@ -69,6 +71,9 @@ _APPROX = re.compile(r"(?:~|≈|\babout|\baround|\broughly|\bnearly|\bnear|\bclo
                      re.I)
 _BOUND = re.compile(r"(?:\bunder|\bbelow|\bover|\babove|\bat most|\bat least|\bup to|\bwithin|\bless than|\bmore than"
                     r"|<|>|≤|≥|<=|>=|±|\+-|\+/-)\s*$", re.I)
+_PERF_WORDS = re.compile(r"faster|slower|speed|throughput|bandwidth|busbw|algbw|latency|FLOP|[GMT]B/s|µs|\bus\b|\bms\b"
+                         r"|cost|overhead|peak|ceiling|ideal|utili[sz]|active|DRAM|\bL2\b|HBM|clock|efficien|\btim(?:e|es|ing)\b"
+                         r"|noise|spread|\bvs\b|against", re.I)
 _PREDICTED = re.compile(r"\bpredict(?:ion|ed)s?\b[^.]{0,6}$", re.I)
 MARKER = re.compile(r"\[(anchor|computed|not backed by a file):\s*([^\]]+)\]", re.I)
 _CITATION = re.compile(r"(?:\.\./)*results/[\w./*-]*(?:\{[\w,]+\})?|\b\d{4}-\d\d-\d\d-[\w.-]+\.(?:jsonl|json|md|txt)\b")
@@ -76,7 +81,7 @@ _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 _HEADING = re.compile(r"^(#{1,6})\s")
 _LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s")
-_SENTENCE_END = re.compile(r"(?<=[.!?:])\s+(?=[A-Z(\[*`\"])")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*`\"])")
 _HEADER_UNITS = [(re.compile(r"TFLOP", re.I), "TFLOP/s"), (re.compile(r"GB/s|busbw|algbw", re.I), "GB/s"),
                  (re.compile(r"\bms\b"), "ms"), (re.compile(r"\b(?:us|µs)\b|time", re.I), "us"),
                  (re.compile(r"%"), "%"), (re.compile(r"\bvs\b|ratio|×|\bx\b", re.I), "x")]
@@ -204,11 +209,14 @@ def _qualifier(before: str) -> str | None:
 
 
 def _figures_in(text: str) -> list[tuple[str, list[str], str, str | None]]:
-    """(text, numbers, unit, qualifier) of each figure in prose."""
+    """(text, numbers, unit, qualifier) of each figure in a sentence."""
     out = []
+    speaks_of_speed = bool(_PERF_WORDS.search(text))
     for m in FIGURE.finditer(text):
         unit, nums = m.group("unit"), m.group("nums")
         numbers = NUMBER.findall(nums)
+        if unit == "%" and not speaks_of_speed:
+            continue  # a share of something else: tests run, bytes, SMs
         if unit in ("x", "×"):
             after = text[m.end():]
             decimal = any("." in n for n in numbers)
@@ -249,7 +257,7 @@ def read_sections(path: Path) -> list[Section]:
     for item in _blocks(_prose(lines)):
         if item[0] == "heading":
             _, level, line, text = item
-            section = Section(path, text.strip(), level)
+            section = Section(path, MARKER.sub("", text).strip(), level)
             marker = MARKER.search(text)
             if marker:
                 section.marker = (marker.group(1).lower(), marker.group(2).strip())
@@ -287,13 +295,15 @@ def read_sections(path: Path) -> list[Section]:
             text += _plain(line) + " "
         pos = 0
         parts = _SENTENCE_END.split(text)
+        block_predicts = _LIST_ITEM.sub("", text, count=1).lstrip("*_ ").lower().startswith("predict")
         for part in parts:
             at = text.find(part, pos)
             pos = at + len(part)
             line = max((i for offset, i in starts if offset <= at), default=first)
             body = _LIST_ITEM.sub("", part, count=1).lstrip("*_ ")
             sentence = Sentence(part, line)
-            sentence.prediction = body.lower().startswith("predict") or (is_list and pending_prediction)
+            sentence.prediction = (body.lower().startswith("predict") or block_predicts
+                                   or (is_list and pending_prediction))
             if body.lower().startswith("prediction") and part.rstrip().endswith(":"):
                 pending_prediction = True
             sentence.figures = [Figure(path, line, *f, sentence=part) for f in _figures_in(part)]
@@ -410,17 +420,19 @@ def check_figures(paths: list[Path], root: Path, results: Path) -> Report:
             covered: dict[int, tuple[str, str]] = {}  # sentence index -> marker
             for k, s in enumerate(section.sentences):
                 m = MARKER.search(s.text)
-                if m:
-                    covered[k] = (m.group(1).lower(), m.group(2).strip())
-                    if m.group(1).lower() == "not backed by a file":
-                        markers += 1
-                        report.unbacked.append(f"{where(path, s.line)}: [not backed by a file: {' '.join(m.group(2).split())}]"
-                                               f" ({len(s.figures)} figure(s))")
-                    # the paragraph right before a table: its last sentence's marker covers the table
-                    j = k + 1
-                    while j < len(section.sentences) and section.sentences[j].table:
-                        covered[j] = covered[k]
-                        j += 1
+                if not m:
+                    continue
+                covered[k] = (m.group(1).lower(), m.group(2).strip())
+                # the paragraph right before a table: its last sentence's marker covers the table
+                j = k + 1
+                while j < len(section.sentences) and section.sentences[j].table and not s.table:
+                    covered[j] = covered[k]
+                    j += 1
+                if m.group(1).lower() == "not backed by a file":
+                    markers += 1
+                    n = sum(len(x.figures) for x in section.sentences[k:j])
+                    report.unbacked.append(f"{where(path, s.line)}: [not backed by a file: {' '.join(m.group(2).split())}]"
+                                           f" ({n} figure(s))")
             under_heading = heading_marker[-1][1] if heading_marker else None
             if under_heading and under_heading[0] == "not backed by a file":
                 n = sum(len(s.figures) for s in section.sentences)
