@@ -401,14 +401,17 @@ def check_figures(paths: list[Path], root: Path, results: Path) -> Report:
 
     for path in paths:
         sections = read_sections(path)
-        heading_marker: list[tuple[int, tuple[str, str]]] = []  # (level, marker) of the headings above
+        heading_marker: list[tuple[int, tuple[str, str], int]] = []  # (level, marker, index in unbacked)
         for section in sections:
             while heading_marker and heading_marker[-1][0] >= section.level and section.level:
                 heading_marker.pop()
             if section.marker:
-                heading_marker.append((section.level, section.marker))
+                heading_marker.append((section.level, section.marker, len(report.unbacked)))
                 if section.marker[0] == "not backed by a file":
                     markers += 1
+                    first = section.sentences[0].line if section.sentences else 0
+                    report.unbacked.append([f"{where(path, first)}: section '{section.heading}' and the sections "
+                                            f"under it [not backed by a file: {' '.join(section.marker[1].split())}]", 0])
             files: list[Path] = []
             for c, line in dict.fromkeys(section.citations):
                 found, exists = ev.resolve(c)
@@ -431,15 +434,11 @@ def check_figures(paths: list[Path], root: Path, results: Path) -> Report:
                 if m.group(1).lower() == "not backed by a file":
                     markers += 1
                     n = sum(len(x.figures) for x in section.sentences[k:j])
-                    report.unbacked.append(f"{where(path, s.line)}: [not backed by a file: {' '.join(m.group(2).split())}]"
-                                           f" ({n} figure(s))")
+                    report.unbacked.append([f"{where(path, s.line)}: [not backed by a file: "
+                                            f"{' '.join(m.group(2).split())}]", n])
             under_heading = heading_marker[-1][1] if heading_marker else None
             if under_heading and under_heading[0] == "not backed by a file":
-                n = sum(len(s.figures) for s in section.sentences)
-                if n:
-                    report.unbacked.append(f"{where(path, section.sentences[0].line)}: section "
-                                           f"'{section.heading}' [not backed by a file: {under_heading[1]}] "
-                                           f"({n} figure(s))")
+                report.unbacked[heading_marker[-1][2]][1] += sum(len(s.figures) for s in section.sentences)
             for k, s in enumerate(section.sentences):
                 for fig in s.figures:
                     if under_heading or k in covered or s.prediction or fig.qualifier in ("bound", "prediction"):
@@ -461,6 +460,7 @@ def check_figures(paths: list[Path], root: Path, results: Path) -> Report:
                                                f"({backing[0].relative_to(ev.results).as_posix()}): say so in its sentence")
                         continue
                     report.checked += 1
+    report.unbacked = [f"{text} ({n} figure(s))" for text, n in report.unbacked]
     if markers > MAX_UNBACKED:
         report.problems.append(f"{markers} markers '[not backed by a file: ...]' (at most {MAX_UNBACKED}): a figure "
                                "without a file goes, or its file is added to results/")
