@@ -386,6 +386,14 @@ class Evidence:
         return files, exists
 
 
+def _shown(path: Path, root: Path) -> str:
+    """`path` relative to `root` where it is under it."""
+    try:
+        return path.resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def check_figures(paths: list[Path], root: Path, results: Path) -> Report:
     """Every performance figure of the Markdown files `paths` backed by a results file (see the
     module doc); `root` is the repository (paths are reported relative to it)."""
@@ -394,10 +402,7 @@ def check_figures(paths: list[Path], root: Path, results: Path) -> Report:
     markers = 0
 
     def where(path: Path, line: int) -> str:
-        try:
-            return f"{path.resolve().relative_to(Path(root).resolve()).as_posix()}:{line}"
-        except ValueError:
-            return f"{path}:{line}"
+        return f"{_shown(path, root)}:{line}"
 
     for path in paths:
         sections = read_sections(path)
@@ -479,8 +484,7 @@ def check_links(paths: list[Path], root: Path) -> list[str]:
                 if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
                     continue
                 if not (path.parent / target).exists():
-                    rel = path.resolve().relative_to(Path(root).resolve()).as_posix()
-                    problems.append(f"{rel}:{line}: link to {m.group(3)}, which does not exist")
+                    problems.append(f"{_shown(path, root)}:{line}: link to {m.group(3)}, which does not exist")
     return problems
 
 
