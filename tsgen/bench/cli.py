@@ -181,8 +181,8 @@ def _finish(rows: list[dict], errors: list[str], control: str | None) -> None:
 @click.option("--readme", type=click.Path(dir_okay=False, path_type=Path), default=Path("README.md"), show_default=True)
 @click.option("--suites", "suites_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("suites"),
               show_default=True)
-@click.option("--docs", "docs_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("docs"),
-              show_default=True, help="--check: the Markdown files under it are checked with the README")
+@click.option("--docs", "docs_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="--check: the Markdown files under it are checked with the README (default: docs/ beside the README)")
 @click.option("--check", is_flag=True, help="write nothing; exit 1 when latest.md or the README's tables are stale, "
               "when a performance figure in the README or docs/ is in no results file its section cites, or when a "
               "relative link leads nowhere; warn when no GPU test run in results/tests/ has seen the newest change "
@@ -228,7 +228,7 @@ def _check_figures(results_dir: Path, readme: Path, docs_dir: Path) -> int:
     from .figures import check_figures, check_links, markdown_files
     from .index import gate_warning
 
-    paths = markdown_files(readme, docs_dir)
+    paths = markdown_files(readme, docs_dir if docs_dir is not None else readme.parent / "docs")
     root = Path.cwd()
     report = check_figures(paths, root, results_dir)
     problems = report.problems + check_links(paths, root)

@@ -56,6 +56,7 @@ from pathlib import Path
 from .index import BEGIN, END, evidence, incomplete
 
 MAX_UNBACKED = 12  # markers "[not backed by a file: ...]" in README.md and docs/, all together
+NOT_BACKED = "not backed by a file"
 
 _NUM = r"[+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _SEP = r"\s*(?:/|–|—|-|\bto\b|\band\b|\bor\b|\bvs\.?|\bagainst\b)\s*"
@@ -67,13 +68,13 @@ _BASELINES = (r"NCCL|cuBLAS|cudaMemcpyPeer|memcpyPeer|PyTorch|torch|SDPA|cuDNN|F
               r"|the p2p|the plain|(?:the )?peak|(?:the )?ideal|(?:the )?ceiling")
 RATIO_OF = re.compile(rf"(?<![\w.,/−+-])(?P<nums>{_NUM}(?:{_SEP}{_NUM})*)\s+of\s+(?:{_BASELINES})\b")
 _NOT_A_RATIO_AFTER = re.compile(r"\s*(?:\d|[A-Z]+\d|GPUs?\b|ranks?\b|nodes?\b|links?\b)")
-_APPROX = re.compile(r"(?:~|≈|\babout|\baround|\broughly|\bnearly|\bnear|\bclose to|\balmost|\bsome|\bapproximately)\s*$",
-                     re.I)
+_APPROX = re.compile(r"(?:~|≈|\babout|\baround|\broughly|\bnearly|\bnear|\bclose to|\balmost|\bsome"
+                     r"|\bapproximately)\s*$", re.I)
 _BOUND = re.compile(r"(?:\bunder|\bbelow|\bover|\babove|\bat most|\bat least|\bup to|\bwithin|\bless than|\bmore than"
                     r"|<|>|≤|≥|<=|>=|±|\+-|\+/-)\s*$", re.I)
-_PERF_WORDS = re.compile(r"faster|slower|speed|throughput|bandwidth|busbw|algbw|latency|FLOP|[GMT]B/s|µs|\bus\b|\bms\b"
-                         r"|cost|overhead|peak|ceiling|ideal|utili[sz]|active|DRAM|\bL2\b|HBM|clock|efficien|\btim(?:e|es|ing)\b"
-                         r"|noise|spread|\bvs\b|against", re.I)
+_PERF_WORDS = re.compile(r"faster|slower|speed|throughput|bandwidth|busbw|algbw|latency|FLOP|[GMT]B/s|µs|\bus\b"
+                         r"|\bms\b|cost|overhead|peak|ceiling|ideal|utili[sz]|active|DRAM|\bL2\b|HBM|clock|efficien"
+                         r"|\btim(?:e|es|ing)\b|noise|spread|\bvs\b|against", re.I)
 _PREDICTED = re.compile(r"\bpredict(?:ion|ed)s?\b[^.]{0,6}$", re.I)
 MARKER = re.compile(r"\[(anchor|computed|not backed by a file):\s*([^\]]+)\]", re.I)
 _CITATION = re.compile(r"(?:\.\./)*results/[\w./*-]*(?:\{[\w,]+\})?|\b\d{4}-\d\d-\d\d-[\w.-]+\.(?:jsonl|json|md|txt)\b")
@@ -97,8 +98,7 @@ class Figure:
     text: str  # as written, numbers and unit
     numbers: list[str]
     unit: str
-    qualifier: str | None = None  # "approx", "bound"
-    sentence: str = ""
+    qualifier: str | None = None  # "approx", "bound", "prediction" (_qualifier)
 
 
 @dataclass
@@ -306,7 +306,7 @@ def read_sections(path: Path) -> list[Section]:
                                    or (is_list and pending_prediction))
             if body.lower().startswith("prediction") and part.rstrip().endswith(":"):
                 pending_prediction = True
-            sentence.figures = [Figure(path, line, *f, sentence=part) for f in _figures_in(part)]
+            sentence.figures = [Figure(path, line, *f) for f in _figures_in(part)]
             section.sentences.append(sentence)
     return sections
 
@@ -318,8 +318,9 @@ def read_sections(path: Path) -> list[Section]:
 
 @functools.lru_cache(maxsize=None)
 def _numbers_of(path: Path) -> list[float]:
-    return sorted({abs(float(n.replace(",", "").replace("−", "-").lstrip("+")))
-                   for n in re.findall(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", path.read_text(errors="replace"))})
+    """Every number in a results file's text, without its sign, sorted (a JSON's, a table's, a log's)."""
+    text = path.read_text(errors="replace")
+    return sorted({abs(float(n)) for n in re.findall(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", text)})
 
 
 def _holds(path: Path, number: str, unit: str, approx: bool) -> bool:
@@ -397,79 +398,86 @@ def _shown(path: Path, root: Path) -> str:
 def check_figures(paths: list[Path], root: Path, results: Path) -> Report:
     """Every performance figure of the Markdown files `paths` backed by a results file (see the
     module doc); `root` is the repository (paths are reported relative to it)."""
-    report = Report()
-    ev = Evidence(root, results)
-    markers = 0
-
-    def where(path: Path, line: int) -> str:
-        return f"{_shown(path, root)}:{line}"
-
+    report, evidence_files = Report(), Evidence(root, results)
+    unbacked: list[list] = []  # [text, figures covered] per not-backed marker
     for path in paths:
-        sections = read_sections(path)
-        heading_marker: list[tuple[int, tuple[str, str], int]] = []  # (level, marker, index in unbacked)
-        for section in sections:
-            while heading_marker and heading_marker[-1][0] >= section.level and section.level:
-                heading_marker.pop()
+        where = lambda line, path=path: f"{_shown(path, root)}:{line}"  # noqa: E731
+        headings: list[tuple[int, tuple[str, str], int]] = []  # markers of the headings above: (level, marker, index)
+        for section in read_sections(path):
+            while headings and section.level and headings[-1][0] >= section.level:
+                headings.pop()
             if section.marker:
-                heading_marker.append((section.level, section.marker, len(report.unbacked)))
-                if section.marker[0] == "not backed by a file":
-                    markers += 1
+                headings.append((section.level, section.marker, len(unbacked)))
+                if section.marker[0] == NOT_BACKED:
                     first = section.sentences[0].line if section.sentences else 0
-                    report.unbacked.append([f"{where(path, first)}: section '{section.heading}' and the sections "
-                                            f"under it [not backed by a file: {' '.join(section.marker[1].split())}]", 0])
-            files: list[Path] = []
-            for c, line in dict.fromkeys(section.citations):
-                found, exists = ev.resolve(c)
-                if not exists:
-                    report.problems.append(f"{where(path, line)}: cites {c}, which is not under results/ "
-                                           "(moved to results/archive/?)")
-                files += found
-            files = list(dict.fromkeys(files))
-            covered: dict[int, tuple[str, str]] = {}  # sentence index -> marker
-            for k, s in enumerate(section.sentences):
-                m = MARKER.search(s.text)
-                if not m:
-                    continue
-                covered[k] = (m.group(1).lower(), m.group(2).strip())
-                # the paragraph right before a table: its last sentence's marker covers the table
-                j = k + 1
-                while j < len(section.sentences) and section.sentences[j].table and not s.table:
-                    covered[j] = covered[k]
-                    j += 1
-                if m.group(1).lower() == "not backed by a file":
-                    markers += 1
-                    n = sum(len(x.figures) for x in section.sentences[k:j])
-                    report.unbacked.append([f"{where(path, s.line)}: [not backed by a file: "
-                                            f"{' '.join(m.group(2).split())}]", n])
-            under_heading = heading_marker[-1][1] if heading_marker else None
-            if under_heading and under_heading[0] == "not backed by a file":
-                report.unbacked[heading_marker[-1][2]][1] += sum(len(s.figures) for s in section.sentences)
+                    unbacked.append([f"{where(first)}: section '{section.heading}' and the sections under it "
+                                     f"[{NOT_BACKED}: {' '.join(section.marker[1].split())}]", 0])
+            files = _section_files(section, evidence_files, where, report)
+            covered = _covered(section, where, unbacked)
+            under = headings[-1] if headings else None
+            if under and under[1][0] == NOT_BACKED:
+                unbacked[under[2]][1] += sum(len(s.figures) for s in section.sentences)
             for k, s in enumerate(section.sentences):
                 for fig in s.figures:
-                    if under_heading or k in covered or s.prediction or fig.qualifier in ("bound", "prediction"):
+                    if under or k in covered or s.prediction or fig.qualifier in ("bound", "prediction"):
                         report.exempt += 1
                         continue
-                    missing = [n for n in fig.numbers if not any(_holds(f, n, fig.unit, fig.qualifier == "approx")
-                                                                 for f in files)]
-                    if missing:
-                        why = ("no results file is cited in its section" if not files else
-                               f"{', '.join(missing)} not in the results files its section cites "
-                               f"({', '.join(sorted({f.relative_to(ev.results).as_posix() for f in files})[:4])}"
-                               f"{', ...' if len(files) > 4 else ''})")
-                        report.problems.append(f"{where(path, fig.line)}: {fig.text!r}: {why}")
-                        continue
-                    backing = [f for f in files if all(_holds(f, n, fig.unit, fig.qualifier == "approx")
-                                                       for n in fig.numbers)]
-                    if backing and all(_incomplete_file(f) for f in backing) and "incomplete" not in s.text.lower():
-                        report.problems.append(f"{where(path, fig.line)}: {fig.text!r}: only in an incomplete run "
-                                               f"({backing[0].relative_to(ev.results).as_posix()}): say so in its sentence")
-                        continue
-                    report.checked += 1
-    report.unbacked = [f"{text} ({n} figure(s))" for text, n in report.unbacked]
-    if markers > MAX_UNBACKED:
-        report.problems.append(f"{markers} markers '[not backed by a file: ...]' (at most {MAX_UNBACKED}): a figure "
+                    problem = _unbacked(fig, s, files, evidence_files.results)
+                    if problem:
+                        report.problems.append(f"{where(fig.line)}: {fig.text!r}: {problem}")
+                    else:
+                        report.checked += 1
+    report.unbacked = [f"{text} ({n} figure(s))" for text, n in unbacked]
+    if len(unbacked) > MAX_UNBACKED:
+        report.problems.append(f"{len(unbacked)} markers '[{NOT_BACKED}: ...]' (at most {MAX_UNBACKED}): a figure "
                                "without a file goes, or its file is added to results/")
     return report
+
+
+def _section_files(section: Section, evidence_files: Evidence, where, report: Report) -> list[Path]:
+    """The results files a section cites; a cited path that is not there is a problem."""
+    files: list[Path] = []
+    for citation, line in dict.fromkeys(section.citations):
+        found, exists = evidence_files.resolve(citation)
+        if not exists:
+            report.problems.append(f"{where(line)}: cites {citation}, which is not under results/ "
+                                   "(moved to results/archive/?)")
+        files += found
+    return list(dict.fromkeys(files))
+
+
+def _covered(section: Section, where, unbacked: list[list]) -> set[int]:
+    """The sentences of a section that a marker covers: its own, and a table right after it.
+    Each not-backed marker is added to `unbacked` with the figures it covers."""
+    covered: set[int] = set()
+    for k, s in enumerate(section.sentences):
+        m = MARKER.search(s.text)
+        if not m:
+            continue
+        j = k + 1
+        while j < len(section.sentences) and section.sentences[j].table and not s.table:
+            j += 1
+        covered.update(range(k, j))
+        if m.group(1).lower() == NOT_BACKED:
+            unbacked.append([f"{where(s.line)}: [{NOT_BACKED}: {' '.join(m.group(2).split())}]",
+                             sum(len(x.figures) for x in section.sentences[k:j])])
+    return covered
+
+
+def _unbacked(fig: Figure, sentence: Sentence, files: list[Path], results: Path) -> str | None:
+    """Why `fig` is not backed by `files`, or None when it is."""
+    approx = fig.qualifier == "approx"
+    missing = [n for n in fig.numbers if not any(_holds(f, n, fig.unit, approx) for f in files)]
+    if not files:
+        return "no results file is cited in its section"
+    if missing:
+        shown = sorted({f.relative_to(results).as_posix() for f in files})
+        return (f"{', '.join(missing)} not in the results files its section cites ({', '.join(shown[:4])}"
+                f"{', ...' if len(shown) > 4 else ''})")
+    backing = [f for f in files if all(_holds(f, n, fig.unit, approx) for n in fig.numbers)]
+    if backing and all(_incomplete_file(f) for f in backing) and "incomplete" not in sentence.text.lower():
+        return f"only in an incomplete run ({backing[0].relative_to(results).as_posix()}): say so in its sentence"
+    return None
 
 
 def check_links(paths: list[Path], root: Path) -> list[str]:
