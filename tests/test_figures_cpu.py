@@ -116,7 +116,7 @@ def test_a_heading_marker_covers_its_sections_and_markers_stay_rare(tmp_path, re
     doc = "# Notes [not backed by a file: before results/ existed]\n\n1 GB/s\n\n## Sub\n\n2 GB/s\n\n# Next\n\n3 GB/s\n"
     report = _check(tmp_path, doc)
     assert report.problems == ["README.md:11: '3 GB/s': no results file is cited in its section"]
-    assert report.unbacked == ["README.md:3: section 'Notes' and the sections under it [not backed by a file: before "
+    assert report.unbacked == ["README.md:1: section 'Notes' and the sections under it [not backed by a file: before "
                                "results/ existed] (2 figure(s))"]
     many = "".join(f"## S{i}\n\n{i} GB/s [not backed by a file: log {i}].\n\n" for i in range(MAX_UNBACKED + 1))
     problems = _problems(tmp_path, many)

@@ -77,7 +77,7 @@ _PERF_WORDS = re.compile(r"faster|slower|speed|throughput|bandwidth|busbw|algbw|
                          r"|\btim(?:e|es|ing)\b|noise|spread|\bvs\b|against", re.I)
 _PREDICTED = re.compile(r"\bpredict(?:ion|ed)s?\b[^.]{0,6}$", re.I)
 MARKER = re.compile(r"\[(anchor|computed|not backed by a file):\s*([^\]]+)\]", re.I)
-_CITATION = re.compile(r"(?:\.\./)*results/[\w./*-]*(?:\{[\w,]+\})?|\b\d{4}-\d\d-\d\d-[\w.-]+\.(?:jsonl|json|md|txt)\b")
+_CITATION = re.compile(r"(?<![\w$/.-])(?:\.\./)*results/[\w./*-]*(?:\{[\w,]+\})?|\b\d{4}-\d\d-\d\d-[\w.-]+\.(?:jsonl|json|md|txt)\b")
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 _HEADING = re.compile(r"^(#{1,6})\s")
@@ -262,6 +262,8 @@ def read_sections(path: Path) -> list[Section]:
             if marker:
                 section.marker = (marker.group(1).lower(), marker.group(2).strip())
             section.citations += [(c, line) for c in _CITATION.findall(text)]
+            title = _plain(MARKER.sub("", text))
+            section.sentences.append(Sentence(title, line, [Figure(path, line, *f) for f in _figures_in(title)]))
             sections.append(section)
             pending_prediction = False
             continue
