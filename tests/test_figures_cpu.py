@@ -210,3 +210,10 @@ def test_results_check_warns_when_no_gpu_run_saw_the_newest_device_code(tmp_path
     second = _git(repo, "rev-parse", "--short", "HEAD")
     (tests / f"2026-11-27-{second}-dirty.json").write_text(json.dumps({"meta": {"date": "2026-11-27"}, "summary": {}}))
     assert gate_warning(repo / "results") is None
+
+
+def test_headings_count_and_paths_inside_other_paths_are_no_citations(tmp_path, results):
+    assert _problems(tmp_path, f"## Run 1: 999 GB/s\n\n(`{RUN}`)\n") == [
+        "README.md:1: '999 GB/s': 999 not in the results files its section cites (collectives/big/2026-11-20-aaaaaaa.json, "
+        "collectives/big/2026-11-20-aaaaaaa.md)"]
+    assert _problems(tmp_path, "# T\n\nThe gate writes `$OUT/results/tests/k/x.md` and ~/results/old.md.\n") == []
