@@ -79,7 +79,7 @@ _PREDICTED = re.compile(r"\bpredict(?:ion|ed)s?\b[^.]{0,6}$", re.I)
 MARKER = re.compile(r"\[(anchor|computed|not backed by a file):\s*([^\]]+)\]", re.I)
 _CITATION = re.compile(r"(?<![\w$/.-])(?:\.\./)*results/[\w./*-]*(?:\{[\w,]+\})?|\b\d{4}-\d\d-\d\d-[\w.-]+\.(?:jsonl|json|md|txt)\b")
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)  # a code span may go on over a line break
 _HEADING = re.compile(r"^(#{1,6})\s")
 _LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*`\"])")
@@ -196,9 +196,10 @@ def _blocks(prose: list[tuple[int, str]]):
 
 
 def _plain(text: str) -> str:
-    """Text without code spans and link targets (a link's words stay)."""
-    text = _CODE_SPAN.sub(lambda m: " " * len(m.group(0)), text)
-    return _LINK.sub(lambda m: m.group(2), text)
+    """Text without code spans and link targets (a link's words stay), every other character where it
+    was (blanks in place of what went)."""
+    text = _CODE_SPAN.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    return _LINK.sub(lambda m: m.group(2) + " " * (len(m.group(0)) - len(m.group(2))), text)
 
 
 def _qualifier(before: str) -> str | None:
@@ -294,7 +295,8 @@ def read_sections(path: Path) -> list[Section]:
         text, starts = "", []
         for i, line in block:
             starts.append((len(text), i))
-            text += _plain(line) + " "
+            text += line + "\n"
+        text = _plain(text).replace("\n", " ")
         pos = 0
         parts = _SENTENCE_END.split(text)
         block_predicts = _LIST_ITEM.sub("", text, count=1).lstrip("*_ ").lower().startswith("predict")
