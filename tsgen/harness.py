@@ -10,11 +10,9 @@ between calls: the epoch just counts up.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import KernelFailed, RuntimeSetupError
+from .printed import device_output, flush_stdout
 from .manifest import Manifest
 from .ops import get_family
 from .render import render, write_if_different
@@ -113,60 +112,6 @@ def gpu_turn(world=None):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@dataclass
-class Printed:
-    """What the kernels printed while a `device_output` block ran (set when the block ends)."""
-
-    text: str = ""
-
-    def diagnosis(self) -> str:
-        """The printed lines, indented, to end a failure's message with."""
-        lines = [line for line in self.text.splitlines() if line.strip()]
-        if not lines:
-            return "; the kernel printed nothing"
-        return "; the kernel printed:\n" + "\n".join(f"    {line}" for line in lines)
-
-
-@functools.lru_cache(maxsize=1)
-def _c_fflush():
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None).fflush
-    except (OSError, AttributeError):
-        return None
-
-
-def _flush_stdout() -> None:
-    """Python's and C's stdout buffers: the device printf reaches fd 1 through C stdio."""
-    sys.stdout.flush()
-    if _c_fflush() is not None:
-        _c_fflush()(None)
-
-
-@contextlib.contextmanager
-def device_output(echo_through: bool = True):
-    """Capture what kernels printf (their timeout diagnosis: the driver writes it to this
-    process's fd 1) while the block runs, into the Printed it yields; `echo_through` then writes
-    it to stdout as well, where it would have gone."""
-    printed = Printed()
-    _flush_stdout()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile(mode="w+b") as captured:
-        os.dup2(captured.fileno(), 1)
-        try:
-            yield printed
-        finally:
-            _flush_stdout()
-            os.dup2(saved, 1)
-            os.close(saved)
-            captured.seek(0)
-            printed.text = captured.read().decode(errors="replace")
-            if echo_through and printed.text:
-                sys.stdout.write(printed.text)
-                sys.stdout.flush()
 
 
 def free_quietly(bufs) -> None:
@@ -394,7 +339,7 @@ def wrong_elements(got: np.ndarray, want: np.ndarray, tol: np.ndarray | None, dt
 def leave_now(code: int) -> None:
     """End the process with `code` without the interpreter's teardown: after a kernel
     trapped, the CUDA context is dead and unloading modules from it fails loudly."""
-    _flush_stdout()  # C stdio too: the device printf of a timeout goes through it
+    flush_stdout()  # C stdio too: the device printf of a timeout goes through it
     sys.stderr.flush()
     os._exit(code)
 

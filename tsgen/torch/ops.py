@@ -23,8 +23,6 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
-import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch.distributed as dist
 from ..env import force_no_multicast
 from ..errors import TsgenError
 from ..manifest import Manifest, Slot
+from ..printed import device_output
 from ..runtime.ipc import join_problem
 from ..runtime.placement import mps_active, ranks_per_gpu, residency_problem, share_from_env
 from ..runtime.world import (_host_launcher, arg_values, launcher_cargs, module_files, multimem_refusal,
@@ -413,26 +412,15 @@ def synchronize(device: Any = None) -> None:
     arrived): who waited for which signal of which rank, for what value, having seen what. The
     device's printf output reaches stdout at such a synchronization; it is captured here, passed
     on to stdout, and read. After a trap the CUDA context is lost: the process must end."""
-    sys.stdout.flush()
-    saved = os.dup(1)
     error = None
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 1)
+    with device_output() as captured:  # passed on to stdout too
         try:
             torch.cuda.synchronize(device)
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError or AcceleratorError by version
             error = e
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-        captured.seek(0)
-        printed = captured.read().decode(errors="replace")
-    if printed:
-        sys.stdout.write(printed)
-        sys.stdout.flush()
     if error is None:
         return
+    printed = captured.text
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
     who = f"rank {rank}" if rank is not None else "this process"
     lines = timeout_lines(printed)
