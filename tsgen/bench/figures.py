@@ -4,9 +4,9 @@
 `0.89-1.03`, `337 / 352 vs 245 / 268`), written directly before a unit of speed or time: TFLOP/s
 (TFLOPS, GFLOP/s), TB/s, GB/s, MB/s, us (µs), ms, a ratio `x` (`×`) or a percentage `%` in a
 sentence that speaks of speed or time (faster, cost, peak, busbw, us, ...: a share of the tests run
-or of the bytes written is no figure). A ratio
-is a number with a decimal point or an `x` right after the number (`1.18x`, `2.0-2.4x`, `4x`; not
-`4 x H200`, `128 × 256` or `2 x hidden`). In a table, a bare number in a column whose header names
+or of the bytes written is no figure), in prose and headings. A ratio is a number with a decimal
+point or an `x` right after the number (`1.18x`, `2.0-2.4x`, `4x`; not `4 x H200`, `128 × 256` or
+`2 x hidden`), or decimals before "of NCCL", "of cuBLAS", "of the peak" and the like. In a table, a bare number in a column whose header names
 one of these units (`time us`, `busbw`, `TFLOP/s`, `vs NCCL`, `ratio`, `%`) is one too. Not
 figures: anything in code (fenced blocks, `inline code`), HTML comments, link targets, and the
 README's generated tables between the tsgen-results markers (`tsgen results` writes them from the
@@ -21,7 +21,9 @@ GB/s / TB/s) or 100 (a fraction as a percentage), signs ignored. A figure after 
 `around`, `roughly`, `near(ly)`, `close to`, `some` may be 2 % off; one after `under`, `below`, `over`,
 `above`, `at most`, `at least`, `up to`, `within`, `<`, `>`, `≤`, `≥`, `±` is a bound, and is not
 looked up. A figure found only in the files of a run stopped part way must have "incomplete" in
-its sentence. Citations of docs/lab/ back nothing: a lab log repeats files, it is not one.
+its sentence. Citations of docs/lab/ back nothing: a lab log repeats files, it is not one. A cited
+`results/...` path that is not there (moved to results/archive/) is a problem of its own, and so
+is a relative link that leads nowhere (check_links).
 
 **Exempt**, each visibly in the text:
 - `[anchor: SOURCE]` in a sentence: its figures are another project's published numbers or a
@@ -32,8 +34,8 @@ its sentence. Citations of docs/lab/ back nothing: a lab log repeats files, it i
 - `[not backed by a file: WHY]` in a sentence: its figures are measurements that have no file (a
   number read off a log that was not kept). `--check` lists every such marker with the figures
   it covers, and fails when there are more than MAX_UNBACKED of them: they must stay rare.
-- Any marker in a heading covers the section under it; at the end of the paragraph above a
-  table, the table.
+- Any marker in a heading covers its section and the sections under it; at the end of the
+  paragraph right above a table, the table.
 - A prediction: a paragraph or sentence that starts with "Predict" (and the list right after a
   sentence "Predictions ...:"), or a figure right after "prediction" / "predicted": the lab
   logs' figures written before a run.
