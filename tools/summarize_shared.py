@@ -155,9 +155,10 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
                   f"{len(summary['vendor'])} |")
     elif not real:
         md.append("| vendoring example (examples/vendor) | not run |")
-    md += ["", "Negative controls (a broken kernel must FAIL):", "", "| control | skew | caught |", "|---|---|---|"]
-    md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
-           for n in summary["negative_controls"]]
+    if summary["negative_controls"]:
+        md += ["", "Negative controls (a broken kernel must FAIL):", "", "| control | skew | caught |", "|---|---|---|"]
+        md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
+               for n in summary["negative_controls"]]
     if summary["controls"]:
         md += ["", "Negative controls over seeds (detection = runs that caught the broken kernel / seeds):", "",
                "| control | seeds | caught | detection |", "|---|---|---|---|"]
