@@ -24,9 +24,9 @@ import numpy as np
 from .errors import RuntimeSetupError
 from .manifest import Manifest
 from .ops import get_family
-from .render import render, write_if_different
+from .render import render
 from .spec import LoadedSpec, describe_variant, load_spec, spec_variant
-from .toolchain import cache_dir, cache_error
+from .toolchain import write_cached
 
 
 def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -> LoadedSpec:
@@ -72,25 +72,16 @@ def render_to_cache(loaded: LoadedSpec, skew: int | None = None) -> CachedModule
     the spec); the manifest stays in memory. `skew`: render the test-only rank skew with this
     seed (render's `skew`)."""
     rendered = render(loaded, base=loaded.path.resolve().parent.parent, skew=skew)
-    out = cache_dir() / "render" / (loaded.sha256[:16] + ("" if skew is None else f"-skew{skew}"))
-    source = out / f"{rendered.name}.cu"
-    try:
-        write_if_different(source, rendered.source)
-    except OSError as e:
-        raise cache_error(out, e) from None
-    return CachedModule(rendered.lowered.manifest, source)
+    folder = ("render", loaded.sha256[:16] + ("" if skew is None else f"-skew{skew}"))
+    return CachedModule(rendered.lowered.manifest, write_cached(folder, f"{rendered.name}.cu", rendered.source))
 
 
 def materialize(loaded: LoadedSpec, skew: int | None = None) -> Path:
     """render_to_cache, and the manifest written beside the source: its path, for tools that
     load a module by path (World.load(path)) or read its files."""
     module = render_to_cache(loaded, skew)
-    path = module.source.with_suffix(".json")
-    try:
-        write_if_different(path, module.manifest.to_json())
-    except OSError as e:
-        raise cache_error(path.parent, e) from None
-    return path
+    return write_cached(("render", module.source.parent.name), f"{module.source.stem}.json",
+                        module.manifest.to_json())
 
 
 @contextlib.contextmanager
@@ -331,9 +322,8 @@ def _mutated(source: Path, mutate: Callable[[str], str]) -> Path:
     changed = mutate(text)
     if changed == text:
         raise ValueError("mutation left the source unchanged")
-    out = source.parent / "mutated" / hashlib.sha256(changed.encode()).hexdigest()[:16] / source.name
-    write_if_different(out, changed)
-    return out
+    folder = ("render", source.parent.name, "mutated", hashlib.sha256(changed.encode()).hexdigest()[:16])
+    return write_cached(folder, source.name, changed)
 
 
 def _poison_value(dtype: np.dtype, call: int) -> int:

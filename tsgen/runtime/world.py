@@ -184,17 +184,12 @@ _primed: set[int] = set()
 
 def prime_printf(cp: Any, devices: set[int], arch: str) -> None:
     """Launch a printf kernel once on each of `devices` (once per process) and wait for it."""
-    from ..files import write_if_different
-    from ..toolchain import cache_dir, cache_error, compile_source
+    from ..toolchain import compile_source, write_cached
 
     todo = sorted(devices - _primed)
     if not todo:
         return
-    src = cache_dir() / "runtime" / "tsgen_prime_printf.cu"
-    try:
-        write_if_different(src, _PRIME_SOURCE)
-    except OSError as e:
-        raise cache_error(src.parent, e) from None
+    src = write_cached(("runtime",), "tsgen_prime_printf.cu", _PRIME_SOURCE)
     cubin = compile_source(src, arch=arch).output
     for dev in todo:
         with cp.cuda.Device(dev):
