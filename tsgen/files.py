@@ -113,9 +113,9 @@ def write_if_different(path: Path, text: str, mode: int | None = None) -> bool:
 class UnsafePath(OSError):
     """A folder or file tsgen will not trust: `filename` says which, the message what is wrong."""
 
-    def __init__(self, path: Path, why: str):
+    def __init__(self, path: Path, why: str, above: bool = False):
         super().__init__(why)
-        self.strerror, self.filename = why, str(path)
+        self.strerror, self.filename, self.above = why, str(path), above
 
 
 def _owner_problem(st: os.stat_result, owners: tuple[int, ...]) -> str | None:
@@ -143,7 +143,7 @@ def _check_ancestors(folder: Path) -> None:
         if problem is None and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             problem = f"writable by others and not sticky (mode {stat.S_IMODE(st.st_mode):04o})"
         if problem:
-            raise UnsafePath(parent, f"the folder {parent} above it is {problem}")
+            raise UnsafePath(parent, problem, above=True)
 
 
 def private_folder(path: Path, top: Path | None = None) -> Path:

@@ -97,7 +97,13 @@ def gpu_turn(world=None):
         return
     import fcntl
 
-    with open(path, "a") as f:
+    from .files import open_shared
+
+    try:
+        fd = open_shared(Path(path))  # in /tmp: never through a planted symlink
+    except OSError as e:
+        raise RuntimeSetupError(f"TSGEN_GPU_LOCK={path}: {e.strerror or e}") from None
+    with os.fdopen(fd, "r+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

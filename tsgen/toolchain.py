@@ -141,9 +141,9 @@ def cache_folder(*parts: str) -> Path:
     try:
         return private_folder(folder, top=root)
     except UnsafePath as e:
-        fix = (f"chmod go-w {e.filename}" if "writable" in e.strerror and "above" not in e.strerror
-               else "use a folder of your own")
-        raise ToolchainError(f"compile cache {root}: {e.filename} is {e.strerror}; anyone who can write there can "
+        what = f"the folder {e.filename} above it" if e.above else e.filename
+        fix = f"chmod go-w {e.filename}" if e.strerror.startswith("writable by group") else "use a folder of your own"
+        raise ToolchainError(f"compile cache {root}: {what} is {e.strerror}; anyone who can write there can "
                              f"plant a library tsgen would load, so it is not used: {fix}, or {_HOW_TO_SET} "
                              "(mkdir -m 700 FOLDER)") from None
     except OSError as e:
