@@ -914,6 +914,26 @@ def test_r4_store_bounds_connections(store_server, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_r4_a_client_that_trickles_its_authentication_is_dropped(store_server):
+    """One byte at a time, each well within any per-read timeout: the whole handshake still
+    has AUTH_TIMEOUT (0.5 s here), then the connection is closed."""
+    import socket
+
+    from tsgen.runtime.store_server import _recv
+
+    sock = socket.create_connection(store_server.server_address, timeout=5)
+    _recv(sock)
+    start = time.monotonic()
+    try:
+        for byte in b"A\0\0\0\2\0\0\0\x20" + bytes(40):
+            sock.send(bytes([byte]))
+            time.sleep(0.1)
+        closed = sock.recv(1) == b""
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    assert closed and time.monotonic() - start < 3
+
+
 @pytest.mark.parametrize("request_bytes,reply", [
     (b"S\0\0\0\1\0\0\0\1k", b"unknown request b'S' with 1 strings"),
     (b"X\0\0\0\0", b"unknown request b'X' with 0 strings"),

@@ -14,7 +14,8 @@ answer with an HMAC of it under the job's secret (TSGEN_STORE_SECRET, which `tsg
 launch` gives every rank) within AUTH_TIMEOUT s; the server then proves it knows the
 secret too, so a rank never hands its values to a stranger on the port. Everything is
 bounded: MAX_CLIENTS connections at once, MAX_PART bytes per key or value, MAX_PARTS
-keys per request, MESSAGE_TIMEOUT s for a request that has begun to arrive in full.
+keys per request, AUTH_TIMEOUT s for the whole authentication and MESSAGE_TIMEOUT s for
+a request that has begun to arrive in full, however slowly its bytes trickle in.
 A request that breaks the protocol is answered `!` with what was wrong, and the
 connection closed; nothing is printed.
 """
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import socket
 import socketserver
 import struct
 import sys
 import threading
+import time
 
 # A message is a tag byte, a count, and that many length-prefixed byte strings.
 # Handshake: server b"N" (nonce); client b"A" (nonce, proof); server b"+" (proof) or b"!" (why).
@@ -57,9 +60,14 @@ def _send(sock: socket.socket, tag: bytes, *parts: bytes) -> None:
     sock.sendall(tag + _COUNT.pack(len(parts)) + b"".join(_COUNT.pack(len(p)) + p for p in parts))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; socket.timeout once `deadline` (time.monotonic) passes, however the bytes trickle in."""
     chunks, left = [], n
     while left:
+        if deadline is not None:
+            if deadline <= time.monotonic():
+                raise socket.timeout("the message did not arrive in time")
+            sock.settimeout(deadline - time.monotonic())
         chunk = sock.recv(min(left, 1 << 20))
         if not chunk:
             raise ConnectionError("connection closed")
@@ -69,22 +77,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _recv(sock: socket.socket, max_parts: int = MAX_PARTS, max_part: int = MAX_PART,
-          within: float | None = None) -> tuple[bytes, list[bytes]]:
-    """One message; Malformed past the bounds. `within`: once its first byte is in, the rest
-    must come within this many seconds (the socket's own timeout applies to the first byte)."""
-    first = _recv_exact(sock, 1)
+          deadline: float | None = None, within: float | None = None) -> tuple[bytes, list[bytes]]:
+    """One message; Malformed past the bounds. `deadline` (time.monotonic): the whole message by
+    then; `within`: once its first byte is in, the rest within this many seconds. Without either,
+    the socket's own timeout applies to each read."""
+    first = _recv_exact(sock, 1, deadline)
     if within is not None:
-        sock.settimeout(within)
-    head = first + _recv_exact(sock, _COUNT.size)
+        deadline = min(deadline or math.inf, time.monotonic() + within)
+    head = first + _recv_exact(sock, _COUNT.size, deadline)
     tag, (count,) = head[:1], _COUNT.unpack(head[1:])
     if count > max_parts:
         raise Malformed(f"{count} strings in one message; at most {max_parts}")
     parts = []
     for _ in range(count):
-        (n,) = _COUNT.unpack(_recv_exact(sock, _COUNT.size))
+        (n,) = _COUNT.unpack(_recv_exact(sock, _COUNT.size, deadline))
         if n > max_part:
             raise Malformed(f"a string of {n} bytes; at most {max_part}")
-        parts.append(_recv_exact(sock, n))
+        parts.append(_recv_exact(sock, n, deadline))
     return tag, parts
 
 
@@ -105,10 +114,10 @@ class _Handler(socketserver.BaseRequestHandler):
             pass
 
     def _authenticated(self, sock: socket.socket) -> bool:
-        nonce = os.urandom(NONCE)
+        nonce, deadline = os.urandom(NONCE), time.monotonic() + AUTH_TIMEOUT
         sock.settimeout(AUTH_TIMEOUT)
         _send(sock, b"N", nonce)
-        tag, parts = _recv(sock, max_parts=2, max_part=64)
+        tag, parts = _recv(sock, max_parts=2, max_part=64, deadline=deadline)
         if tag != b"A" or len(parts) != 2 or len(parts[0]) != NONCE:
             raise Malformed("not a tsgen store client (expected its authentication first)")
         if not hmac.compare_digest(parts[1], proof(self.server.secret, b"client", nonce, parts[0])):
