@@ -33,7 +33,8 @@ def force_no_multicast(env: MutableMapping[str, str] | None = None) -> MutableMa
 STORE_SECRET = "TSGEN_STORE_SECRET"
 
 
-def env_seconds(name: str, default: str | None, error: type[Exception], env=None, zero_ok: bool = False) -> float | None:
+def env_seconds(name: str, default: str | None, error: type[Exception], env=None,
+                zero_ok: bool = False) -> float | None:
     """The seconds in environment variable `name` (`default` when unset; None for a None default):
     a finite number > 0 (>= 0 with `zero_ok`), else `error` with a message naming the variable
     and its value (`float` alone takes 'inf', 'nan' and '1e999')."""

@@ -160,7 +160,8 @@ def check_arguments(nproc: int, port: int | None, timeout: float | None, grace: 
         raise ValueError(f"--nproc {nproc}: must be at least 1")
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"--port {port}: a TCP port is 1-65535 (leave it out for a free one)")
-    for name, value, zero in (("--timeout", timeout, False), ("--grace", grace, True), ("kill_after", kill_after, True)):
+    for name, value, zero in (("--timeout", timeout, False), ("--grace", grace, True),
+                              ("kill_after", kill_after, True)):
         if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
             raise ValueError(f"{name} {value}: give the seconds as a finite number {'>= 0' if zero else '> 0'}")
 

@@ -88,8 +88,9 @@ def _number_problem(node: yaml.ScalarNode, value: Any) -> str | None:
         return (f"{text!r} is a {form} number, which only YAML 1.1 reads (as {value!r}): "
                 f"write {value!r} in plain decimal")
     if isinstance(value, float) and not math.isfinite(value):
-        what = "infinite" if _FLOAT_12.fullmatch(text.strip()) is None else "too large for a float (it reads as infinity)"
-        return f"{text!r} is not a finite number" if what == "infinite" else f"{text!r} is {what}"
+        if _FLOAT_12.fullmatch(text.strip()) is None:  # .inf, .nan
+            return f"{text!r} is not a finite number"
+        return f"{text!r} is too large for a float (it reads as infinity)"
     return None
 
 

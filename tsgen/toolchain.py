@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from . import procs
 from .env import env_seconds
 from .errors import ToolchainError
-from .files import UnsafePath, atomic_write, new_file_mode, new_temp, open_shared, private_folder, sweep_temps, unsafe_entry
+from .files import (UnsafePath, atomic_write, new_file_mode, new_temp, open_shared, private_folder, sweep_temps,
+                    unsafe_entry)
 
 if TYPE_CHECKING:
     from .manifest import Manifest
@@ -478,7 +479,7 @@ def _cached_report(out: Path, report_file: Path) -> str | None:
     an entry another user owns or others may write (files.unsafe_entry): the digest proves
     nothing when whoever wrote the binary wrote the report too."""
     try:
-        if any(unsafe_entry(os.stat(p)) for p in (out, report_file)):
+        if any(unsafe_entry(os.lstat(p)) for p in (out, report_file)):  # a symlink (0777) too
             return None
         first, _, report = report_file.read_text(errors="replace").partition("\n")
         digest = _file_digest(out).decode()
