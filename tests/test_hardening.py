@@ -817,7 +817,7 @@ def store_server(monkeypatch):
 
     monkeypatch.setattr(S, "AUTH_TIMEOUT", 0.5)
     server = S._Server(("127.0.0.1", 0), b"job")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     yield server
     server.stop()
 

@@ -151,6 +151,7 @@ class _Handler(socketserver.BaseRequestHandler):
 class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog: ranks arriving at once are not made to retry
 
     def __init__(self, address, secret: bytes):
         super().__init__(address, _Handler)
