@@ -1,15 +1,15 @@
 """Rendezvous for one process per GPU: a key-value store shared by the ranks and
 the two collective steps the IPC backend needs (all-gather, barrier).
 
-The store is torch.distributed's TCPStore when torch imports (the default
-process group's store if one is initialized), otherwise tsgen's own: a child
+The store is tsgen's own under `tsgen launch` (torch's TCPStore authenticates no
+one), else torch.distributed's TCPStore when torch imports (the default process
+group's store whenever one is initialized), otherwise tsgen's own: a child
 process of rank 0 serves a dict over TCP (store_server.py; a process, so that
 rank 0 blocked in a C call holding the GIL cannot starve the others), and
-every rank, rank 0 included, is a client. tsgen's store serves only the job's ranks
-(each proves it knows the job's secret, TSGEN_STORE_SECRET, which `tsgen launch`
-gives every rank, and the server proves it back) and only on a loopback address
-unless TSGEN_STORE_REMOTE=1; under `tsgen launch` it is the default, since torch's
-TCPStore authenticates no one (a process group torch already set up is still shared). Both answer three requests -- set, get, check -- and
+every rank, rank 0 included, is a client. tsgen's store serves only the job's
+ranks (each proves it knows the job's secret, TSGEN_STORE_SECRET, which `tsgen
+launch` gives every rank, and the server proves it back) and only on a loopback
+address unless TSGEN_STORE_REMOTE=1. Both answer three requests -- set, get, check -- and
 `Rendezvous` builds the collectives on them by polling `check`, so both
 behave the same: every wait has a timeout that names the label of the step,
 the ranks that never arrived and their keys; a rank that fails can `abort`
@@ -52,7 +52,7 @@ def store_timeout(env=os.environ) -> float:
 
 
 def _secret(env) -> bytes:
-    secret = env.get(STORE_SECRET, "")
+    secret = env.get(STORE_SECRET, "").strip()  # the server reads it as a line
     if not secret:
         raise StoreError(f"tsgen's store serves only the ranks of one job, which share a secret in {STORE_SECRET}: "
                          "`tsgen launch` sets it for every rank; under another launcher set it to the same random "
