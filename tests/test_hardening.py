@@ -517,10 +517,14 @@ needs_nvcc = compile_test(None if _no_nvcc() is None else f"needs nvcc: {_no_nvc
 
 
 def nvcc_front_end(source: Path) -> subprocess.CompletedProcess:
-    """nvcc's front end (host and device parse, no code generation) with tsgen's flags."""
-    from tsgen.toolchain import NVCC_FLAGS, find_nvcc, gencode_flags
+    """nvcc's front end (host and device parse, no code generation) with tsgen's flags, and the
+    include folders of the device libraries its manifest (the JSON beside it) names."""
+    from tsgen.toolchain import NVCC_FLAGS, find_device_lib, find_nvcc, gencode_flags
 
     flags = [f for f in NVCC_FLAGS if f not in ("-Xptxas", "-v")]
+    manifest = source.with_suffix(".json")
+    libs = json.loads(manifest.read_text()).get("device_libs", []) if manifest.exists() else []
+    flags += [f"-I{find_device_lib(name).include}" for name in libs] + (["-rdc=true"] if libs else [])
     return subprocess.run([str(find_nvcc()), "-cuda", *gencode_flags("sm_90a"), *flags, "-o", os.devnull,
                            str(source)], capture_output=True, text=True, timeout=600)
 
