@@ -152,7 +152,7 @@ def localhost_ranks(size: int, port: int | None = None, timeout: float = 10.0, s
     from tsgen.launch import free_port
     from tsgen.runtime.store import connect
 
-    env = {"TSGEN_STORE": store, "TSGEN_STORE_TIMEOUT": str(timeout)}
+    env = {"TSGEN_STORE": store, "TSGEN_STORE_TIMEOUT": str(timeout), "TSGEN_STORE_SECRET": "test secret"}
     port = port or free_port()
     out = [None] * size
 

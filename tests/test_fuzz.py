@@ -8,9 +8,11 @@ without a traceback; on 2 every problem line is `FILE:LINE:COL: field: message` 
 is written; on 0 `--check` is clean, and a few of the valid cases go through nvcc's front
 end. A second property: no description and no file or folder name changes what remains of
 a source once its comments are stripped as a C preprocessor strips them, with and without
-trigraphs. Cases: TSGEN_FUZZ_EXAMPLES (default 1000, and a quarter as many for the injection
-property: about a minute on two cores); the run is derandomized, so CI sees the same cases
-every time (TSGEN_FUZZ_RANDOM=1 draws new ones)."""
+trigraphs. A third (issue 30): a whole number of a shipped spec written in a form only YAML 1.1
+reads (040, 1:04, 1_0, 0b11), as a float (64.0) or as a bool is refused at its line, never read
+as some number. Cases: TSGEN_FUZZ_EXAMPLES (default 1000, a quarter as many for the injection
+property and a fifth for the numbers: about a minute on two cores); the run is derandomized,
+so CI sees the same cases every time (TSGEN_FUZZ_RANDOM=1 draws new ones)."""
 
 from __future__ import annotations
 
@@ -41,13 +43,17 @@ NASTY = ["\x00", "\x01", "\x1b", "\x7f", "\ufffe", "\t", "\r", "\r\n", "\u2028",
          "!!map ", "!!seq ", "!!python/object/apply:os.system ", "!foo ", "? ", "|", ">-", "'", '"', "#", "---\n",
          "...\n", "%YAML 1.1\n", "<<: *a\n", "\\", "??/", "*/", "/*", "//", "\n__global__ void x() {}\n", "é",
          "日本", "😀", "9" * 60, "-1", "1e999", ".nan", "~", "null", "0x10", "0o17", "1_000", "2020-01-01", "=",
-         "[" * 40, "a: " * 40]
+         "[" * 40, "a: " * 40,
+         # what YAML 1.1 reads as numbers and YAML 1.2 does not (or reads otherwise); non-finite floats; bools
+         "040", "0777", "1:04", "1_0_", "0b11", "1_000.5", "1:30.5", ".inf", "-.inf", ".NaN", "1.0e+999", "2.0",
+         "true", "yes", "on", "off"]
 INTS = [0, 1, 2, 3, 4, 7, 8, 9, 15, 16, 31, 32, 33, 63, 64, 65, 127, 128, 255, 256, 511, 512, 513, 1023, 1024,
         1025, 4096, 65536, (1 << 31) - 1, 1 << 31, (1 << 31) + 1, 1 << 32, (1 << 63) - 1, 1 << 63, 1 << 64, -1,
         -(1 << 63)]
 NAMES = st.one_of(st.sampled_from(KEYWORDS + DECLARED + RESERVED + ["count", "rank", "run", "x", "a" * 65]),
                   st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,66}", fullmatch=True), st.text(max_size=12))
 VALUES = st.one_of(st.sampled_from(INTS), st.integers(), st.floats(), st.booleans(), st.none(), NAMES,
+                   st.sampled_from([float("inf"), float("-inf"), float("nan"), 64.0, 2.0, True, False]),
                    st.text(max_size=30), st.lists(st.sampled_from(INTS[:12]), max_size=9),
                    st.dictionaries(st.sampled_from(["a", "m", "n", "k", "size", "along", "blocks"]),
                                    st.sampled_from(INTS[:12]), max_size=3))
@@ -126,7 +132,7 @@ def fuzzed_case(draw):
 
 
 PROBLEM = re.compile(r"(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<field>[^\n]+?): (?P<msg>[^\n]+)\Z")
-STATS = {"cases": 0, "valid": 0, "invalid": 0}
+STATS = {"cases": 0, "valid": 0, "invalid": 0, "yaml11": 0}
 
 
 def build_case(root: Path, folder: str, name: str, text: str):
@@ -169,6 +175,54 @@ def test_fuzz_build():
     fuzz_build()
     print(f"\nfuzz: {STATS['cases']} cases, {STATS['valid']} valid, {STATS['invalid']} refused")
     assert STATS["valid"] >= EXAMPLES // 10 and STATS["invalid"] >= EXAMPLES // 10, STATS
+
+
+# ---------------------------------------------------------------------------
+# Whole numbers in a form only YAML 1.1 reads, as floats or as bools: refused at their line
+# ---------------------------------------------------------------------------
+
+INT_LINE = re.compile(r"^(?P<head>\s*[\w]+:\s*)(?P<value>\d+)\s*$", re.M)
+
+
+def yaml11_forms(v: int) -> list[str]:
+    """`v` written as only YAML 1.1 reads it (leading-zero octal, '_'-separated, binary, base 60),
+    and as a float and as bools."""
+    digits = str(v)
+    forms = [f"0{v:o}", f"{digits}_", f"{digits[0]}_{digits[1:]}" if v >= 10 else f"{v}_0", f"0b{v:b}", f"{v}.0",
+             "true", "false", "yes"]
+    if v >= 60:
+        forms.append(f"{v // 60}:{v % 60:02d}")
+    return forms
+
+
+@st.composite
+def yaml11_case(draw):
+    spec = draw(st.sampled_from(SPECS))
+    text = spec.read_text()
+    lines = list(INT_LINE.finditer(text))
+    assume(lines)
+    m = draw(st.sampled_from(lines))
+    form = draw(st.sampled_from(yaml11_forms(int(m["value"]))))
+    line = text.count("\n", 0, m.start()) + 1
+    return text[:m.start("value")] + form + text[m.end("value"):], line, form
+
+
+@settings(FUZZ, max_examples=EXAMPLES // 5)
+@given(yaml11_case())
+def fuzz_yaml11(case):
+    text, line, form = case
+    STATS["yaml11"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out, r = build_case(Path(tmp), "specs", "x.yaml", text)
+    assert r.code == 2, (form, r)
+    problems = r.stderr.splitlines()[:-1]
+    assert any(PROBLEM.fullmatch(p)["line"] == str(line) for p in problems), (form, line, r)
+
+
+def test_yaml11_numbers_floats_and_bools_for_whole_numbers_are_refused():
+    fuzz_yaml11()
+    print(f"\nfuzz: {STATS['yaml11']} whole numbers in YAML 1.1-only forms, as floats or as bools, all refused")
+    assert STATS["yaml11"] >= EXAMPLES // 10, STATS
 
 
 # ---------------------------------------------------------------------------

@@ -1,13 +1,21 @@
 """Issue 15, one section per numbered item: every bad spec gets FILE:LINE:COL, exit 2 and
 nothing written; no spec input, file names included, reaches the code of a generated source;
 outputs and the compile cache are whole, byte-exact and only ever tsgen's; a kernel never
-runs on run-time arguments it cannot take. tests/test_fuzz.py fuzzes the same promises."""
+runs on run-time arguments it cannot take. tests/test_fuzz.py fuzzes the same promises.
+
+Issue 30, sections R1-R9 at the end: the host side under attack. A compile cache others can
+write is refused and a planted entry never loads; lock files never follow a symlink; the
+rendezvous store serves only the job's ranks, within bounds; the launcher never hangs on its
+output and ends what its ranks leave; a compile ends with its timeout and its caller; a
+manifest must describe its source; no traceback for a bad path, variable or option; a spec's
+numbers are read as every YAML reader reads them."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -18,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from ccode import code_without_comments
-from conftest import ROOT, run_cli
+from conftest import ROOT, compile_test, run_cli
 from tsgen.errors import RuntimeSetupError, SpecError, ToolchainError
 from tsgen.spec import load_spec
 
@@ -353,6 +361,12 @@ if os.environ.get("FAKE_NVCC_HANG"):
     child = subprocess.Popen(["sleep", "20"])  # like cicc or ptxas under nvcc
     open(os.environ["FAKE_NVCC_HANG"], "w").write(str(child.pid))
     child.wait()
+if os.environ.get("FAKE_NVCC_ESCAPE"):  # a process in a session of its own holds nvcc's output
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    open(os.environ["FAKE_NVCC_ESCAPE"], "w").write(str(child.pid))
+    time.sleep(30)
+if os.environ.get("FAKE_NVCC_EMPTY"):  # exits 0 and writes nothing
+    sys.exit(0)
 with open(os.environ["FAKE_NVCC_LOG"], "a") as log:
     log.write("compile\n")
 open(args[args.index("-o") + 1], "wb").write(b"\x7fELF fake cubin of " + args[-1].encode())
@@ -414,8 +428,9 @@ def test_item11_cache_verifies_its_entries(fake_nvcc, tamper):
     assert again.cached and again.output == out and again.report["k_w2"]["registers"] == 40
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o002])
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_item09_cached_binary_mode_follows_the_umask(fake_nvcc, umask):
+    """The umask's mode, but never writable by group or others (R1: others could plant a library)."""
     from tsgen.toolchain import compile_source
 
     old = os.umask(umask)
@@ -424,7 +439,7 @@ def test_item09_cached_binary_mode_follows_the_umask(fake_nvcc, umask):
     finally:
         os.umask(old)
     for p in res.output.parent.iterdir():
-        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, p
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644 & ~umask, p
 
 
 def test_item10_leftovers_in_the_cache_are_removed(fake_nvcc):
@@ -498,14 +513,18 @@ def _no_nvcc() -> str | None:
     return None
 
 
-needs_nvcc = pytest.mark.skipif(_no_nvcc() is not None, reason=f"needs nvcc: {_no_nvcc()}")
+needs_nvcc = compile_test(None if _no_nvcc() is None else f"needs nvcc: {_no_nvcc()}")  # marked `compile`
 
 
 def nvcc_front_end(source: Path) -> subprocess.CompletedProcess:
-    """nvcc's front end (host and device parse, no code generation) with tsgen's flags."""
-    from tsgen.toolchain import NVCC_FLAGS, find_nvcc, gencode_flags
+    """nvcc's front end (host and device parse, no code generation) with tsgen's flags, and the
+    include folders of the device libraries its manifest (the JSON beside it) names."""
+    from tsgen.toolchain import NVCC_FLAGS, find_device_lib, find_nvcc, gencode_flags
 
     flags = [f for f in NVCC_FLAGS if f not in ("-Xptxas", "-v")]
+    manifest = source.with_suffix(".json")
+    libs = json.loads(manifest.read_text()).get("device_libs", []) if manifest.exists() else []
+    flags += [f"-I{find_device_lib(name).include}" for name in libs] + (["-rdc=true"] if libs else [])
     return subprocess.run([str(find_nvcc()), "-cuda", *gencode_flags("sm_90a"), *flags, "-o", os.devnull,
                            str(source)], capture_output=True, text=True, timeout=600)
 
@@ -666,3 +685,654 @@ def test_item15_heap_size():
         manifest.layout(1 << 62, 8)
     with pytest.raises(RuntimeSetupError, match="count -1: the number of elements per rank cannot be negative"):
         manifest.layout(-1, 2)
+
+
+# ===========================================================================
+# Issue 30: the host side under attack
+# ===========================================================================
+
+def _other_uid() -> int:
+    return 65534 if os.geteuid() != 65534 else 65533
+
+
+def _compile_output(fake_nvcc) -> Path:
+    from tsgen.toolchain import compile_source
+
+    return compile_source(ROOT / "generated" / "put_block.cu").output
+
+
+# ---------------------------------------------------------------------------
+# R1. A compile cache others can write is refused; an entry not only this user's is not loaded
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["0777", "1777", "0775", "0757", "other_owner", "parent_0777"])
+def test_r1_cache_folder_others_can_write_is_refused(fake_nvcc, how):
+    cache = fake_nvcc / "cache"
+    if how == "parent_0777":  # the folder above the cache: whoever can write it can swap the cache
+        cache = fake_nvcc / "shared" / "cache"
+        cache.mkdir(parents=True, mode=0o700)
+        os.chmod(cache.parent, 0o777)
+        os.environ["TSGEN_CACHE_DIR"] = str(cache)  # fake_nvcc's monkeypatch puts it back
+        bad, why = f"the folder {cache.parent} above it", "writable by others and not sticky (mode 0777)"
+    elif how == "other_owner":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a folder to another user")
+        cache.mkdir(mode=0o755)
+        os.chown(cache, _other_uid(), -1)
+        bad, why = cache, f"owned by uid {_other_uid()}, not by you (uid 0)"
+    else:
+        cache.mkdir()
+        os.chmod(cache, int(how, 8))
+        bad, why = cache, f"writable by group or others (mode {how})"
+    r = run_cli("build", "specs/put_block.yaml", "-o", fake_nvcc / "o", "--compile")
+    assert r.code == 2, r
+    head = r.stderr.split("; anyone who can write there can plant a library tsgen would load")[0]
+    assert head == f"tsgen: compile cache {cache}: {bad} is {why}", r
+    assert "set TSGEN_CACHE_DIR to a folder of yours" in r.stderr and _compiles(fake_nvcc) == 0
+
+
+@pytest.mark.parametrize("plant", ["group_writable", "other_owner"])
+def test_r1_planted_cache_entry_is_compiled_again(fake_nvcc, plant):
+    """An entry whose report holds its digest verifies, so the digest proves nothing about who
+    wrote it: an entry that is not this user's alone is a miss, compiled again and replaced."""
+    out = _compile_output(fake_nvcc)
+    report = out.with_suffix(out.suffix + ".ptxas.txt")
+    if plant == "other_owner":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(out, _other_uid(), -1)
+    else:
+        os.chmod(report, 0o666)
+    assert _compile_output(fake_nvcc) == out and _compiles(fake_nvcc) == 2
+    for p in (out, report):
+        st = p.stat()
+        assert st.st_uid == os.geteuid() and not st.st_mode & 0o022, p
+
+
+def test_r1_device_scripts_use_a_cache_folder_of_their_users(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TSGEN_CACHE_DIR"}
+    env.update(TMPDIR=str(tmp_path), OUT=str(tmp_path / "out"), PYTHONPATH=str(ROOT))
+    p = subprocess.run(["bash", "-c", 'source tools/device_env.sh && echo "$TSGEN_CACHE_DIR" '
+                        '&& stat -c %a "$TSGEN_CACHE_DIR"'], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == [str(tmp_path / f"tsgen-cache-{os.getuid()}"), "700"]
+
+
+# ---------------------------------------------------------------------------
+# R2. Files tsgen makes in a shared place never follow a symlink and never truncate
+# ---------------------------------------------------------------------------
+
+
+def test_r2_compile_lock_never_follows_a_symlink(fake_nvcc):
+    from tsgen.toolchain import compile_source
+
+    out = _compile_output(fake_nvcc)
+    for p in out.parent.iterdir():
+        p.unlink()
+    victim = fake_nvcc / "victim"
+    victim.write_text("root's secret")
+    victim.chmod(0o600)
+    lock = out.with_name(f".{out.name}.lock")
+    lock.symlink_to(victim)
+    with pytest.raises(ToolchainError, match=f"compile cache {out.parent}: Too many levels of symbolic links"):
+        compile_source(ROOT / "generated" / "put_block.cu")
+    assert victim.read_text() == "root's secret" and _compiles(fake_nvcc) == 1  # the first compile only
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard_link", "other_owner"])
+def test_r2_gpu_lock_refuses_a_planted_file(tmp_path, monkeypatch, plant):
+    """TSGEN_GPU_LOCK lies in /tmp: whatever another user put under its name is refused, untouched."""
+    from tsgen.harness import gpu_turn
+
+    victim, lock = tmp_path / "victim", tmp_path / "gpu.lock"
+    victim.write_text("root's secret")
+    if plant == "symlink":
+        lock.symlink_to(victim)
+    elif plant == "hard_link":
+        os.link(victim, lock)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        lock.write_text("")
+        os.chown(lock, _other_uid(), -1)
+    monkeypatch.setenv("TSGEN_GPU_LOCK", str(lock))
+    with pytest.raises(RuntimeSetupError, match=f"TSGEN_GPU_LOCK={lock}: "):
+        with gpu_turn():
+            pass
+    assert victim.read_text() == "root's secret"
+    monkeypatch.setenv("TSGEN_GPU_LOCK", str(tmp_path / "mine.lock"))
+    with gpu_turn():
+        assert stat.S_IMODE((tmp_path / "mine.lock").stat().st_mode) == 0o600
+
+
+# ---------------------------------------------------------------------------
+# R3, R4. The rendezvous store: only the job's ranks, on loopback, within bounds
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store_server(monkeypatch):
+    """tsgen's store server in this process (short authentication timeout), serving secret b'job'."""
+    import threading
+
+    from tsgen.runtime import store_server as S
+
+    monkeypatch.setattr(S, "AUTH_TIMEOUT", 0.5)
+    server = S._Server(("127.0.0.1", 0), b"job")
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield server
+    server.stop()
+
+
+def _raw_client(server, secret: bytes = b"job"):
+    """A socket to `server`, authenticated with `secret`; its reply to the authentication."""
+    import socket
+
+    from tsgen.runtime.store_server import _recv, _send, proof
+
+    sock = socket.create_connection(server.server_address, timeout=5)
+    tag, (nonce,) = _recv(sock)
+    mine = os.urandom(32)
+    _send(sock, b"A", mine, proof(secret, b"client", nonce, mine))
+    return sock, _recv(sock)
+
+
+def test_r3_store_serves_only_clients_that_know_the_secret(store_server):
+    from tsgen.runtime.store import StoreError, TcpStore
+    from tsgen.runtime.store_server import _recv, _send
+
+    host, port = store_server.server_address
+    rank = TcpStore(host, port, serve=False, timeout=5, secret=b"job")
+    rank.set("tsgen/0/0", b"an IPC handle")
+    with pytest.raises(StoreError, match="refused this rank: authentication failed: this client does not know "
+                                         "the job's secret"):
+        TcpStore(host, port, serve=False, timeout=5, secret=b"guess")
+    sock, reply = _raw_client(store_server, b"guess")  # a stranger gets no value and no say
+    assert reply[0] == b"!"
+    import socket
+
+    stranger = socket.create_connection((host, port), timeout=5)
+    _recv(stranger)  # the challenge; then a request instead of an answer
+    _send(stranger, b"G", b"tsgen/0/0")
+    assert _recv(stranger) == (b"!", [b"not a tsgen store client (expected its authentication first)"])
+    assert rank.get("tsgen/0/0") == b"an IPC handle"
+    rank.close()
+
+
+def test_r3_a_rank_does_not_talk_to_a_server_without_the_secret(store_server):
+    from tsgen.runtime.store import StoreError, TcpStore
+
+    store_server.secret = b"another job"  # proves the wrong secret: a rank sends it nothing
+    with pytest.raises(StoreError, match="refused this rank|does not know this job's secret"):
+        TcpStore(*store_server.server_address, serve=False, timeout=5, secret=b"job")
+
+
+def test_r3_store_is_served_on_loopback_only_by_default():
+    from tsgen.launch import free_port
+    from tsgen.runtime.store import StoreError, TcpStore
+
+    with pytest.raises(StoreError, match="rank 0 serves the tsgen store at 0.0.0.0:[0-9]+ on loopback addresses only, "
+                                         "and MASTER_ADDR=0.0.0.0 is not one: .*TSGEN_STORE_REMOTE=1"):
+        TcpStore("0.0.0.0", free_port(), serve=True, timeout=5, secret=b"job")
+    with pytest.raises(StoreError, match="TSGEN_STORE_SECRET: `tsgen launch` sets it for every rank"):
+        from tsgen.runtime.store import connect
+
+        connect("127.0.0.1", free_port(), 0, 1, {"TSGEN_STORE": "tsgen"})
+
+
+def test_r3_launcher_gives_every_job_its_own_secret():
+    import io
+
+    from tsgen.launch import launch
+
+    runs = []
+    for _ in range(2):
+        out = io.StringIO()
+        assert launch([sys.executable, "-c", "import os; print(os.environ['TSGEN_STORE_SECRET'])"], 2, out=out,
+                      err=io.StringIO()) == 0
+        runs.append({line.split()[-1] for line in out.getvalue().splitlines()})
+    assert all(len(r) == 1 and re.fullmatch(r"[0-9a-f]{64}", next(iter(r))) for r in runs) and runs[0] != runs[1]
+
+
+def test_r4_store_bounds_connections(store_server, capfd):
+    """Idle connections beyond MAX_CLIENTS are closed at once, the others after AUTH_TIMEOUT:
+    a rank arriving late still gets in."""
+    import socket
+
+    from tsgen.runtime.store import TcpStore
+    from tsgen.runtime.store_server import MAX_CLIENTS
+
+    idle = [socket.create_connection(store_server.server_address, timeout=5) for _ in range(MAX_CLIENTS + 20)]
+    start = time.monotonic()
+    late = TcpStore(*store_server.server_address, serve=False, timeout=10, secret=b"job")
+    late.set("k", b"v")
+    assert late.get("k") == b"v" and time.monotonic() - start < 5
+    for sock in idle:
+        sock.settimeout(5)
+        while sock.recv(4096):  # the challenge, then the end: nothing is held open
+            pass
+        sock.close()
+    late.close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_r4_a_client_that_trickles_its_authentication_is_dropped(store_server):
+    """One byte at a time, each well within any per-read timeout: the whole handshake still
+    has AUTH_TIMEOUT (0.5 s here), then the connection is closed."""
+    import socket
+
+    from tsgen.runtime.store_server import _recv
+
+    sock = socket.create_connection(store_server.server_address, timeout=5)
+    _recv(sock)
+    start = time.monotonic()
+    try:
+        for byte in b"A\0\0\0\2\0\0\0\x20" + bytes(40):
+            sock.send(bytes([byte]))
+            time.sleep(0.1)
+        closed = sock.recv(1) == b""
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    assert closed and time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("request_bytes,reply", [
+    (b"S\0\0\0\1\0\0\0\1k", b"unknown request b'S' with 1 strings"),
+    (b"X\0\0\0\0", b"unknown request b'X' with 0 strings"),
+    (b"G\0\0\0\1\0\0\0\2\xff\xfe", b"a key that is not UTF-8"),
+    (b"C\xff\xff\xff\xff", b"4294967295 strings in one message; at most 1024"),
+    (b"S\0\0\0\2\x7f\xff\xff\xff", b"a string of 2147483647 bytes; at most 16777216"),  # claimed, never sent
+], ids=["one_part_set", "unknown_tag", "non_utf8_key", "too_many_parts", "huge_part"])
+def test_r4_malformed_requests_get_an_error_not_a_traceback(store_server, capfd, request_bytes, reply):
+    from tsgen.runtime.store_server import _recv
+
+    sock, auth = _raw_client(store_server)
+    assert auth[0] == b"+"
+    sock.sendall(request_bytes)
+    assert _recv(sock) == (b"!", [reply])
+    assert sock.recv(1) == b""  # and the connection is closed
+    out = capfd.readouterr()
+    assert "Traceback" not in out.err + out.out
+
+
+def test_r4_store_values_are_bounded(store_server):
+    from tsgen.runtime.store import StoreError, TcpStore
+    from tsgen.runtime.store_server import MAX_PART
+
+    rank = TcpStore(*store_server.server_address, serve=False, timeout=5, secret=b"job")
+    with pytest.raises(StoreError, match=f"a value of {MAX_PART + 1} bytes for key 'k': .* at most {MAX_PART} bytes"):
+        rank.set("k", bytes(MAX_PART + 1))
+    rank.close()
+
+
+# ---------------------------------------------------------------------------
+# R5. The launcher: never hangs on its output, forwards all of it in bounded pieces, ends
+#     what its ranks leave behind
+# ---------------------------------------------------------------------------
+
+
+def _shell(command: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`bash -c command` in a session of its own, killed whole if it outlives `timeout`."""
+    proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise AssertionError(f"{command!r} still ran after {timeout} s") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def test_r5_launch_piped_into_head_ends(tmp_path):
+    pid = tmp_path / "rank.pid"
+    rank = f"import os, sys; open({str(pid)!r}, 'w').write(str(os.getpid()))\nwhile True: print('x' * 100)"
+    p = _shell(f"set -o pipefail; {sys.executable} -m tsgen launch --nproc 2 -- {sys.executable} -c "
+               f"{shlex.quote(rank)} | head -n 3", timeout=30)
+    assert p.stdout.decode().splitlines()[:3] == [p.stdout.decode().splitlines()[0]] * 3
+    assert p.returncode == 141 and b"Traceback" not in p.stderr, p.stderr[-2000:]
+    time.sleep(0.2)
+    assert not Path(f"/proc/{pid.read_text()}").exists() or "\nState:\tZ" in Path(
+        f"/proc/{pid.read_text()}/status").read_text(), "a rank outlived the launcher"
+
+
+def test_r5_output_the_terminal_cannot_encode_is_forwarded_as_bytes():
+    rank = "import sys; sys.stdout.buffer.write(b'\\xff caf\\xc3\\xa9\\n' + b'y' * 200000 + b'\\n')"
+    p = _shell(f"{sys.executable} -m tsgen launch --nproc 1 -- {sys.executable} -c {shlex.quote(rank)}",
+               timeout=30, env={"PYTHONIOENCODING": "latin-1"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(b"[rank 0] \xff caf\xc3\xa9\n[rank 0] yyy") and p.stdout.count(b"y") == 200000
+
+
+def test_r5_a_long_last_line_is_forwarded_whole_in_bounded_pieces():
+    """1 MiB with no newline to an output that takes 2.5 s per MiB: all of it is forwarded,
+    in lines of at most CHUNK bytes each with the rank's prefix, before launch returns."""
+    import io
+
+    from tsgen.launch import CHUNK, launch
+
+    class Slow(io.StringIO):
+        def write(self, s):
+            time.sleep(2.5 * len(s) / 2**20)
+            return super().write(s)
+
+    out = Slow()
+    code = launch([sys.executable, "-c", "import sys; sys.stdout.write('z' * (1 << 20))"], 1, out=out,
+                  err=io.StringIO())
+    lines = out.getvalue().splitlines()
+    assert code == 0 and sum(line.count("z") for line in lines) == 1 << 20
+    assert all(line.startswith("[rank 0] ") and len(line) <= CHUNK + 9 for line in lines) and len(lines) > 1
+
+
+def test_r5_what_a_finished_rank_left_running_is_ended(tmp_path):
+    import io
+
+    from tsgen.launch import launch
+
+    pid = tmp_path / "child.pid"
+    rank = (f"import subprocess; p = subprocess.Popen(['sleep', '60']); open({str(pid)!r}, 'w').write(str(p.pid))")
+    try:
+        assert launch([sys.executable, "-c", rank], 1, out=io.StringIO(), err=io.StringIO(), kill_after=1) == 0
+        time.sleep(0.2)
+        status = Path(f"/proc/{pid.read_text()}/status")
+        assert not status.exists() or "\nState:\tZ" in status.read_text(), "the rank's child still runs"
+    finally:
+        subprocess.run(["kill", "-9", pid.read_text()], capture_output=True)
+
+
+# ---------------------------------------------------------------------------
+# R6. A compile ends with its timeout and with its caller; an empty output is no compile
+# ---------------------------------------------------------------------------
+
+
+def test_r6_a_process_that_left_nvccs_group_does_not_hold_the_compile(fake_nvcc, monkeypatch):
+    from tsgen.toolchain import compile_source
+
+    pid_file = fake_nvcc / "escaped.pid"
+    monkeypatch.setenv("FAKE_NVCC_ESCAPE", str(pid_file))
+    monkeypatch.setenv("TSGEN_TOOL_TIMEOUT", "1")
+    start = time.perf_counter()
+    try:
+        with pytest.raises(ToolchainError, match="nvcc ran longer than 1 s"):
+            compile_source(ROOT / "generated" / "put_block.cu")
+        assert time.perf_counter() - start < 10
+    finally:
+        subprocess.run(["kill", "-9", pid_file.read_text()], capture_output=True)
+
+
+def test_r6_nvcc_exiting_0_without_output_is_an_error(fake_nvcc, monkeypatch):
+    from tsgen.toolchain import compile_source
+
+    monkeypatch.setenv("FAKE_NVCC_EMPTY", "1")
+    with pytest.raises(ToolchainError, match="nvcc exited 0 but wrote an empty output file .*; nothing was cached"):
+        compile_source(ROOT / "generated" / "put_block.cu")
+    assert list((fake_nvcc / "cache").iterdir()) == []
+
+
+def test_r6_sigterm_to_tsgen_ends_nvcc_and_its_children(fake_nvcc):
+    import signal
+
+    pid_file = fake_nvcc / "child.pid"
+    proc = subprocess.Popen([sys.executable, "-m", "tsgen", "build", "specs/put_block.yaml", "-o", fake_nvcc / "o",
+                             "--compile"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "FAKE_NVCC_HANG": str(pid_file)})
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = Path(f"/proc/{pid_file.read_text()}/status")
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 128 + signal.SIGTERM and err.endswith("tsgen: stopped by signal 15\n"), err
+        time.sleep(0.2)
+        assert not child.exists() or "\nState:\tZ" in child.read_text(), "nvcc's child outlived tsgen"
+    finally:
+        subprocess.run(["kill", "-9", pid_file.read_text()], capture_output=True)
+
+
+# ---------------------------------------------------------------------------
+# R7. A manifest read from a file: every value checked, and it must describe its source
+# ---------------------------------------------------------------------------
+
+
+def _module_copy(tmp_path: Path, name: str, change) -> Path:
+    """generated/NAME.{cu,json} copied to tmp_path with the manifest's data changed by `change`."""
+    shutil.copy(ROOT / "generated" / f"{name}.cu", tmp_path / f"{name}.cu")
+    data = json.loads((ROOT / "generated" / f"{name}.json").read_text())
+    change(data)
+    (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    return tmp_path / f"{name}.json"
+
+
+def _set(path: str, value):
+    """A change that sets the manifest field at `path` (dots and [indices]) to `value`."""
+    def change(data):
+        parts = [int(p) if p.isdigit() else p for p in re.findall(r"[^.\[\]]+", path)]
+        for p in parts[:-1]:
+            data = data[p]
+        data[parts[-1]] = value
+    return change
+
+
+def test_r7_every_shipped_manifest_describes_its_source():
+    from tsgen.runtime.world import module_files
+
+    for path in sorted((ROOT / "generated").glob("*.json")):
+        module_files(path)
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("put_block", _set("buffers[2].elems", {"per_count": 0, "per_world_count": 0, "fixed": 256}),
+     "buffer 'dst' is ('dst', 'uint8', 'output', 1, 0, 0, 0) in the source and ('dst', 'uint8', 'output', 0, 0, 256, 0) "
+     "in the manifest"),
+    ("all_reduce_one_shot", _set("buffers[1].dtype", "uint8"), "buffer 'src' is"),
+    ("all_reduce_one_shot", _set("buffers[0].init_byte", 255), "buffer 'calls' is"),
+    ("all_reduce_two_shot_ce", _set("kernels[0].prepare", "exit"), "'exit' (world size 2) is not one of its extern"),
+    ("all_reduce_two_shot_ce", _set("kernels[0].launcher", "system"), "'system' (world size 2) is not one of"),
+    ("put_block", _set("spec_sha256", "0" * 64), "its banner does not name spec sha256 " + "0" * 64),
+], ids=["heap_too_small", "dtype", "init_byte", "prepare_exit", "launcher_system", "spec"])
+def test_r7_manifest_must_describe_its_source(tmp_path, name, change, message):
+    from tsgen.manifest import ManifestError
+    from tsgen.runtime.world import module_files
+
+    path = _module_copy(tmp_path, name, change)
+    with pytest.raises(ManifestError) as e:
+        module_files(path)
+    assert str(e.value).startswith(f"{tmp_path / name}.cu is not the source this manifest describes: "), e.value
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("kernels[0].grid", "xyz", "kernels[0].grid: a list of 3 to 3 entries is expected"),
+    ("kernels[0].grid", [64, 1, -1], "kernels[0].grid[2]: -1 is not a whole number from 0 to 65535"),
+    ("kernels[0].block", [0, 1, 1], "kernels[0].block[0]: 0 is not a whole number from 1 to 1024"),
+    ("kernels[0].block", [1024, 2, 1], "kernels[0].block: [1024, 2, 1]: more than 1024 threads"),
+    ("kernels[0].shared_bytes", -1, "kernels[0].shared_bytes: -1 is not a whole number"),
+    ("kernels[0].world_size", "2", "kernels[0].world_size: '2' is not a whole number"),
+    ("kernels[0].args[1].role", "pointer", "kernels[0].args[1].role: 'pointer' is not one of peers"),
+    ("kernels[0].args[4].name", "nothing", "kernels[0].args: argument 'nothing' names no buffer"),
+    ("buffers[1].dtype", "complex128", "buffers[1].dtype: 'complex128' is not one of uint8"),
+    ("buffers[1].role", "weird", "buffers[1].role: 'weird' is not one of input"),
+    ("buffers[1].elems.per_count", -1, "buffers[1].elems.per_count: -1 is not a whole number from 0"),
+    ("buffers[1].elems.fixed", 2.5, "buffers[1].elems.fixed: 2.5 is not a whole number"),
+    ("buffers[0].init_byte", 300, "buffers[0].init_byte: 300 is not a whole number from 0 to 255"),
+    ("world_sizes", [True], "world_sizes[0]: True is not a whole number"),
+    ("timeout_ms", "soon", "timeout_ms: 'soon' is not a whole number"),
+    ("host_launch", "no", "host_launch: 'no' is not true or false"),
+    ("source", "../../elsewhere.cu", "source: '../../elsewhere.cu' is not"),
+    ("name", "a/b", "name: 'a/b' is not a C identifier"),
+    ("constants", {"BLOCKS": "64"}, "constants.BLOCKS: '64' is not a whole number"),
+    ("kernels", [], "kernels: a list of 1 to 65536 entries is expected"),
+    ("kernels[0].name", "put_block_w3", "kernels: kernel names repeat: ['put_block_w3', 'put_block_w3', 'put_block_w4']"),
+])
+def test_r7_malformed_manifest_values_are_named(tmp_path, path, value, message):
+    from tsgen.manifest import Manifest, ManifestError
+
+    manifest = _module_copy(tmp_path, "put_block", _set(path, value))
+    with pytest.raises(ManifestError) as e:
+        Manifest.load(manifest)
+    assert str(e.value) == f"{manifest}: {message}" + str(e.value).split(message, 1)[1], e.value
+    assert str(e.value).endswith("; rebuild it from its spec with `tsgen build`")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_r7_host_launcher_must_be_the_modules_own_function(tmp_path):
+    """dlsym finds the symbols of a library's dependencies too: `exit` from libc must be refused."""
+    from tsgen.manifest import KernelEntry
+    from tsgen.runtime.world import _host_launcher
+
+    (tmp_path / "m.c").write_text('#include <stdio.h>\nint m_launch(void) { return puts("") * 0; }\n'
+                                  'int m_prepare(int r, int d) { return r + d; }\n')
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", tmp_path / "libm1.so", tmp_path / "m.c"], check=True)
+    entry = KernelEntry("m", "m_launch", 2, (1, 1, 1), (32, 1, 1), 0, (), (), "m_prepare")
+    launcher, prepare = _host_launcher(tmp_path / "libm1.so", entry)
+    assert prepare(2, 3) == 5
+    for bad in (KernelEntry("m", "exit", 2, (1, 1, 1), (32, 1, 1), 0, (), ()),
+                KernelEntry("m", "m_launch", 2, (1, 1, 1), (32, 1, 1), 0, (), (), "abort")):
+        with pytest.raises(RuntimeSetupError, match=r"'(exit|abort)' is not a function of this module \(it resolves "
+                                                    r"to .*libc"):
+            _host_launcher(tmp_path / "libm1.so", bad)
+
+
+# ---------------------------------------------------------------------------
+# R8. The last tracebacks: paths that cannot be looked at, numbers in variables, launch options
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    (("build", "x" * 300 + ".yaml"), "x" * 300 + ".yaml:1:1: <file>: cannot read: File name too long"),
+    (("build", "specs/put_block.yaml", "-o", "x" * 300 + "/o"), "tsgen: cannot write " + "x" * 300),
+    (("launch", "--nproc", "1", "--port", "-1", "--", "true"), "tsgen launch: --port -1: a TCP port is 1-65535"),
+    (("launch", "--nproc", "1", "--port", "70000", "--", "true"), "tsgen launch: --port 70000: a TCP port is 1-65535"),
+    (("launch", "--nproc", "1", "--timeout", "nan", "--", "true"),
+     "tsgen launch: --timeout nan: give the seconds as a finite number > 0"),
+    (("launch", "--nproc", "1", "--timeout", "inf", "--", "true"), "tsgen launch: --timeout inf: give the seconds"),
+    (("launch", "--nproc", "1", "--grace", "-5", "--", "true"),
+     "tsgen launch: --grace -5.0: give the seconds as a finite number >= 0"),
+], ids=["long_spec_name", "long_out_folder", "port_-1", "port_70000", "timeout_nan", "timeout_inf", "grace_-5"])
+def test_r8_paths_and_launch_options_are_usage_errors(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    r = run_cli(*args)
+    assert r.code == 2, r
+    assert message in r.stderr and "Traceback" not in r.stderr, r
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root searches folders without search permission")
+def test_r8_spec_in_a_folder_without_search_permission(tmp_path):
+    (tmp_path / "d").mkdir()
+    shutil.copy(ROOT / "specs" / "put_block.yaml", tmp_path / "d" / "put_block.yaml")
+    (tmp_path / "d").chmod(0o600)
+    try:
+        r = run_cli("build", tmp_path / "d" / "put_block.yaml", "-o", tmp_path / "o")
+        assert r.code == 2 and "cannot read: Permission denied" in r.stderr, r
+    finally:
+        (tmp_path / "d").chmod(0o755)
+
+
+@pytest.mark.parametrize("variable,value,run", [
+    ("TSGEN_STACKS_AFTER", "soon", lambda: run_cli("list")),
+    ("TSGEN_STACKS_AFTER", "nan", lambda: run_cli("list")),
+    ("TSGEN_TOOL_TIMEOUT", "inf", lambda: __import__("tsgen.toolchain").toolchain.tool_timeout()),
+    ("TSGEN_TOOL_TIMEOUT", "1e999", lambda: __import__("tsgen.toolchain").toolchain.tool_timeout()),
+    ("TSGEN_STORE_TIMEOUT", "nan", lambda: __import__("tsgen.runtime.store").runtime.store.store_timeout()),
+])
+def test_r8_seconds_in_variables_are_finite_numbers(monkeypatch, capsys, variable, value, run):
+    from tsgen.errors import TsgenError
+
+    monkeypatch.setenv(variable, value)
+    try:
+        r = run()
+        text, code = r.stderr, r.code
+    except TsgenError as e:
+        text, code = f"tsgen: {e}\n", e.exit_code
+    assert code == 2 and text == f"tsgen: {variable}={value!r}: give the seconds as a finite number > 0\n"
+
+
+def test_r8_a_cache_folder_tsgen_cannot_write(fake_nvcc, monkeypatch):
+    """The lock's open fails (PermissionError, injected: root writes anywhere): a message, exit 2."""
+    import tsgen.toolchain as T
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(T, "open_shared", refuse)
+    r = run_cli("build", "specs/put_block.yaml", "-o", fake_nvcc / "o", "--compile")
+    assert r.code == 2, r
+    assert r.stderr.startswith(f"tsgen: compile cache {fake_nvcc / 'cache'}: Permission denied "), r
+
+
+# ---------------------------------------------------------------------------
+# R9. A spec's numbers as every YAML reader reads them; a cache folder without a home
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("040", "'040' is a leading-zero octal number, which only YAML 1.1 reads (as 32): write 32 in plain decimal"),
+    ("1:04", "'1:04' is a base-60 (sexagesimal) number, which only YAML 1.1 reads (as 64): write 64"),
+    ("1_0_", "'1_0_' is a '_'-separated number, which only YAML 1.1 reads (as 10): write 10 in plain decimal"),
+    ("0b11", "'0b11' is a binary number, which only YAML 1.1 reads (as 3): write 3 in plain decimal"),
+    ("!!int 040", "'040' is a leading-zero octal number"),
+    ("1_6.0", "'1_6.0' is a '_'-separated number, which only YAML 1.1 reads (as 16.0)"),
+    ("1:30.5", "'1:30.5' is a base-60 (sexagesimal) number, which only YAML 1.1 reads (as 90.5)"),
+])
+def test_r9_yaml_11_numbers_are_refused(tmp_path, value, problem):
+    (line,) = _bad(tmp_path, PUT + f"launch:\n  blocks: {value}\n")
+    assert line.startswith(f"6:11: <yaml>: YAML value not allowed: {problem}"), line
+
+
+ATTENTION = (ROOT / "specs" / "attention_hd128.yaml").read_text()
+
+
+@pytest.mark.parametrize("value,problem", [
+    (".inf", "<yaml>: YAML value not allowed: '.inf' is not a finite number"),
+    ("-.inf", "<yaml>: YAML value not allowed: '-.inf' is not a finite number"),
+    (".nan", "<yaml>: YAML value not allowed: '.nan' is not a finite number"),
+    ("1.0e+999", "<yaml>: YAML value not allowed: '1.0e+999' is too large for a float (it reads as infinity)"),
+    ("1.0e+300", "params.softmax_scale: 1e+300 does not fit the float32 the kernel takes it as (from 2^-126 to "
+                 "1e38)"),  # it rendered as inff
+    ("1.0e-300", "params.softmax_scale: 1e-300 does not fit the float32 the kernel takes it as (from 2^-126 to "
+                 "1e38)"),  # it rounded to 0
+])
+def test_r9_floats_are_finite_and_fit_the_kernel(tmp_path, value, problem):
+    text = ATTENTION.replace("params:\n", f"params:\n  softmax_scale: {value}\n", 1)
+    (line,) = _bad(tmp_path, text)
+    assert line.split(": ", 1)[1] == problem, line
+
+
+@pytest.mark.parametrize("spec,old,new,problem", [
+    ("gemm_bf16", "n: 256", "n: 256.0", "params.tile.n: 256.0 is a float, not a whole number"),
+    ("gemm_bf16", "size: 2", "size: true", "params.cluster.size: True is a bool, not a whole number"),
+    ("attention_hd128", "world_sizes: [1]", "world_sizes: [true]", "world_sizes: True is a bool, not a whole number"),
+    ("remote_st_relaxed_sys_u32", "width: 32", "width: 32.0", "params.width: 32.0 is a float, not a whole number"),
+])
+def test_r9_bools_and_floats_where_a_whole_number_is_expected(tmp_path, spec, old, new, problem):
+    text = (ROOT / "specs" / f"{spec}.yaml").read_text()
+    assert old in text
+    (line,) = _bad(tmp_path, text.replace(old, new, 1))
+    assert line.split(": ", 1)[1] == problem, line
+
+
+def test_r9_cache_folder_without_home_or_with_a_relative_xdg(tmp_path, monkeypatch, capsys):
+    import pwd
+
+    from tsgen.toolchain import cache_dir
+
+    for name in ("TSGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_entry(uid):
+        raise KeyError(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)  # a container user with no passwd entry
+    with pytest.raises(ToolchainError, match="no folder for the compile cache: TSGEN_CACHE_DIR and XDG_CACHE_HOME are "
+                                             "unset and this user has no home folder .*set TSGEN_CACHE_DIR"):
+        cache_dir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert cache_dir() == tmp_path / ".cache" / "tsgen"
+    assert "XDG_CACHE_HOME='relative/cache' is not an absolute path, so it is ignored" in capsys.readouterr().err
+    monkeypatch.setenv("TSGEN_CACHE_DIR", "rel")
+    assert cache_dir() == Path.cwd() / "rel"

@@ -48,7 +48,7 @@ def test_old_and_foreign_manifests_are_refused_naming_the_file(tmp_path):
         Manifest.load(_file(tmp_path, data))
     data["manifest_version"] = MANIFEST_VERSION
     del data["buffers"]
-    with pytest.raises(ManifestError, match=r"old\.json: .*missing or malformed field .*'buffers'.*rebuild"):
+    with pytest.raises(ManifestError, match=r"old\.json: buffers: missing; rebuild it from its spec with `tsgen build`"):
         Manifest.load(_file(tmp_path, data))
     for text in ("not json", "[1, 2]"):
         with pytest.raises(ManifestError, match=r"old\.json: not a tsgen manifest"):

@@ -24,7 +24,8 @@ WORKER = """
 import json, os, sys
 from tsgen.runtime.store import connect
 rank, size, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-rv = connect("127.0.0.1", port, rank, size, {"TSGEN_STORE": "tsgen", "TSGEN_STORE_TIMEOUT": "20"})
+rv = connect("127.0.0.1", port, rank, size, {"TSGEN_STORE": "tsgen", "TSGEN_STORE_TIMEOUT": "20",
+                                             "TSGEN_STORE_SECRET": "s3"})
 values = rv.all_gather("hello", f"from {rank}".encode())
 rv.barrier("after hello")
 big = rv.all_gather("big", bytes([rank]) * 100000)
@@ -104,13 +105,13 @@ def test_ranks_out_of_step_are_reported():
 def test_unreachable_store_and_busy_port():
     port = free_port()
     with pytest.raises(StoreError) as e:
-        TcpStore("127.0.0.1", port, serve=False, timeout=0.3)
+        TcpStore("127.0.0.1", port, serve=False, timeout=0.3, secret=b"s")
     assert f"could not reach the tsgen store at 127.0.0.1:{port} within 0 s" in str(e.value)
     assert "rank 0 serves it" in str(e.value)
-    server = TcpStore("127.0.0.1", port, serve=True, timeout=5)
+    server = TcpStore("127.0.0.1", port, serve=True, timeout=5, secret=b"s")
     try:
         with pytest.raises(StoreError, match=f"rank 0 cannot serve the tsgen store at 127.0.0.1:{port}: .*MASTER_PORT"):
-            TcpStore("127.0.0.1", port, serve=True, timeout=5)
+            TcpStore("127.0.0.1", port, serve=True, timeout=5, secret=b"s")
     finally:
         server.close()
 

@@ -12,7 +12,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (pydanti
 else
   export PYTHONPATH=$PWD
 fi
-export TSGEN_CACHE_DIR=/tmp/tsgen-cache TSGEN_RESULTS_DIR="$OUT"
+# the compile cache: tsgen loads the libraries it finds there, so a folder of this user's alone (0700),
+# never a fixed name in /tmp another user could make first (tsgen refuses a folder others can write)
+export TSGEN_CACHE_DIR=${TSGEN_CACHE_DIR:-${TMPDIR:-/tmp}/tsgen-cache-$(id -u)} TSGEN_RESULTS_DIR="$OUT"
+(umask 077 && mkdir -p "$TSGEN_CACHE_DIR") || { echo "device_env: cannot make $TSGEN_CACHE_DIR" >&2; exit 2; }
 # the commit the results name, where the tree's git metadata is stale (tools/stamp_commit.sh says why)
 if [ -z "${TSGEN_COMMIT:-}" ]; then
   stamp=$(bash "$(dirname "${BASH_SOURCE[0]}")/stamp_commit.sh" --read)

@@ -26,7 +26,7 @@ for n in 2 4; do
   done
 done
 step "test ipc w4 allgather (torch store)" 60 \
-  env TSGEN_STORE=auto $TSGEN launch --nproc 4 -- $TSGEN test specs/allgather.yaml --backend ipc --iters 20
+  env TSGEN_STORE=torch $TSGEN launch --nproc 4 -- $TSGEN test specs/allgather.yaml --backend ipc --iters 20
 
 # 2. rank 1 dies (SIGKILL) before call 2 of an allgather: every other rank waits for it, so
 # each must print the kernel's timeout diagnostic and exit non-zero on its own (not stopped

@@ -106,7 +106,7 @@ def find_orphans(out_dir: Path, rendered: list[Rendered],
     """(outputs tsgen wrote for a spec in `folders` that no spec of this build produces,
     [(file that looks like tsgen's but is not provably one of those, why)])."""
     expected = {name for r in rendered for name in r.files()}
-    if not out_dir.is_dir():
+    if not os.path.isdir(out_dir):  # False for any OSError; Path.is_dir raises some
         return [], []
     base, homes = out_dir.resolve().parent, {f.resolve() for f in folders}
     orphans, kept = [], []
@@ -168,7 +168,7 @@ def _check(outputs: dict[Path, bytes], orphans: list[Path], spec_of: dict[Path, 
 def _write(outputs: dict[Path, bytes], out_dir: Path, result: BuildResult) -> None:
     """Stage every changed output, then rename them all into place; TsgenError (and nothing
     written, no folder made) if any output cannot be read or staged."""
-    made = [p for p in (out_dir, *out_dir.parents) if not p.exists()]  # deepest first
+    made = [p for p in (out_dir, *out_dir.parents) if not os.path.lexists(p)]  # deepest first
     changed: dict[Path, bytes] = {}
     staged: dict[Path, Path] = {}
     target = out_dir
@@ -208,7 +208,7 @@ def build(
     paths: list[str | Path], out_dir: Path, check: bool = False, prune: bool = False
 ) -> BuildResult:
     # Orphans only make sense when whole folders of specs are built.
-    folders = [Path(p) for p in paths if Path(p).is_dir()]
+    folders = [Path(p) for p in paths if os.path.isdir(p)]
     if prune and not folders:
         raise TsgenError("--prune removes the outputs of specs no longer in a spec folder: "
                          "give it folders, not spec files")

@@ -17,7 +17,8 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .env import force_no_multicast, shared_gpu_env
+from .env import env_seconds, force_no_multicast, shared_gpu_env
+from .procs import Stopped, stop_on_signals
 from .runtime.placement import share_from_env
 from .errors import KernelFailed, SpecError, TsgenError
 
@@ -51,7 +52,20 @@ def _jobs_option(what: str):
     return click.option("-j", "--jobs", type=click.IntRange(min=1), default=_cpus, show_default="the CPUs", help=what)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """tsgen's command group: every command runs under procs.stop_on_signals, so SIGTERM, SIGINT
+    or SIGHUP ends what it started (nvcc, ranks) and exits 128 + the signal's number."""
+
+    def invoke(self, ctx):
+        try:
+            with stop_on_signals():
+                return super().invoke(ctx)
+        except Stopped as e:
+            click.echo(f"tsgen: stopped by signal {e.signum}", err=True)
+            sys.exit(128 + e.signum)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tsgen")
 def main() -> None:
     """Generate readable, self-contained CUDA sources for multi-GPU communication kernels.
@@ -59,11 +73,15 @@ def main() -> None:
     TSGEN_STACKS_AFTER=S: if a command still runs after S seconds, print every
     thread's Python stack to stderr (where a hung rank waits)."""
     force_no_multicast()  # every command, and everything it starts
-    after = os.environ.get("TSGEN_STACKS_AFTER")
-    if after:
+    try:
+        after = env_seconds("TSGEN_STACKS_AFTER", None, ValueError)
+    except ValueError as e:
+        click.echo(f"tsgen: {e}", err=True)
+        sys.exit(2)
+    if after is not None:
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(after), exit=False)
+        faulthandler.dump_traceback_later(after, exit=False)
 
 
 @main.command()
@@ -104,7 +122,7 @@ def _compile_all(modules: list, arch: str, jobs: int) -> None:
     the totals."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .toolchain import cache_dir, compile_for
+    from .toolchain import cache_folder, compile_for
 
     sources = [source for _, source in modules]
 
@@ -114,7 +132,7 @@ def _compile_all(modules: list, arch: str, jobs: int) -> None:
 
     start, cached = time.monotonic(), 0
     n = len(sources)
-    click.echo(f"tsgen: compiling {n} source(s) for {arch}, {jobs} at a time; outputs in {cache_dir()}")
+    click.echo(f"tsgen: compiling {n} source(s) for {arch}, {jobs} at a time; outputs in {cache_folder()}")
     pool = ThreadPoolExecutor(jobs)  # the work is in nvcc processes
     try:
         futures = [pool.submit(timed, m, s) for m, s in modules]

@@ -28,6 +28,30 @@ def force_no_multicast(env: MutableMapping[str, str] | None = None) -> MutableMa
     return env
 
 
+# The per-job secret `tsgen launch` gives every rank it starts (a new one per launch): tsgen's
+# rendezvous store serves only clients that prove they know it (tsgen/runtime/store_server.py).
+STORE_SECRET = "TSGEN_STORE_SECRET"
+
+
+def env_seconds(name: str, default: str | None, error: type[Exception], env=None,
+                zero_ok: bool = False) -> float | None:
+    """The seconds in environment variable `name` (`default` when unset; None for a None default):
+    a finite number > 0 (>= 0 with `zero_ok`), else `error` with a message naming the variable
+    and its value (`float` alone takes 'inf', 'nan' and '1e999')."""
+    import math
+
+    text = (os.environ if env is None else env).get(name) or default  # set but empty: unset
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise error(f"{name}={text!r}: give the seconds as a finite number {'>= 0' if zero_ok else '> 0'}")
+    return value
+
+
 # For processes whose ranks share a GPU, set before the first CUDA call (cuInit reads them):
 # - CUDA_DEVICE_MAX_CONNECTIONS: 32 hardware queues, the most the driver takes. Streams beyond
 #   the queues are folded onto them, and one rank's spinning kernel at the head of a queue would

@@ -24,9 +24,9 @@ from .errors import KernelFailed, RuntimeSetupError
 from .printed import device_output, flush_stdout
 from .manifest import Manifest
 from .ops import get_family
-from .render import render, write_if_different
+from .render import render
 from .spec import LoadedSpec, describe_variant, load_spec, spec_variant
-from .toolchain import cache_dir, cache_error
+from .toolchain import write_cached
 
 
 def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -> LoadedSpec:
@@ -72,25 +72,16 @@ def render_to_cache(loaded: LoadedSpec, skew: int | str | None = None) -> Cached
     the spec); the manifest stays in memory. `skew`: render the test-only rank skew with this
     seed (render's `skew`)."""
     rendered = render(loaded, base=loaded.path.resolve().parent.parent, skew=skew)
-    out = cache_dir() / "render" / (loaded.sha256[:16] + ("" if skew is None else f"-skew{skew}"))
-    source = out / f"{rendered.name}.cu"
-    try:
-        write_if_different(source, rendered.source)
-    except OSError as e:
-        raise cache_error(out, e) from None
-    return CachedModule(rendered.lowered.manifest, source)
+    folder = ("render", loaded.sha256[:16] + ("" if skew is None else f"-skew{skew}"))
+    return CachedModule(rendered.lowered.manifest, write_cached(folder, f"{rendered.name}.cu", rendered.source))
 
 
 def materialize(loaded: LoadedSpec, skew: int | str | None = None) -> Path:
     """render_to_cache, and the manifest written beside the source: its path, for tools that
     load a module by path (World.load(path)) or read its files."""
     module = render_to_cache(loaded, skew)
-    path = module.source.with_suffix(".json")
-    try:
-        write_if_different(path, module.manifest.to_json())
-    except OSError as e:
-        raise cache_error(path.parent, e) from None
-    return path
+    return write_cached(("render", module.source.parent.name), f"{module.source.stem}.json",
+                        module.manifest.to_json())
 
 
 @contextlib.contextmanager
@@ -106,7 +97,13 @@ def gpu_turn(world=None):
         return
     import fcntl
 
-    with open(path, "a") as f:
+    from .files import open_shared
+
+    try:
+        fd = open_shared(Path(path))  # in /tmp: never through a planted symlink
+    except OSError as e:
+        raise RuntimeSetupError(f"TSGEN_GPU_LOCK={path}: {e.strerror or e}") from None
+    with os.fdopen(fd, "r+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -350,9 +347,8 @@ def _mutated(source: Path, mutate: Callable[[str], str]) -> Path:
     changed = mutate(text)
     if changed == text:
         raise ValueError("mutation left the source unchanged")
-    out = source.parent / "mutated" / hashlib.sha256(changed.encode()).hexdigest()[:16] / source.name
-    write_if_different(out, changed)
-    return out
+    folder = ("render", source.parent.name, "mutated", hashlib.sha256(changed.encode()).hexdigest()[:16])
+    return write_cached(folder, source.name, changed)
 
 
 def _poison_value(dtype: np.dtype, call: int) -> int:

@@ -1,27 +1,41 @@
 """`tsgen launch --nproc N -- CMD...`: one process per GPU on this host.
 
 Starts N copies of CMD with the environment torchrun sets (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), forwards every
-line they print prefixed with `[rank K]`, and when one rank fails gives the
-others `grace` seconds to end on their own -- a kernel waiting for the failed
-rank times out and prints what it waited for -- then ends the rest, prints
-every rank's exit code and returns the failed rank's, so a crash is never a
-hang.
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and a secret of this job
+for the rendezvous store (TSGEN_STORE_SECRET), forwards every line they print
+prefixed with `[rank K]`, and when one rank fails gives the others `grace`
+seconds to end on their own -- a kernel waiting for the failed rank times out
+and prints what it waited for -- then ends the rest, prints every rank's exit
+code and returns the failed rank's, so a crash is never a hang.
+
+Every rank runs in a process group of its own (tsgen/procs.py): what a rank
+started is ended with it, when the rank exits and again when the launch ends.
+Output is forwarded as bytes (nothing to encode, so nothing fails to), in pieces
+of at most CHUNK bytes, each with its rank's prefix (a rank's 512 MiB line costs
+the launcher 64 KiB, not gigabytes), and all of it before the launcher returns.
+When the launcher's own output goes away (`tsgen launch ... | head`), it stops
+the ranks and exits 141, as a program killed by SIGPIPE does.
 NVLink multicast stays off in every child (tsgen/env.py's variables, forced).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Sequence, TextIO
+from typing import BinaryIO, Sequence, TextIO
 
-from .env import force_no_multicast
+from . import procs
+from .env import STORE_SECRET, force_no_multicast
+
+CHUNK = 1 << 16  # the most bytes of one rank's line the launcher holds before forwarding them
+EPIPE_CODE = 128 + signal.SIGPIPE
 
 
 def free_port() -> int:
@@ -30,137 +44,206 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict:
+def rank_env(rank: int, nproc: int, port: int, base: dict | None = None, secret: str | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
     )
+    if secret is not None:
+        env[STORE_SECRET] = secret
     force_no_multicast(env)  # forced, not defaulted: multicast is never on in a child
     return env
 
 
-def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        with lock:
-            out.write(f"{prefix}{line}\n")
-            out.flush()
-    stream.close()
+class _Sink:
+    """One output of the launcher (its stdout or its stderr), shared by the ranks' pumps under one
+    lock. Bytes go to the stream's binary buffer as they came (a text stream without one, such
+    as StringIO, gets them decoded with errors='replace'); once the reader is gone (EPIPE, a
+    closed stream) every later write is dropped and `broken` is set."""
 
+    def __init__(self, stream: TextIO, lock: threading.Lock):
+        self.stream, self.lock, self.broken = stream, lock, False
+        self.binary: BinaryIO | None = getattr(stream, "buffer", None)
 
-def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every live rank's process group, then SIGKILL what is left after `grace` s."""
-    for p in procs:
-        if p.poll() is None:
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            if self.broken:
+                return
             try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in procs:
-        left = max(0.0, deadline - time.monotonic())
+                if self.binary is not None:
+                    self.stream.flush()  # text written before comes first
+                    self.binary.write(data)
+                    self.binary.flush()
+                else:
+                    self.stream.write(data.decode(errors="replace"))
+                    self.stream.flush()
+            except (OSError, ValueError):  # EPIPE, a closed stream
+                self.broken = True
+
+    def say(self, text: str) -> None:
+        """A line of the launcher's own."""
+        self.write(f"tsgen launch: {text}\n".encode())
+
+    def quiet_at_exit(self) -> None:
+        """After EPIPE: point the stream's descriptor at /dev/null, so the interpreter's last
+        flush does not print a BrokenPipeError."""
         try:
-            p.wait(timeout=left)
+            fd = self.stream.fileno()
+        except (OSError, ValueError, AttributeError):
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
+class _Pump(threading.Thread):
+    """Forwards one rank's stdout or stderr to a sink: line by line with the rank's prefix, a line
+    longer than CHUNK in prefixed pieces of CHUNK bytes, a last line without a newline with one
+    added. Reads to the end even after the sink broke: a rank must never block on a full pipe."""
+
+    def __init__(self, stream: BinaryIO, prefix: str, sink: _Sink):
+        super().__init__(daemon=True)
+        self.stream, self.prefix, self.sink = stream, prefix.encode(), sink
+        self.last = time.monotonic()  # when it last moved data
+
+    def run(self) -> None:
+        fd, pending = self.stream.fileno(), b""
+        try:
+            while data := os.read(fd, CHUNK):
+                self.last = time.monotonic()
+                *lines, pending = (pending + data).split(b"\n")
+                while len(pending) >= CHUNK:
+                    lines.append(pending[:CHUNK])
+                    pending = pending[CHUNK:]
+                if lines:
+                    self.sink.write(b"".join(self.prefix + line + b"\n" for line in lines))
+                    self.last = time.monotonic()
+        except OSError:
+            pass
+        finally:
+            if pending:
+                self.sink.write(self.prefix + pending + b"\n")
+            self.stream.close()
+
+    def finish(self, idle: float) -> None:
+        """Wait until the rank's stream has ended; give up only once no data moved for `idle` s
+        (a process that left the rank's group still holds the pipe)."""
+        while self.is_alive():
+            self.join(timeout=0.1)
+            if time.monotonic() - self.last > idle:
+                return
+
+
+def _stop(ranks: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every live rank's group, SIGKILL each group (whatever is left of it, its leader
+    exited or not) after `grace` s."""
+    for p in ranks:
+        if p.poll() is None:
+            procs.signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in ranks:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+            pass
+        procs.end(p)
 
 
 def _code(c: int) -> int:
     return 128 - c if c < 0 else c  # killed by signal -c
 
 
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-def _raise_on_signals():
-    """Turn SIGTERM, SIGINT and SIGHUP into _Stopped (so `finally` stops the ranks); returns
-    what puts the old handlers back. Only the main thread may set handlers: elsewhere nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def handler(signum, frame):
-        raise _Stopped(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    return lambda: [signal.signal(s, h) for s, h in old.items()]
+def check_arguments(nproc: int, port: int | None, timeout: float | None, grace: float, kill_after: float) -> None:
+    """ValueError (a usage error: exit 2) for arguments no launch can use."""
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"--nproc {nproc}: must be at least 1")
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"--port {port}: a TCP port is 1-65535 (leave it out for a free one)")
+    for name, value, zero in (("--timeout", timeout, False), ("--grace", grace, True),
+                              ("kill_after", kill_after, True)):
+        if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise ValueError(f"{name} {value}: give the seconds as a finite number {'>= 0' if zero else '> 0'}")
 
 
 def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 30.0,
            timeout: float | None = None, out: TextIO | None = None, err: TextIO | None = None,
            kill_after: float = 5.0, env: dict | None = None) -> int:
     """Run `cmd` as `nproc` ranks; 0 when all succeed, else the first failing rank's code
-    (128 + signal number for a rank killed by a signal, 124 on timeout). After a failure
-    the others get `grace` s to end on their own, then SIGTERM, then SIGKILL after
-    `kill_after` s. `env`: the ranks' base environment (default this process's)."""
-    if nproc < 1:
-        raise ValueError("--nproc must be at least 1")
+    (128 + signal number for a rank killed by a signal, 124 on timeout, 141 when the
+    launcher's output was closed). After a failure the others get `grace` s to end on
+    their own, then SIGTERM, then SIGKILL after `kill_after` s. `env`: the ranks' base
+    environment (default this process's)."""
+    check_arguments(nproc, port, timeout, grace, kill_after)
     if not cmd:
         raise ValueError("nothing to launch: give the command after --")
-    out, err = out or sys.stdout, err or sys.stderr
+    lock = threading.Lock()
+    sinks = out_sink, err_sink = _Sink(out or sys.stdout, lock), _Sink(err or sys.stderr, lock)
     port = port or free_port()
+    secret = secrets.token_hex(32)  # this job's: every rank gets it, no other process does
+    ranks: list[subprocess.Popen] = []
+    pumps: list[_Pump] = []
+    code = 0
     # A signal to the launcher (timeout(1), Ctrl-C, a job scheduler) must reach the ranks too:
     # they run in sessions of their own, so without this they would outlive it.
-    stopped = _raise_on_signals()
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    try:
-        for rank in range(nproc):
-            try:
-                p = subprocess.Popen(list(cmd), env=rank_env(rank, nproc, port, env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
-            except OSError as e:  # no such program, not executable, ...
-                raise ValueError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
-            procs.append(p)
-            for stream, sink in ((p.stdout, out), (p.stderr, err)):
-                t = threading.Thread(target=_pump, args=(stream, f"[rank {rank}] ", sink, lock), daemon=True)
-                t.start()
-                pumps.append(t)
-        start = time.monotonic()
-        code, failed_at = 0, None
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed and failed_at is None:
-                rank, c = failed[0]
-                code, failed_at = _code(c), time.monotonic()
-                with lock:
-                    err.write(f"tsgen launch: rank {rank} exited with {code}; the other ranks get "
-                              f"{grace:g} s to end on their own\n")
-            if all(c is not None for c in codes):
-                break
-            if failed_at is not None and time.monotonic() - failed_at > grace:
-                with lock:
-                    err.write(f"tsgen launch: stopping the ranks still running {grace:g} s after rank {rank} "
-                              "failed\n")
-                break
-            if timeout is not None and time.monotonic() - start > timeout:
-                code = code or 124
-                with lock:
-                    err.write(f"tsgen launch: ranks still running after {timeout:g} s; stopping them\n")
-                break
-            time.sleep(0.05)
-    except _Stopped as e:
-        code = 128 + e.signum
-        with lock:
-            err.write(f"tsgen launch: got signal {e.signum}; stopping the ranks\n")
-    finally:
-        _stop(procs, kill_after)
-        for t in pumps:
-            t.join(timeout=2)
-        stopped()
-    if code:
-        summary = ", ".join(f"rank {r}: {_code(p.returncode)}" for r, p in enumerate(procs))
-        err.write(f"tsgen launch: exit codes: {summary}\n")
+    with procs.stop_on_signals():
+        try:
+            for rank in range(nproc):
+                try:
+                    p = procs.start(list(cmd), stop_signal=signal.SIGTERM, env=rank_env(rank, nproc, port, env, secret),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                except OSError as e:  # no such program, not executable, ...
+                    raise ValueError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
+                ranks.append(p)
+                for stream, sink in ((p.stdout, out_sink), (p.stderr, err_sink)):
+                    pumps.append(_Pump(stream, f"[rank {rank}] ", sink))
+                    pumps[-1].start()
+            code = _watch(ranks, sinks, grace, timeout)
+        except procs.Stopped as e:
+            code = 128 + e.signum
+            err_sink.say(f"got signal {e.signum}; stopping the ranks")
+        finally:
+            _stop(ranks, kill_after)
+            for t in pumps:
+                t.finish(idle=max(kill_after, 1.0))
+    if code and code != EPIPE_CODE:
+        summary = ", ".join(f"rank {r}: {_code(p.returncode)}" for r, p in enumerate(ranks))
+        err_sink.say(f"exit codes: {summary}")
+    for sink in sinks:
+        if sink.broken:
+            sink.quiet_at_exit()
     return code
+
+
+def _watch(ranks: list[subprocess.Popen], sinks: tuple[_Sink, _Sink], grace: float, timeout: float | None) -> int:
+    """Wait for the ranks: 0 when all succeeded, else the first failure's code; returns early (the
+    caller stops the rest) `grace` s after a failure, at `timeout`, or when an output broke.
+    A rank's group is signalled as soon as the rank exits: what it left running goes with it."""
+    err = sinks[1]
+    start = time.monotonic()
+    code, failed_at, ended = 0, None, set()
+    while True:
+        codes = [p.poll() for p in ranks]
+        for r, c in enumerate(codes):
+            if c is not None and r not in ended:
+                ended.add(r)
+                procs.signal_group(ranks[r], signal.SIGTERM)
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed and failed_at is None:
+            rank, c = failed[0]
+            code, failed_at = _code(c), time.monotonic()
+            err.say(f"rank {rank} exited with {code}; the other ranks get {grace:g} s to end on their own")
+        if all(c is not None for c in codes):
+            return code
+        if any(s.broken for s in sinks):
+            return code or EPIPE_CODE
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            err.say(f"stopping the ranks still running {grace:g} s after rank {rank} failed")
+            return code
+        if timeout is not None and time.monotonic() - start > timeout:
+            err.say(f"ranks still running after {timeout:g} s; stopping them")
+            return code or 124
+        time.sleep(0.05)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

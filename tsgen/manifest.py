@@ -8,15 +8,21 @@ the buffers lay out a symmetric heap (`layout`), each kernel entry says how to l
 and `compile_mode` is the one place that decides how a source is compiled.
 
 A manifest written by another version of the format is refused with a message that says
-to rebuild it (`tsgen build`), never half read.
+to rebuild it (`tsgen build`), never half read. A manifest read from a file is the runtime's
+input, so nothing in it is trusted: every value is checked for its type and range as it is
+read (`from_json`), and `check_source` holds it against the source it names: the same spec
+digest, the same buffers (the heap the kernels address is laid out from them) as the
+source's banner table, and kernel, launcher and prepare names that are the source's own
+entry points.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -46,6 +52,59 @@ def np_dtype(name: str) -> np.dtype:
 
 class ManifestError(RuntimeSetupError):
     """A manifest file this tsgen cannot read: another format version, or not a manifest."""
+
+
+BUFFER_ROLES = ("input", "output", "inout", "scratch", "signal")
+ARG_ROLES = ("peers", "peers_host", "rank", "calls", "count", "buffer")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_U32, _U63 = (1 << 32) - 1, (1 << 63) - 1
+
+
+class _Reader:
+    """Typed reads of a manifest's JSON values; ManifestError naming the field for a wrong one."""
+
+    def __init__(self, where: str | Path):
+        self.where = where
+
+    def fail(self, path: str, problem: str) -> ManifestError:
+        return ManifestError(f"{self.where}: {path}: {problem}; rebuild it from its spec with `tsgen build`")
+
+    def get(self, d: Any, key: str, path: str, check: Callable[[Any, str], Any], default: Any = ...) -> Any:
+        if not isinstance(d, dict):
+            raise self.fail(path or "<manifest>", "a JSON object is expected")
+        where = f"{path}.{key}" if path else key
+        if key not in d:
+            if default is ...:
+                raise self.fail(where, "missing")
+            return default
+        return check(d[key], where)
+
+    def int(self, lo: int, hi: int) -> Callable[[Any, str], int]:
+        def check(v: Any, path: str) -> int:
+            if type(v) is not int or not lo <= v <= hi:
+                raise self.fail(path, f"{v!r} is not a whole number from {lo} to {hi}")
+            return v
+        return check
+
+    def str(self, pattern: re.Pattern | None = None, choices: tuple[str, ...] | None = None):
+        def check(v: Any, path: str) -> str:
+            if not isinstance(v, str) or (pattern and not pattern.match(v)) or (choices and v not in choices):
+                want = f"one of {', '.join(choices)}" if choices else "a C identifier" if pattern else "a string"
+                raise self.fail(path, f"{v!r} is not {want}")
+            return v
+        return check
+
+    def bool(self, v: Any, path: str) -> bool:
+        if type(v) is not bool:
+            raise self.fail(path, f"{v!r} is not true or false")
+        return v
+
+    def list(self, item: Callable[[Any, str], Any], lo: int = 0, hi: int = 1 << 16) -> Callable[[Any, str], tuple]:
+        def check(v: Any, path: str) -> tuple:
+            if not isinstance(v, list) or not lo <= len(v) <= hi:
+                raise self.fail(path, f"a list of {lo} to {hi} entries is expected")
+            return tuple(item(x, f"{path}[{i}]") for i, x in enumerate(v))
+        return check
 
 
 @dataclass(frozen=True)
@@ -93,10 +152,13 @@ class Buffer:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Buffer":
-        e = d["elems"]
-        return cls(d["name"], d["dtype"], d["role"], per_count=e["per_count"], fixed=e["fixed"],
-                   init=d["init_byte"], per_world_count=e["per_world_count"])
+    def read(cls, d: Any, path: str, r: _Reader) -> "Buffer":
+        elems = lambda key, hi: r.get(r.get(d, "elems", path, lambda v, p: v), key, f"{path}.elems",  # noqa: E731
+                                      r.int(0, hi))
+        return cls(r.get(d, "name", path, r.str(_IDENT)), r.get(d, "dtype", path, r.str(choices=tuple(DTYPES))),
+                   r.get(d, "role", path, r.str(choices=BUFFER_ROLES)), per_count=elems("per_count", _U32),
+                   fixed=elems("fixed", _U63), init=r.get(d, "init_byte", path, r.int(0, 255)),
+                   per_world_count=elems("per_world_count", _U32))
 
 
 @dataclass(frozen=True)
@@ -135,10 +197,25 @@ class KernelEntry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KernelEntry":
-        return cls(d["name"], d["launcher"], d["world_size"], tuple(d["grid"]), tuple(d["block"]),
-                   d["shared_bytes"], tuple(Arg(**a) for a in d["args"]),
-                   tuple(Arg(**a) for a in d["launcher_args"]), d.get("prepare", ""))
+    def read(cls, d: Any, path: str, r: _Reader) -> "KernelEntry":
+        def arg(a: Any, p: str) -> Arg:
+            return Arg(r.get(a, "name", p, r.str(_IDENT)), r.get(a, "ctype", p, r.str()),
+                       r.get(a, "role", p, r.str(choices=ARG_ROLES)))
+
+        def dims(his: tuple[int, int, int], lo: int) -> Callable[[Any, str], tuple]:
+            def check(v: Any, p: str) -> tuple:
+                t = r.list(lambda x, q: x, 3, 3)(v, p)
+                return tuple(r.int(lo, hi)(x, f"{p}[{i}]") for i, (x, hi) in enumerate(zip(t, his)))
+            return check
+
+        block = r.get(d, "block", path, dims((1024, 1024, 64), 1))
+        if block[0] * block[1] * block[2] > 1024:
+            raise r.fail(f"{path}.block", f"{list(block)}: more than 1024 threads")
+        return cls(r.get(d, "name", path, r.str(_IDENT)), r.get(d, "launcher", path, r.str(_IDENT)),
+                   r.get(d, "world_size", path, r.int(1, 1024)),
+                   r.get(d, "grid", path, dims(((1 << 31) - 1, 65535, 65535), 0)), block,
+                   r.get(d, "shared_bytes", path, r.int(0, 1 << 20)), r.get(d, "args", path, r.list(arg)),
+                   r.get(d, "launcher_args", path, r.list(arg)), r.get(d, "prepare", path, r.str(_IDENT), ""))
 
 
 @dataclass(frozen=True)
@@ -155,6 +232,50 @@ class Slot:
     @property
     def nbytes(self) -> int:
         return self.elems * np_dtype(self.dtype).itemsize
+
+
+# A generated source's banner table of buffers (templates/module.cu.j2), one line each:
+#   //   NAME     CTYPE          ROLE   FORMULA[  (starts as bytes 0xNN)]
+_TABLE_ROW = re.compile(r"//   (?P<name>\w+) +(?P<ctype>\w+) +(?P<role>\w+) *(?P<formula>.*?)"
+                        r"(?:  \(starts as bytes 0x(?P<init>[0-9A-F]{2})\))?\Z")
+_FORMULA = re.compile(r"(?:(?:(?P<pc>\d+) \+ )?(?:(?P<pw>\d+) \* )?(?P<world>world \* count)"
+                      r"|(?:(?P<pc1>\d+) \* )?(?P<count>count))?(?:(?(world) \+ |(?(count) \+ |))(?P<fixed>\d+))?\Z")
+
+
+def buffer_table(lines: list[str]) -> list[tuple] | None:
+    """The buffers a generated source's banner lists, as (name, dtype, role, per_count,
+    per_world_count, fixed, init_byte); None when it has no table. Pure."""
+    try:
+        start = lines.index("// Buffers (elements per rank):") + 1
+    except ValueError:
+        return None
+    ctypes = {c: name for name, (c, _) in DTYPES.items()}
+    out = []
+    for line in lines[start:]:
+        if not line.startswith("//   "):
+            break
+        row = _TABLE_ROW.match(line)
+        f = _FORMULA.match(row["formula"]) if row else None
+        if not f or row["ctype"] not in ctypes:
+            return out + [("<unreadable row>", line)]
+        if f["world"]:
+            pc, pw = int(f["pc"] or 0), int(f["pw"] or 1)
+        else:
+            pc, pw = (int(f["pc1"] or 1) if f["count"] else 0), 0
+        out.append((row["name"], ctypes[row["ctype"]], row["role"], pc, pw, int(f["fixed"] or 0),
+                    int(row["init"] or "0", 16)))
+    return out
+
+
+_ENTRY = re.compile(r'^extern "C" [^(]*?(\w+)\(')
+_ATTRIBUTES = re.compile(r"__\w+__\([^)]*\)\s*")  # __launch_bounds__(...), __cluster_dims__(...)
+
+
+def entry_points(lines: list[str]) -> list[tuple[int, str]]:
+    """(line index, name) of every extern "C" function a source defines or declares; a
+    declaration may break after its attributes, the name then on the next line. Pure."""
+    return [(i, m.group(1)) for i, line in enumerate(lines) if line.startswith('extern "C"')
+            and (m := _ENTRY.match(_ATTRIBUTES.sub("", " ".join(lines[i:i + 2]))))]
 
 
 def layout(buffers: tuple[Buffer, ...] | list[Buffer], count: int, world: int = 1) -> tuple[list[Slot], int]:
@@ -259,19 +380,78 @@ class Manifest:
             what = "has no manifest_version" if version is None else f"is manifest version {version!r}"
             raise ManifestError(f"{where}: {what}{made}; this tsgen reads version {MANIFEST_VERSION}: "
                                 "rebuild it from its spec with `tsgen build`")
-        try:
-            return cls(
-                tsgen_version=data["tsgen_version"], name=data["name"], op=data["op"], spec=data["spec"],
-                spec_sha256=data["spec_sha256"], source=data["source"], world_sizes=tuple(data["world_sizes"]),
-                count_unit=data["count_unit"], timeout_ms=data["timeout_ms"], blocks_wait=data["blocks_wait"],
-                host_launch=data["host_launch"], multimem=data["multimem"], constants=dict(data["constants"]),
-                buffers=tuple(Buffer.from_dict(b) for b in data["buffers"]),
-                kernels=tuple(KernelEntry.from_dict(k) for k in data["kernels"]),
-                device_libs=tuple(data.get("device_libs", ())), version=version,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"{where}: a manifest version {version} with a missing or malformed field "
-                                f"({type(e).__name__}: {e}); rebuild it with `tsgen build`") from None
+        r = _Reader(where)
+        text_of = r.str()
+
+        def constants(v: Any, p: str) -> dict[str, int]:
+            if not isinstance(v, dict):
+                raise r.fail(p, "a JSON object is expected")
+            return {r.str(_IDENT)(k, p): r.int(-(1 << 63), _U63)(x, f"{p}.{k}") for k, x in v.items()}
+
+        manifest = cls(
+            tsgen_version=r.get(data, "tsgen_version", "", text_of), name=r.get(data, "name", "", r.str(_IDENT)),
+            op=r.get(data, "op", "", text_of), spec=r.get(data, "spec", "", text_of),
+            spec_sha256=r.get(data, "spec_sha256", "", r.str(re.compile(r"[0-9a-f]{64}\Z"))),
+            source=r.get(data, "source", "", r.str(re.compile(r"[^/\\\0]+\.cu\Z"))),
+            world_sizes=r.get(data, "world_sizes", "", r.list(r.int(1, 1024), 1)),
+            count_unit=r.get(data, "count_unit", "", text_of), timeout_ms=r.get(data, "timeout_ms", "", r.int(0, _U32)),
+            blocks_wait=r.get(data, "blocks_wait", "", r.bool), host_launch=r.get(data, "host_launch", "", r.bool),
+            multimem=r.get(data, "multimem", "", r.bool), constants=r.get(data, "constants", "", constants),
+            buffers=r.get(data, "buffers", "", r.list(lambda b, p: Buffer.read(b, p, r))),
+            kernels=r.get(data, "kernels", "", r.list(lambda k, p: KernelEntry.read(k, p, r), 1)),
+            device_libs=r.get(data, "device_libs", "", r.list(r.str(_IDENT)), ()), version=version,
+        )
+        manifest._check_consistent(r)
+        return manifest
+
+    def _check_consistent(self, r: _Reader) -> None:
+        """What no single field shows: unique names, a kernel per world size, arguments that name buffers."""
+        names = [b.name for b in self.buffers]
+        if len(set(names)) != len(names):
+            raise r.fail("buffers", f"buffer names repeat: {names}")
+        for what in ("name", "launcher"):
+            kernel_names = [getattr(k, what) for k in self.kernels]
+            if len(set(kernel_names)) != len(kernel_names):
+                raise r.fail("kernels", f"kernel {what}s repeat: {kernel_names}")
+        worlds = [k.world_size for k in self.kernels]
+        if sorted(worlds) != sorted(set(self.world_sizes)) or len(set(worlds)) != len(worlds):
+            raise r.fail("kernels", f"one kernel per world size {list(self.world_sizes)} is expected, "
+                                    f"found world sizes {worlds}")
+        for i, k in enumerate(self.kernels):
+            for what, args in (("args", k.args), ("launcher_args", k.launcher_args)):
+                for a in args:
+                    if a.role == "buffer" and a.name not in names or a.role == "calls" and "calls" not in names:
+                        raise r.fail(f"kernels[{i}].{what}", f"argument {a.name!r} names no buffer of the manifest")
+
+    def check_source(self, text: str, where: str | Path) -> None:
+        """ManifestError unless this manifest describes the source `text` (read from `where`): the
+        spec digest of its banner, the buffers of its banner table (so the heap laid out from the
+        manifest is the heap the kernels address), and the names the runtime resolves (the host
+        launchers and prepares of a host-launch module, else the kernels) among its extern "C"
+        entry points (so a name never resolves to another library's
+        function, `exit` say)."""
+        def differ(what: str) -> ManifestError:
+            return ManifestError(f"{where} is not the source this manifest describes: {what}; a manifest and its "
+                                 "source come from one `tsgen build` of one spec")
+
+        lines = text.split("\n", 400)[:400]
+        if len(lines) < 2 or lines[1] != f"// spec sha256 {self.spec_sha256}":
+            raise differ(f"its banner does not name spec sha256 {self.spec_sha256}")
+        table = buffer_table(lines)
+        if table is None:
+            raise differ("it has no buffer table in its banner")
+        mine = [(b.name, b.dtype, b.role, b.per_count, b.per_world_count, b.fixed, b.init) for b in self.buffers]
+        if table != mine:
+            theirs = dict((t[0], t) for t in table)
+            name = next((m[0] for m in mine if theirs.get(m[0]) != m), None) or next(t[0] for t in table)
+            raise differ(f"buffer {name!r} is {theirs.get(name)} in the source and "
+                         f"{next((m for m in mine if m[0] == name), None)} in the manifest "
+                         "(name, dtype, role, per count, per world x count, fixed, init byte)")
+        entries = {name for _, name in entry_points(text.split("\n"))}
+        for k in self.kernels:  # the names the runtime resolves: host launchers and prepares, or kernels
+            for name in ((k.launcher, k.prepare) if self.host_launch else (k.name,)):
+                if name and name not in entries:
+                    raise differ(f"{name!r} (world size {k.world_size}) is not one of its extern \"C\" entry points")
 
     @classmethod
     def load(cls, path: str | Path) -> "Manifest":

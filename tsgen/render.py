@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 
 from .files import atomic_write, sweep_temps, write_if_different  # noqa: F401 (re-exported)
+from .manifest import entry_points
 from .lowering import Lowered, banner_first_line, comment_line, lower, spec_display_path  # noqa: F401 (re-exported)
 from .ops.base import ModuleAbi
 from .plan.lower import emit_defines
@@ -87,8 +88,6 @@ def render_source(lowered: Lowered, skew: int | str | None = None) -> str:
 
 
 _INLINED = re.compile(r"^// Inlined from templates/include/(\S+)$")
-_ENTRY = re.compile(r'^extern "C" [^(]*?(\w+)\(')
-_ATTRIBUTES = re.compile(r"__\w+__\([^)]*\)\s*")  # __launch_bounds__(...), __cluster_dims__(...)
 
 
 def with_contents(text: str, module: str) -> str:
@@ -102,9 +101,7 @@ def with_contents(text: str, module: str) -> str:
     headers = [(i - 1, m.group(1)) for i, line in enumerate(lines) if (m := _INLINED.match(line))]
     after = headers[-1][0] if headers else at
     op = next((i for i, line in enumerate(lines) if i > after and line.startswith(f"namespace {module} {{")), None)
-    # an entry point's declaration may break after its attributes: its name is on the next line
-    entries = [(i, m.group(1)) for i, line in enumerate(lines) if line.startswith('extern "C"')
-               and (m := _ENTRY.match(_ATTRIBUTES.sub("", " ".join(lines[i:i + 2]))))]
+    entries = entry_points(lines)
 
     def block(shift: int) -> list[str]:
         n = lambda i: i + 1 + shift  # noqa: E731 - a line number of the returned text

@@ -10,7 +10,9 @@ pydantic model (strict: no silent string -> int coercion, no unknown keys).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,16 +71,45 @@ def _not_allowed(problem: str, node_or_event) -> yaml.constructor.ConstructorErr
     return yaml.constructor.ConstructorError(None, None, problem, node_or_event.start_mark)
 
 
+# The numbers every YAML reader agrees on (YAML 1.2's core schema): PyYAML implements YAML 1.1,
+# which also reads 040 as 32 (octal), 1:04 as 64 (base 60), 1_0_ as 10 and 0b11 as 3.
+_INT_12 = re.compile(r"[-+]?(?:0|[1-9][0-9]*)|0x[0-9a-fA-F]+")
+_FLOAT_12 = re.compile(r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?")
+
+
+def _number_problem(node: yaml.ScalarNode, value: Any) -> str | None:
+    """Why an int or float scalar is not a number a spec may hold, or None: a form only YAML 1.1
+    reads (and reads otherwise than YAML 1.2 or a person would), or a float that is not finite."""
+    text = node.value
+    if node.tag.endswith(":int") and not _INT_12.fullmatch(text) or (
+            node.tag.endswith(":float") and ("_" in text or ":" in text)):
+        form = ("base-60 (sexagesimal)" if ":" in text else "'_'-separated" if "_" in text
+                else "binary" if "b" in text.lower() else "leading-zero octal")
+        return (f"{text!r} is a {form} number, which only YAML 1.1 reads (as {value!r}): "
+                f"write {value!r} in plain decimal")
+    if isinstance(value, float) and not math.isfinite(value):
+        if _FLOAT_12.fullmatch(text.strip()) is None:  # .inf, .nan
+            return f"{text!r} is not a finite number"
+        return f"{text!r} is too large for a float (it reads as infinity)"
+    return None
+
+
 def _scalar(node: yaml.Node) -> Any:
     """A scalar's value by the safe loader's rules (int, bool, float, null, str): an empty
     value is null; another tag, or a value its tag cannot read (`!!int x`, `!!bool maybe`,
-    an int of 5000 digits), raises ConstructorError with its mark."""
+    an int of 5000 digits), raises ConstructorError with its mark, and so does a number
+    only YAML 1.1 reads (040, 1:04, 1_0_) or a float that is not finite (.inf, .nan, 1.0e999)."""
     if node.tag not in _SCALAR_TAGS:
         raise _not_allowed(f"could not determine a constructor for the tag {node.tag!r}", node)
     try:
-        return yaml.SafeLoader("").construct_object(node)
+        value = yaml.SafeLoader("").construct_object(node)
     except (ValueError, LookupError, AttributeError, TypeError, OverflowError):
         raise _not_allowed(f"{node.value[:40]!r} is not a valid !!{node.tag.rsplit(':', 1)[1]}", node) from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        problem = _number_problem(node, value)
+        if problem:
+            raise _not_allowed(problem, node)
+    return value
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -322,10 +353,12 @@ def spec_variant(loaded: LoadedSpec, updates: dict) -> LoadedSpec:
 
 
 def spec_files(paths: list[str | Path]) -> list[Path]:
-    """Expand folders into their *.yaml / *.yml files (sorted); files pass through."""
+    """Expand folders into their *.yaml / *.yml files (sorted); files pass through (a path that
+    cannot be looked at, a name too long or a folder without search permission, is a file
+    whose read says why)."""
     out: list[Path] = []
     for p in map(Path, paths):
-        if p.is_dir():
+        if os.path.isdir(p):  # False for any OSError; Path.is_dir raises some
             try:
                 out += sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml"))
             except OSError as e:

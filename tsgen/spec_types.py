@@ -8,9 +8,10 @@ here imports either, so there is no import circle: types <- ops <- loader.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 # ---------------------------------------------------------------------------
 # Field types shared by every op kind
@@ -87,8 +88,40 @@ Dtype = Literal["uint8", "int32", "uint32", "float32", "float16", "bfloat16"]
 Scope = Literal["cta", "gpu", "sys"]
 
 
+def _ints_only(tp: Any) -> bool:
+    """`tp` is a Literal of whole numbers (or a union of those with None): strict mode refuses a
+    bool or float for a plain int by itself, but a Literal compares by value."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        return all(type(a) is int for a in get_args(tp))
+    if origin is Annotated:
+        return _ints_only(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return bool(args) and all(_ints_only(a) for a in args)
+    return False
+
+
+def _not_whole(value: Any, tp: Any) -> Any:
+    """The first bool or float in `value` where `tp` (a field's type, a list's items) takes whole
+    numbers only; None when there is none."""
+    if get_origin(tp) is list and isinstance(value, list):
+        return next((bad for v in value if (bad := _not_whole(v, get_args(tp)[0])) is not None), None)
+    return value if _ints_only(tp) and isinstance(value, (bool, float)) else None
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers_only(cls, value: Any, info: ValidationInfo) -> Any:
+        """Strict mode refuses 2.0 and true for an int, but a Literal[64, 128] compares by value
+        (2.0 == 2, True == 1): refuse them there too, for every field of every spec model."""
+        bad = _not_whole(value, cls.model_fields[info.field_name].annotation)
+        if bad is not None:
+            raise ValueError(f"{bad!r} is a {type(bad).__name__}, not a whole number")
+        return value
 
 
 class Launch(StrictModel):

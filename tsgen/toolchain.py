@@ -14,14 +14,18 @@ import hashlib
 import os
 import re
 import shutil
-import signal
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import procs
+from .env import env_seconds
 from .errors import ToolchainError
-from .files import atomic_write, new_file_mode, new_temp, sweep_temps
+from .files import (UnsafePath, atomic_write, new_file_mode, new_temp, open_shared, private_folder, sweep_temps,
+                    unsafe_entry)
 
 if TYPE_CHECKING:
     from .manifest import Manifest
@@ -99,47 +103,83 @@ def gencode_flags(arch: str) -> list[str]:
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xptxas", "-v", "-Werror", "all-warnings", "-diag-suppress", "177"]
 
 
+_HOW_TO_SET = "set TSGEN_CACHE_DIR to a folder of yours"
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("TSGEN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tsgen"
-    )
-    return Path(root)
+    """The compile cache's folder (absolute): TSGEN_CACHE_DIR, else $XDG_CACHE_HOME/tsgen, else
+    ~/.cache/tsgen. A relative XDG_CACHE_HOME is ignored, as the XDG spec says (with a note on
+    stderr); with no home folder either (HOME unset, no passwd entry), ToolchainError."""
+    if os.environ.get("TSGEN_CACHE_DIR"):
+        return Path(os.path.abspath(os.environ["TSGEN_CACHE_DIR"]))
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "tsgen"
+    home = os.path.expanduser("~")
+    if xdg:
+        _note_relative_xdg(xdg, home)
+    if not os.path.isabs(home) or home == "/":
+        raise ToolchainError("no folder for the compile cache: TSGEN_CACHE_DIR and XDG_CACHE_HOME are unset"
+                             + (f" (XDG_CACHE_HOME={xdg!r} is not an absolute path)" if xdg else "")
+                             + " and this user has no home folder (HOME unset, none in the password database); "
+                             + _HOW_TO_SET)
+    return Path(home) / ".cache" / "tsgen"
+
+
+@functools.lru_cache(maxsize=None)
+def _note_relative_xdg(xdg: str, home: str) -> None:
+    print(f"tsgen: XDG_CACHE_HOME={xdg!r} is not an absolute path, so it is ignored (the XDG spec says so); "
+          f"the compile cache is under {home}/.cache", file=sys.stderr)
+
+
+def cache_folder(*parts: str) -> Path:
+    """The compile cache's folder (or the folder `parts` below it), made if missing and checked:
+    tsgen loads what it finds there, so the folders from the cache down must be this user's and
+    writable by no one else, and those above changeable only by this user or root
+    (files.private_folder). Its resolved path; ToolchainError saying what is wrong and how to fix it."""
+    root = cache_dir()
+    folder = root.joinpath(*parts)
+    try:
+        return private_folder(folder, top=root)
+    except UnsafePath as e:
+        what = f"the folder {e.filename} above it" if e.above else e.filename
+        fix = f"chmod go-w {e.filename}" if e.strerror.startswith("writable by group") else "use a folder of your own"
+        raise ToolchainError(f"compile cache {root}: {what} is {e.strerror}; anyone who can write there can "
+                             f"plant a library tsgen would load, so it is not used: {fix}, or {_HOW_TO_SET} "
+                             "(mkdir -m 700 FOLDER)") from None
+    except OSError as e:
+        raise cache_error(folder, e) from None
 
 
 def tool_timeout() -> float:
     """Seconds any nvcc / cuobjdump run may take: TSGEN_TOOL_TIMEOUT, default 1800."""
-    value = os.environ.get("TSGEN_TOOL_TIMEOUT", "1800")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0
-    if not seconds > 0:
-        raise ToolchainError(f"TSGEN_TOOL_TIMEOUT={value!r}: give the seconds a tool may run, a number > 0")
-    return seconds
+    return env_seconds("TSGEN_TOOL_TIMEOUT", "1800", ToolchainError)
 
 
 def run_tool(cmd: list[str]) -> subprocess.CompletedProcess:
     """Run a CUDA tool with the timeout; ToolchainError if it cannot start or runs too long.
-    It runs in its own process group, so a timeout (or Ctrl-C) also stops the processes
-    nvcc starts (cicc, ptxas, the host compiler)."""
+    It runs in a process group of its own (tsgen/procs.py), killed whole when the tool ends,
+    times out or tsgen is stopped: nothing nvcc starts (cicc, ptxas, the host compiler)
+    outlives it. Its output goes to unnamed temporary files, not pipes, so a process that
+    left its group holding them cannot keep tsgen waiting."""
     timeout = tool_timeout()
-    try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                                start_new_session=True)
-    except OSError as e:
-        raise ToolchainError(f"cannot run {cmd[0]}: {e.strerror or e}") from None
-    with proc:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
-            out, err = proc.communicate(timeout=timeout)
-        except BaseException as e:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            if isinstance(e, subprocess.TimeoutExpired):
-                raise ToolchainError(f"{Path(cmd[0]).name} ran longer than {timeout:g} s (TSGEN_TOOL_TIMEOUT), "
-                                     f"stopped: {' '.join(cmd)}") from None
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            proc = procs.start(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        except OSError as e:
+            raise ToolchainError(f"cannot run {cmd[0]}: {e.strerror or e}") from None
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ToolchainError(f"{Path(cmd[0]).name} ran longer than {timeout:g} s (TSGEN_TOOL_TIMEOUT), "
+                                 f"stopped: {' '.join(cmd)}") from None
+        finally:
+            procs.end(proc)
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(cmd, proc.returncode, *texts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,11 +310,16 @@ def _tree_digest(folder: Path) -> bytes:
 def _compiling(out: Path):
     """Held while `out` is compiled: one compile of a cache entry at a time across threads
     and processes (parallel builds, test workers). The lock file goes when the compile
-    ends; a compile that opened it before then finds `out` there and uses it."""
+    ends; a compile that opened it before then finds `out` there and uses it. Opened with
+    files.open_shared: a symlink planted in its place is refused, never followed."""
     import fcntl
 
     lock = out.with_name(f".{out.name}.lock")
-    with open(lock, "w") as f:
+    try:
+        fd = open_shared(lock)
+    except OSError as e:
+        raise cache_error(out.parent, e) from None
+    with os.fdopen(fd, "r+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -330,17 +375,13 @@ def compile_source(
         b"\0".join([text, arch.encode(), mode.encode(), " ".join(key_flags).encode(), nvcc_version(nvcc).encode()]
                    + [_tree_digest(lib.include) for lib in libs] + [_file_digest(lib.archive) for lib in libs])
     ).hexdigest()[:24]
-    out_dir = cache_dir()
+    out_dir = cache_folder()
     suffix = {"cubin": "cubin", "obj": "o", "shared": "so"}[mode]
     out = out_dir / f"{source.stem}-{key}.{suffix}"
     report_file = out.with_suffix(out.suffix + ".ptxas.txt")
     cached = _cached_report(out, report_file)
     if cached is not None:
         return CompileResult(out, parse_ptxas_report(cached), cached=True)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise cache_error(out_dir, e) from None
     with _compiling(out):
         cached = _cached_report(out, report_file)
         if cached is not None:  # compiled by another process meanwhile
@@ -369,6 +410,7 @@ def _compile(source: Path, nvcc: Path, libs: list[DeviceLib], arch: str, mode: s
                 + (proc.stderr + proc.stdout).strip()
                 + f"\ncommand: {' '.join(cmd)}"
             )
+        _check_output(tmp + (".o" if linked else ""), cmd)
         report_text = proc.stderr + proc.stdout
         if linked:
             # Device link: our object + lib<name>_device.a -> one cubin that the runtime loads
@@ -384,6 +426,7 @@ def _compile(source: Path, nvcc: Path, libs: list[DeviceLib], arch: str, mode: s
                     + (lproc.stderr + lproc.stdout).strip()
                     + f"\ncommand: {' '.join(lcmd)}"
                 )
+            _check_output(tmp, lcmd)
             report_text += lproc.stderr + lproc.stdout
         try:
             _store(Path(tmp), out, report_file, report_text)
@@ -394,6 +437,17 @@ def _compile(source: Path, nvcc: Path, libs: list[DeviceLib], arch: str, mode: s
             if os.path.exists(p):
                 os.unlink(p)
     return CompileResult(out, parse_ptxas_report(report_text), cached=False)
+
+
+def _check_output(path: str, cmd: list[str]) -> None:
+    """ToolchainError unless the tool that just exited 0 left a non-empty `path`."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        size = None
+    if not size:
+        raise ToolchainError(f"{Path(cmd[0]).name} exited 0 but wrote {'no' if size is None else 'an empty'} "
+                             f"output file {path}; nothing was cached\ncommand: {' '.join(cmd)}")
 
 
 def compile_for(manifest: Manifest, source: str | Path, arch: str = DEFAULT_ARCH) -> CompileResult:
@@ -421,8 +475,12 @@ _DIGEST_LINE = "tsgen cache: sha256 "
 
 def _cached_report(out: Path, report_file: Path) -> str | None:
     """The ptxas report of a cache entry whose binary has the digest its report recorded;
-    None for a miss (absent, truncated, emptied, replaced: it is compiled again)."""
+    None for a miss (absent, truncated, emptied, replaced: it is compiled again), and so is
+    an entry another user owns or others may write (files.unsafe_entry): the digest proves
+    nothing when whoever wrote the binary wrote the report too."""
     try:
+        if any(unsafe_entry(os.lstat(p)) for p in (out, report_file)):  # a symlink (0777) too
+            return None
         first, _, report = report_file.read_text(errors="replace").partition("\n")
         digest = _file_digest(out).decode()
     except OSError:
@@ -430,17 +488,40 @@ def _cached_report(out: Path, report_file: Path) -> str | None:
     return report if first == _DIGEST_LINE + digest else None
 
 
+def cache_file_mode() -> int:
+    """Mode of a new file in the compile cache: the umask's, but never writable by group or others."""
+    return new_file_mode() & ~0o022
+
+
 def _store(tmp: Path, out: Path, report_file: Path, report_text: str) -> None:
     """Put a compiled binary in the cache: its report with its digest first, then the binary,
     each in one rename (a reader sees a whole entry, none, or a digest mismatch: a miss)."""
-    atomic_write(report_file, f"{_DIGEST_LINE}{_file_digest(tmp).decode()}\n{report_text}".encode())
-    os.chmod(tmp, new_file_mode())
+    atomic_write(report_file, f"{_DIGEST_LINE}{_file_digest(tmp).decode()}\n{report_text}".encode(),
+                 mode=cache_file_mode())
+    os.chmod(tmp, cache_file_mode())
     os.replace(tmp, out)
 
 
 def cache_error(folder: Path, e: OSError) -> ToolchainError:
     return ToolchainError(f"compile cache {folder}: {e.strerror or e} ({e.filename}); "
                           "set TSGEN_CACHE_DIR to a folder you can write")
+
+
+def write_cached(folder: tuple[str, ...], name: str, text: str) -> Path:
+    """Write `text` to file `name` in the cache's sub-folder `folder` unless it holds it already
+    (a rendered source, a manifest): the folder made and checked (cache_folder), the file never
+    writable by others. Its path; ToolchainError naming the folder."""
+    from .files import write_if_different
+
+    where = cache_folder(*folder)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            if unsafe_entry(os.lstat(where / name)):  # not trusted, even if it holds the same text
+                os.unlink(where / name)
+        write_if_different(where / name, text, mode=cache_file_mode())
+    except OSError as e:
+        raise cache_error(where, e) from None
+    return where / name
 
 
 def dump_sass(binary: str | Path) -> str:

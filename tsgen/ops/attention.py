@@ -36,7 +36,7 @@ import math
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 from ..spec_types import SpecBase, StrictModel, _as_list
 from .base import Buffer, OpFamily, one_kernel_abi
@@ -49,6 +49,18 @@ SMEM_ALIGN_SLACK = 1024  # the dynamic shared memory base is only 16-byte aligne
 # fp32 scores + fp32 outputs + 16-bit P registers one consumer thread can hold (of 240)
 MAX_ACCUMULATORS = 200
 
+
+
+# The kernel takes the scale, and the scale times log2(e), as float32 literals: both must stay
+# normal float32 numbers, from FLT_MIN (2^-126) up (a huge scale would render as `inff`, a tiny
+# one round to 0).
+def _fits_float32(value: float) -> float:
+    if not 2.0**-126 <= value <= 1e38:
+        raise ValueError(f"{value!r} does not fit the float32 the kernel takes it as (from 2^-126 to 1e38)")
+    return value
+
+
+SoftmaxScale = Annotated[float, Field(gt=0), AfterValidator(_fits_float32)]
 
 class AttentionTile(StrictModel):
     """CTA tile: tile.m query rows (64 per consumer warpgroup) against blocks of tile.n keys."""
@@ -66,7 +78,7 @@ class AttentionParams(StrictModel):
                        description="sequences per call of the runtime's entry (<kernel>_launch, whose count is "
                        "the sequence length); <kernel>_forward takes the batch at run time")
     causal: bool = Field(False, description="a query sees only keys at positions <= its own")
-    softmax_scale: float | None = Field(None, gt=0, description="scale of Q K^T; default 1 / sqrt(head_dim)")
+    softmax_scale: SoftmaxScale | None = Field(None, description="scale of Q K^T; default 1 / sqrt(head_dim)")
     layout: Literal["bshd", "bhsd"] = Field(
         "bshd", description="bshd: [batch, seq, heads, head_dim]; bhsd: [batch, heads, seq, head_dim]")
     tile: AttentionTile = AttentionTile()
@@ -103,6 +115,12 @@ class AttentionSpec(SpecBase):
 def scale_of(spec: AttentionSpec) -> float:
     p = spec.params
     return p.softmax_scale if p.softmax_scale is not None else 1.0 / math.sqrt(p.head_dim)
+
+
+def scale_vars(spec: AttentionSpec) -> dict[str, str]:
+    """The softmax scale and its multiple by log2(e) as the template writes them (float literals)."""
+    scale = scale_of(spec)
+    return {"softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
 
 
 def shape_key(p) -> str:
@@ -236,8 +254,7 @@ class AttentionFamily(OpFamily):
         }
 
     def template_vars(self, spec):
-        scale = scale_of(spec)
-        return {"softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
+        return scale_vars(spec)
 
     def abi(self, spec):
         return one_kernel_abi(self, spec, smem=smem_bytes(spec), constants=self.constants(spec))

@@ -38,7 +38,6 @@ Nothing is reset between calls: signals count epochs.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import numpy as np
@@ -47,8 +46,8 @@ from pydantic import Field
 from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
-from .attention import (AttentionFamily, AttentionTile, attention_reference, flops, from_bshd, o_tolerance, scale_of,
-                        shape_key, smem_bytes, to_bshd)
+from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_reference, flops, from_bshd,
+                        o_tolerance, scale_of, scale_vars, shape_key, smem_bytes, to_bshd)
 from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
 from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
@@ -65,7 +64,7 @@ class CpAttentionParams(StrictModel):
     kv_heads: int = Field(8, ge=1, le=1024, description="K and V heads; divides heads (grouped-query attention)")
     batch: int = Field(1, ge=1, le=1 << 20, description="sequences per call (compile-time)")
     causal: bool = Field(False, description="a query sees only keys at positions <= its own")
-    softmax_scale: float | None = Field(None, gt=0, description="scale of Q K^T; default 1 / sqrt(head_dim)")
+    softmax_scale: SoftmaxScale | None = Field(None, description="scale of Q K^T; default 1 / sqrt(head_dim)")
     layout: Literal["contiguous", "zigzag"] = Field(
         "contiguous", description="which positions a rank holds: contiguous = [r S/P, (r+1) S/P); zigzag = chunks "
         "r and 2P-1-r of S/2P positions (causal work balanced; count must be even)")
@@ -299,9 +298,7 @@ class CpAttentionFamily(OpFamily):
         return one_kernel_abi(self, spec, smem_bytes(spec), self.constants(spec), peers_host=True)
 
     def template_vars(self, spec):
-        scale = scale_of(spec)
-        return {**launcher_vars(self.abi(spec)),
-                "softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
+        return {**launcher_vars(self.abi(spec)), **scale_vars(spec)}
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):

@@ -1,11 +1,15 @@
 """Rendezvous for one process per GPU: a key-value store shared by the ranks and
 the two collective steps the IPC backend needs (all-gather, barrier).
 
-The store is torch.distributed's TCPStore when torch imports (the default
-process group's store if one is initialized), otherwise tsgen's own: a child
+The store is tsgen's own under `tsgen launch` (torch's TCPStore authenticates no
+one), else torch.distributed's TCPStore when torch imports (the default process
+group's store whenever one is initialized), otherwise tsgen's own: a child
 process of rank 0 serves a dict over TCP (store_server.py; a process, so that
 rank 0 blocked in a C call holding the GIL cannot starve the others), and
-every rank, rank 0 included, is a client. Both answer three requests -- set, get, check -- and
+every rank, rank 0 included, is a client. tsgen's store serves only the job's
+ranks (each proves it knows the job's secret, TSGEN_STORE_SECRET, which `tsgen
+launch` gives every rank, and the server proves it back) and only on a loopback
+address unless TSGEN_STORE_REMOTE=1. Both answer three requests -- set, get, check -- and
 `Rendezvous` builds the collectives on them by polling `check`, so both
 behave the same: every wait has a timeout that names the label of the step,
 the ranks that never arrived and their keys; a rank that fails can `abort`
@@ -20,6 +24,8 @@ reported instead of exchanging the wrong data.
 from __future__ import annotations
 
 import atexit
+import hmac
+import ipaddress
 import os
 import socket
 import subprocess
@@ -29,8 +35,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from ..env import STORE_SECRET, env_seconds
 from ..errors import RuntimeSetupError
-from .store_server import _recv, _send
+from .store_server import MAX_PART, NONCE, Malformed, _recv, _send, proof
 
 DEFAULT_TIMEOUT = 300.0  # seconds; TSGEN_STORE_TIMEOUT overrides (torch's default is the same)
 ABORT_KEY = "tsgen/abort"
@@ -41,16 +48,25 @@ class StoreError(RuntimeSetupError):
 
 
 def store_timeout(env=os.environ) -> float:
-    text = env.get("TSGEN_STORE_TIMEOUT")
-    if text is None:
-        return DEFAULT_TIMEOUT
+    return env_seconds("TSGEN_STORE_TIMEOUT", str(DEFAULT_TIMEOUT), StoreError, env)
+
+
+def _secret(env) -> bytes:
+    secret = env.get(STORE_SECRET, "").strip()  # the server reads it as a line
+    if not secret:
+        raise StoreError(f"tsgen's store serves only the ranks of one job, which share a secret in {STORE_SECRET}: "
+                         "`tsgen launch` sets it for every rank; under another launcher set it to the same random "
+                         "value in every rank (python -c 'import secrets; print(secrets.token_hex(32))')")
+    return secret.encode()
+
+
+def _loopback(host: str) -> bool:
+    """Every address `host` names is a loopback address (127.0.0.0/8, ::1)."""
     try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise StoreError(f"TSGEN_STORE_TIMEOUT={text!r}: give the store timeout in seconds (> 0)")
-    return value
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 class KeyValue(Protocol):
@@ -73,16 +89,27 @@ class KeyValue(Protocol):
 
 class TcpStore:
     """tsgen's own store. `serve=True` (rank 0) also starts the server (store_server.py)
-    as a child process, which ends when this store is closed or this process exits."""
+    as a child process, which ends when this store is closed or this process exits.
+    `secret`: the job's (TSGEN_STORE_SECRET); `remote`: serve on an address that is not
+    loopback (TSGEN_STORE_REMOTE=1)."""
 
-    def __init__(self, host: str, port: int, serve: bool, timeout: float):
+    def __init__(self, host: str, port: int, serve: bool, timeout: float, secret: bytes, remote: bool = False):
         self.where = f"tsgen store at {host}:{port}"
         self._server = None
+        self._sock = None
         self._lock = threading.Lock()
+        self._secret = secret
+        if serve and not remote and not _loopback(host):
+            raise StoreError(f"rank 0 serves the {self.where} on loopback addresses only, and MASTER_ADDR={host} is "
+                             "not one: set MASTER_ADDR=127.0.0.1 (ranks on this host), or TSGEN_STORE_REMOTE=1 to "
+                             "serve it there (every request still needs the job's secret, but values travel "
+                             "unencrypted), or use torch's store (TSGEN_STORE=torch)")
         if serve:
             self._server = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("store_server.py")), host, str(port)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self._server.stdin.write(secret.decode() + "\n")
+            self._server.stdin.flush()
             said = self._server.stdout.readline().strip()
             if said != "ready":
                 self.close()
@@ -93,9 +120,18 @@ class TcpStore:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self._sock = socket.create_connection((host, port), timeout=min(5.0, timeout))
+                sock = socket.create_connection((host, port), timeout=min(5.0, timeout))
+                try:
+                    self._handshake(sock)
+                except BaseException:
+                    sock.close()
+                    raise
+                self._sock = sock
                 break
-            except OSError as e:
+            except StoreError:
+                self.close()
+                raise
+            except OSError as e:  # not listening yet, or the server had no room: try again
                 if time.monotonic() >= deadline:
                     self.close()
                     raise StoreError(
@@ -106,17 +142,42 @@ class TcpStore:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.settimeout(timeout)
 
+    def _handshake(self, sock: socket.socket) -> None:
+        """Prove this rank knows the job's secret, and have the server prove it does too (a rank
+        hands its values to no one else); StoreError when either proof fails."""
+        try:
+            tag, parts = _recv(sock, max_parts=1, max_part=256)
+            if tag != b"N" or len(parts) != 1 or len(parts[0]) != NONCE:
+                raise Malformed("it did not open with a tsgen store's challenge")
+            server_nonce, mine = parts[0], os.urandom(NONCE)
+            _send(sock, b"A", mine, proof(self._secret, b"client", server_nonce, mine))
+            tag, parts = _recv(sock, max_parts=1, max_part=256)
+        except Malformed as e:
+            raise StoreError(f"the process serving the {self.where} is not a tsgen store ({e})") from None
+        if tag == b"!":
+            raise StoreError(f"the {self.where} refused this rank: {parts[0].decode(errors='replace') if parts else ''}")
+        if tag != b"+" or len(parts) != 1 or not hmac.compare_digest(
+                parts[0], proof(self._secret, b"server", server_nonce, mine)):
+            raise StoreError(f"the process serving the {self.where} does not know this job's secret "
+                             f"({STORE_SECRET}): another job's store, or a stranger on the port")
+
     def _request(self, tag: bytes, *parts: bytes) -> tuple[bytes, list[bytes]]:
         with self._lock:
             if self._sock is None:
                 raise StoreError(f"the {self.where} was closed by this process")
             try:
                 _send(self._sock, tag, *parts)
-                return _recv(self._sock)
-            except (ConnectionError, OSError) as e:
+                reply = _recv(self._sock)
+            except (ConnectionError, OSError, Malformed) as e:
                 raise StoreError(f"lost the connection to the {self.where} ({e}); did rank 0 exit?") from None
+        if reply[0] == b"!":
+            raise StoreError(f"the {self.where} refused a request: {b''.join(reply[1]).decode(errors='replace')}")
+        return reply
 
     def set(self, key: str, value: bytes) -> None:
+        if len(value) > MAX_PART:
+            raise StoreError(f"a value of {len(value)} bytes for key {key!r}: the {self.where} takes at most "
+                             f"{MAX_PART} bytes per value")
         self._request(b"S", key.encode(), value)
 
     def get(self, key: str) -> bytes:
@@ -129,7 +190,7 @@ class TcpStore:
         return self._request(b"C", *(k.encode() for k in keys))[0] == b"+"
 
     def close(self) -> None:
-        sock = getattr(self, "_sock", None)
+        sock = self._sock
         if sock is not None:
             sock.close()
             self._sock = None
@@ -279,7 +340,9 @@ class Rendezvous:
 
 def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rendezvous:
     """A rendezvous on the store chosen by TSGEN_STORE: `torch` (torch.distributed's
-    TCPStore), `tsgen` (tsgen's own), or unset/`auto` (torch when it imports)."""
+    TCPStore), `tsgen` (tsgen's own, which needs the job's secret in TSGEN_STORE_SECRET), or
+    unset/`auto`: tsgen's when the launcher gave the job a secret (`tsgen launch`) and torch
+    has no process group, else torch's when it imports, else tsgen's."""
     timeout = store_timeout(env)
     choice = env.get("TSGEN_STORE", "auto")
     if choice not in ("auto", "torch", "tsgen"):
@@ -290,7 +353,10 @@ def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rende
         raise StoreError("TSGEN_STORE=tsgen under torchrun's agent store: MASTER_PORT is served by the torchrun "
                          "agent (a torch TCPStore); use TSGEN_STORE=torch or auto")
     serve = rank == 0 and not agent
-    if choice != "tsgen":
+    # under `tsgen launch` (the job's secret set) tsgen's authenticated store, unless torch has a process group
+    ours = choice == "tsgen" or (choice == "auto" and bool(env.get(STORE_SECRET)) and not agent
+                                 and not _torch_initialized())
+    if not ours:
         try:
             import torch.distributed  # noqa: F401
         except ImportError:
@@ -300,7 +366,17 @@ def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rende
             kv = TorchStore.connect(host, port, serve, timeout)
             serve = serve and not kv.where.startswith("torch.distributed's default")
             return Rendezvous(kv, rank, size, timeout, serves=serve)
-    return Rendezvous(TcpStore(host, port, serve, timeout), rank, size, timeout, serves=serve)
+    store = TcpStore(host, port, serve, timeout, _secret(env), remote=env.get("TSGEN_STORE_REMOTE") == "1")
+    return Rendezvous(store, rank, size, timeout, serves=serve)
+
+
+def _torch_initialized() -> bool:
+    """torch.distributed is imported already and has a default process group (torch is not imported here)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001 -- a half-imported torch
+        return False
 
 
 _shared: dict[tuple, Rendezvous] = {}

@@ -172,8 +172,9 @@ class Buffers:
 
 def module_files(manifest: str | Path | Manifest, source: str | Path | None = None) -> tuple[Manifest, Path]:
     """The manifest and source of a module to load: `manifest` is the path of its NAME.json
-    (read with Manifest.load, which refuses another format version; the source is the NAME.cu
-    it names, beside it, unless `source` is given) or a Manifest in memory (tsgen.lowering)
+    (read with Manifest.load, which checks every value and refuses another format version;
+    the source is the NAME.cu it names, beside it, unless `source` is given; the manifest must
+    describe that source: Manifest.check_source) or a Manifest in memory (tsgen.lowering)
     with `source`, the path of its rendered NAME.cu."""
     if isinstance(manifest, Manifest):
         if source is None:
@@ -181,7 +182,13 @@ def module_files(manifest: str | Path | Manifest, source: str | Path | None = No
         return manifest, Path(source)
     path = Path(manifest)
     loaded = Manifest.load(path)
-    return loaded, path.with_name(loaded.source) if source is None else Path(source)
+    source = path.with_name(loaded.source) if source is None else Path(source)
+    try:
+        text = source.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise RuntimeSetupError(f"cannot read the source {source} that {path} names: {e.strerror or e}") from None
+    loaded.check_source(text, source)
+    return loaded, source
 
 
 # The first launch of a kernel that calls printf (every tsgen kernel that waits: its timeout
@@ -202,17 +209,12 @@ _primed: set[int] = set()
 
 def prime_printf(cp: Any, devices: set[int], arch: str) -> None:
     """Launch a printf kernel once on each of `devices` (once per process) and wait for it."""
-    from ..files import write_if_different
-    from ..toolchain import cache_dir, cache_error, compile_source
+    from ..toolchain import compile_source, write_cached
 
     todo = sorted(devices - _primed)
     if not todo:
         return
-    src = cache_dir() / "runtime" / "tsgen_prime_printf.cu"
-    try:
-        write_if_different(src, _PRIME_SOURCE)
-    except OSError as e:
-        raise cache_error(src.parent, e) from None
+    src = write_cached(("runtime",), "tsgen_prime_printf.cu", _PRIME_SOURCE)
     cubin = compile_source(src, arch=arch).output
     for dev in todo:
         with cp.cuda.Device(dev):
@@ -439,18 +441,52 @@ def prepare_ranks(prepare: Callable[[int, int], int], name: str, devices: dict[i
 
 def _host_launcher(library: Path, kernel: KernelEntry):
     """The `<kernel>_launch` function of a compiled module library and its `prepare(rank,
-    device)` (None when the manifest names none), via ctypes."""
+    device)` (None when the manifest names none), via ctypes; each must be the library's own
+    (own_symbol)."""
     import ctypes
 
     lib = ctypes.CDLL(str(library))
-    fn = getattr(lib, kernel.launcher)
+    fn = own_symbol(lib, library, kernel.launcher)
     fn.restype = ctypes.c_int
     prepare = None
     if kernel.prepare:
-        prepare = getattr(lib, kernel.prepare)
+        prepare = own_symbol(lib, library, kernel.prepare)
         prepare.restype = ctypes.c_int
         prepare.argtypes = [ctypes.c_int, ctypes.c_int]
     return fn, prepare
+
+
+def own_symbol(lib: Any, library: Path, name: str) -> Any:
+    """Function `name` of the loaded `library` (a ctypes.CDLL), only if the library itself defines
+    it: dlsym also finds its dependencies' symbols (libc's `exit`), so dladdr must name the
+    library's own file as the one that holds it. RuntimeSetupError otherwise."""
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        fn = getattr(lib, name)
+    except AttributeError:
+        raise RuntimeSetupError(f"{library}: defines no function {name!r}") from None
+    info = DlInfo()
+    found = 0
+    for libdl in (None, "libdl.so.2"):  # glibc >= 2.34 has dladdr in libc itself
+        try:
+            found = ctypes.CDLL(libdl).dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info))
+            break
+        except (OSError, AttributeError):
+            continue
+    try:
+        own = bool(found) and info.dli_fname is not None and os.path.samefile(info.dli_fname.decode(), library)
+    except OSError:
+        own = False
+    if not own:
+        held = info.dli_fname.decode(errors="replace") if found and info.dli_fname else "an unknown object"
+        raise RuntimeSetupError(f"{library}: {name!r} is not a function of this module (it resolves to {held}); "
+                                "its manifest names the wrong functions")
+    return fn
 
 
 # The errors a client turned away by the MPS server was seen to get (the first two, 2026-11-26), and

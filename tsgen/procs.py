@@ -1,0 +1,87 @@
+"""The processes tsgen starts (the launcher's ranks, the compiler's nvcc and cuobjdump runs):
+each in a session, so a process group, of its own, ended as a whole group.
+
+A tool or a rank starts helpers of its own (nvcc: cicc, ptxas, the host compiler; a rank: the
+store server, a data loader); killing the one process tsgen started would leave them running.
+So every start goes through `start`, which registers the group, and `end` kills the whole
+group (its leader may have exited already, its children not) and forgets it. While
+`stop_on_signals` is active (the CLI's commands, `tsgen launch`), SIGTERM, SIGINT and SIGHUP
+first signal every registered group (each with the signal it was registered with: SIGKILL for
+a tool, SIGTERM for a rank, which gets time to end on its own) and then raise `Stopped` in the
+main thread; at interpreter exit every group still registered is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+
+# pid of the group's leader -> (its Popen, the signal that stops the group)
+_live: dict[int, tuple[subprocess.Popen, int]] = {}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def start(cmd: list[str], stop_signal: int = signal.SIGKILL, **popen) -> subprocess.Popen:
+    """Popen `cmd` in a new session (its own process group), registered until `end`. OSError
+    as Popen raises it."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    _live[proc.pid] = (proc, stop_signal)
+    return proc
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to every process of `proc`'s group; nothing if the group is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def end(proc: subprocess.Popen) -> None:
+    """Kill `proc`'s whole group (SIGKILL), reap its leader and forget it."""
+    signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        proc.wait()
+    _live.pop(proc.pid, None)
+
+
+def _signal_all() -> None:
+    for proc, sig in list(_live.values()):  # list() of a dict view: one step under the GIL
+        signal_group(proc, sig)
+
+
+@atexit.register
+def _end_all() -> None:
+    for proc, _ in list(_live.values()):
+        end(proc)
+
+
+class Stopped(Exception):
+    """tsgen got SIGTERM, SIGINT or SIGHUP; every group it had started was signalled."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """While in this block: SIGTERM, SIGINT and SIGHUP signal every registered group, then
+    raise Stopped (so `finally` blocks run and the caller exits 128 + the signal). Only the
+    main thread may set handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        _signal_all()
+        raise Stopped(signum)
+
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
