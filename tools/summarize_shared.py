@@ -160,7 +160,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
         md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
                for n in summary["negative_controls"]]
     if summary["controls"]:
-        md += ["", "Negative controls over seeds (detection = runs that caught the broken kernel / seeds):", "",
+        md += ["", "Negative controls over seeds (a seed is one call under the control's skew schedule; detection = seeds whose outputs came out wrong, i.e. caught the broken kernel, / seeds):", "",
                "| control | seeds | caught | detection |", "|---|---|---|---|"]
         md += [f"| {cell(c['control'])} | {c['seeds']} | {c['caught']} | "
                f"{c['caught']}/{c['seeds']}{'' if c['caught'] == c['seeds'] else ' (MISSED ' + str(c['seeds'] - c['caught']) + ')'} |"
