@@ -751,11 +751,17 @@ def test_r1_planted_cache_entry_is_compiled_again(fake_nvcc, plant):
 
 
 def test_r1_device_scripts_use_a_cache_folder_of_their_users(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TSGEN_CACHE_DIR"}
+    import shutil
+
+    # a copy of the device scripts in a folder of their own: a checkout's carried wheels (.whl/) stay out
+    (tmp_path / "repo" / "tools").mkdir(parents=True)
+    for name in ("device_env.sh", "stamp_commit.sh"):
+        shutil.copy(ROOT / "tools" / name, tmp_path / "repo" / "tools" / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("TSGEN_CACHE_DIR", "TSGEN_COMMIT")}
     env.update(TMPDIR=str(tmp_path), OUT=str(tmp_path / "out"), PYTHONPATH=str(ROOT))
     p = subprocess.run(["bash", "-c", 'source tools/device_env.sh && echo "$TSGEN_CACHE_DIR" '
-                        '&& stat -c %a "$TSGEN_CACHE_DIR"'], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=60)
+                        '&& stat -c %a "$TSGEN_CACHE_DIR"'], capture_output=True, text=True, cwd=tmp_path / "repo",
+                       env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == [str(tmp_path / f"tsgen-cache-{os.getuid()}"), "700"]
 
