@@ -4,6 +4,7 @@ A temporary file is named `.NAME.PID.XXXXXXXX.tmp` after the file it becomes and
 process that writes it, so a later run can tell the leftovers of a killed one (its
 process is gone) from the work of one still running, and remove only those. Files get
 the mode the umask gives a new file (0666 & ~umask), like any other tool's output.
+Also here: the folders of a checkout (specs/, suites/) that commands read by default.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import re
 import tempfile
 from pathlib import Path
+
+from .errors import TsgenError
 
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.\w+\.tmp(\.\w+)?\Z")  # also nvcc's NAME.tmp.o
 
@@ -93,3 +96,12 @@ def write_if_different(path: Path, text: str) -> bool:
     sweep_temps(path.parent)  # what a killed run left
     atomic_write(path, data)
     return True
+
+
+def checkout_folder(name: str, why: str) -> Path:
+    """The folder `name` (specs, suites) of the tsgen checkout a command runs in, the working
+    directory; TsgenError saying where it looked, and `why` it looked, when there is none."""
+    folder = Path(name)
+    if not folder.is_dir():
+        raise TsgenError(f"no {name}/ folder in {Path.cwd()}: {why}")
+    return folder
