@@ -44,6 +44,7 @@ def test_shipped_plans_verify(spec, w):
     assert verify(job_plan(job.path, job.world), schedules=job.schedules) == []
 
 
+@pytest.mark.plans
 def test_the_plan_sweep_is_every_collective_at_every_world_size():
     jobs = plan_jobs([ROOT / "specs"], range(2, 9))
     multimem = "multimem variant: no plan to verify, compiled only"

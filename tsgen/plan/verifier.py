@@ -336,9 +336,15 @@ class _Sim:
 
     def run_random(self, rng: random.Random) -> None:
         """Move a ready actor drawn uniformly at random until none is ready or an error."""
-        ready = self.ready
-        while ready and not self.errors:
-            self.advance(ready[rng.randrange(len(ready))])
+        ready, errors, advance, bits = self.ready, self.errors, self.advance, rng.getrandbits
+        while ready and not errors:
+            # rng.randrange(len(ready)) written out, the same draws: this loop is the verifier's time
+            n = len(ready)
+            k = n.bit_length()
+            i = bits(k)
+            while i >= n:
+                i = bits(k)
+            advance(ready[i])
 
     def run_sweeps(self, order: str) -> None:
         """Sweep the actors in a fixed priority order: each in turn moves as far as it can
