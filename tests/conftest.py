@@ -127,8 +127,8 @@ _NVCC = _installed_nvcc()
 @pytest.fixture(autouse=True)
 def _nvcc_only_in_compile_tests(request, monkeypatch):
     """The inner loop deselects the `compile` tests: a test without that marker that starts the
-    installed nvcc (to compile; `nvcc --version` is cheap) fails, saying so. Tests that start
-    nvcc from a child process are beyond this check (test_compile.py keeps a list of those)."""
+    installed nvcc in this process (to compile; `nvcc --version` is cheap) fails, saying so. A
+    child process that runs nvcc (a tool, `python -m tsgen build --compile`) is beyond this check."""
     if _NVCC is None or request.node.get_closest_marker("compile") is not None:
         return
     import subprocess
