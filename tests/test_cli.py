@@ -75,7 +75,8 @@ def test_build_writes_and_reports(tmp_path):
 def test_test_without_cupy(no_cupy_env):
     p = tsgen("test", "specs/put_block.yaml", "--gpus", "2", env=no_cupy_env)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.startswith("tsgen: running kernels needs CuPy: `pip install 'tsgen-cuda[cuda13]'`"), p.stderr
+    assert p.stderr.startswith("tsgen: running kernels needs CuPy for your driver's CUDA version: "
+                               '`pip install ".[cuda13]"` in the tsgen checkout'), p.stderr
     assert "Traceback" not in p.stderr
 
 
@@ -117,6 +118,27 @@ def test_test_bad_spec(tmp_path):
 def test_test_needs_gpus_option():
     r = run_cli("test", "specs/put_block.yaml")
     assert r.code == 2 and "--gpus" in r.stderr
+
+
+@pytest.mark.parametrize("args,folder,why", [
+    (("build",), "specs", "with no spec given, tsgen reads the shipped specs of a checkout"),
+    (("verify",), "specs", "with no spec given, tsgen reads the shipped specs of a checkout"),
+    (("bench", "--list-suites"), "suites", "the benchmark suites are suites/*.yaml of a tsgen checkout"),
+], ids=["build", "verify", "list-suites"])
+def test_outside_a_checkout_says_where_it_looked(tmp_path, monkeypatch, args, folder, why):
+    """Run where there is no specs/ or suites/ folder: exit 2, the folder it looked for and where
+    (was: `specs:1:1: <file>: no such file`, and for --list-suites nothing at all, exit 0)."""
+    monkeypatch.chdir(tmp_path)
+    r = run_cli(*args)
+    assert r.code == 2 and r.stdout == "", r
+    assert r.stderr.startswith(f"tsgen: no {folder}/ folder in {tmp_path}: {why}"), r
+
+
+def test_list_suites():
+    r = run_cli("bench", "--list-suites")
+    assert r.code == 0, r
+    names = [line.split()[0] for line in r.stdout.splitlines()]
+    assert names == [p.stem for p in sorted((ROOT / "suites").glob("*.yaml"))] and names
 
 
 def test_check_exit_code_1(tmp_path, monkeypatch):

@@ -171,6 +171,7 @@ def fuzz_build(case):
         assert source.isascii() and all(line.startswith("//") for line in banner)
 
 
+@pytest.mark.slow
 def test_fuzz_build():
     fuzz_build()
     print(f"\nfuzz: {STATS['cases']} cases, {STATS['valid']} valid, {STATS['invalid']} refused")
@@ -246,6 +247,7 @@ def plausible_case(draw):
     return "specs", "x.yaml", yaml.safe_dump(data, allow_unicode=True)
 
 
+@pytest.mark.compile
 @needs_nvcc
 @settings(max_examples=5, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(plausible_case())
@@ -267,6 +269,7 @@ BASELINE = {(spec, t): code_without_comments((ROOT / "generated" / f"{spec}.cu")
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=200)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=EXAMPLES // 4)
 @given(st.sampled_from(["put_block", "all_reduce_two_shot_ce"]), FILE_NAMES, FILE_NAMES,
        st.one_of(TEXT, st.lists(st.sampled_from(NASTY), max_size=8).map("".join)))

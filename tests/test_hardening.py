@@ -529,6 +529,7 @@ def nvcc_front_end(source: Path) -> subprocess.CompletedProcess:
                            str(source)], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.compile
 @needs_nvcc
 def test_item13_trigraph_in_description_compiles(tmp_path):
     spec = tmp_path / "t1.yaml"
@@ -577,6 +578,7 @@ def test_item13_headers_declare_only_namespace_tsgen_at_file_scope():
         assert opened and not outside, (header.name, outside[:5])
 
 
+@pytest.mark.compile
 @needs_nvcc
 def test_item13_names_the_headers_declare_are_all_refused():
     """tools/reserved_names.py --check: for the plain, gemm and NVSHMEM include sets, every
@@ -586,6 +588,7 @@ def test_item13_names_the_headers_declare_are_all_refused():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+@pytest.mark.compile
 @needs_nvcc
 @pytest.mark.parametrize("name", ["count", "rank", "epoch", "peers", "calls", "run", "src", "dst", "stream",
                                   "ptx", "step", "peer_ptr", "wait_ge_acquire_sys", "red_add_release_sys_global_u64"])

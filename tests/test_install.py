@@ -1,4 +1,4 @@
-"""A plain (non-editable) install ships the templates: `tsgen` from a fresh
+"""A plain (non-editable) install ships the templates and the license: `tsgen` from a fresh
 venv, run outside the repo, lists the ops and renders a spec."""
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ def test_plain_install_ships_templates(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not re.findall(r"\w*Warning\b", proc.stdout + proc.stderr), proc.stdout + proc.stderr  # the backend's
     assert not [p.name for p in src.iterdir() if p.name in ("build", "dist") or p.name.endswith(".egg-info")]
+    # the license pyproject.toml declares ships with it
+    (license_file,) = {p.resolve() for p in env_dir.glob("*/*/site-packages/tsgen_cuda-*.dist-info/licenses/LICENSE")}
+    assert license_file.read_text() == (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_file.read_text() and "Version 2.0, January 2004" in license_file.read_text()
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = subprocess.run(

@@ -311,7 +311,7 @@ def test_missing_nvshmem4py_says_what_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "nvshmem", None)
     with pytest.raises(RuntimeSetupError, match=r"the nvshmem backend needs nvshmem4py and the NVSHMEM library: "
-                                                r"`pip install 'tsgen-cuda\[cuda13\]'`"):
+                                                r'`pip install "\.\[cuda13\]"` in the tsgen checkout'):
         nv.import_nvshmem()
 
 

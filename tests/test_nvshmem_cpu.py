@@ -107,10 +107,11 @@ def test_p2p_specs_do_not_change():
 
 @pytest.mark.plans
 def test_nvshmem_plans_verify():
-    """Same plans as p2p: `tsgen verify` runs them on the CPU."""
-    r = run_cli("verify", *(f"specs/{n}.yaml" for n in NVSHMEM_SPECS), "--world", "2..8")
+    """Same plans as p2p: `tsgen verify` runs them on the CPU, at the world sizes they are compiled for
+    (a few schedules: test_plan.py's sweep verifies these plans in full)."""
+    r = run_cli("verify", *(f"specs/{n}.yaml" for n in NVSHMEM_SPECS), "--schedules", "3")
     assert r.code == 0, r
-    assert "14 plans verified" in r.stdout, r
+    assert "8 plans verified" in r.stdout, r  # all_to_all_nvshmem, allgather_nvshmem at 2, 3, 4, 8
 
 
 def test_nvshmem_spec_errors(tmp_path):

@@ -1,25 +1,27 @@
 """Plans and their CPU verifier: every shipped collective verifies at world sizes
-2..8 (the plan sweep, marked `plans`: what `tsgen verify specs --world 2..8` runs, one
-plan per test), and broken plans (a signal, a wait or a chunk offset changed) fail, so
-the verifier is load-bearing. Straight-line code of small plans makes exactly the share
-calls the verified tables list."""
+2..8, each a variant of the shipped spec (the plan sweep, marked `plans`, one plan per
+test; `tsgen verify specs` checks the world sizes each spec is compiled for), and broken
+plans (a signal, a wait or a chunk offset changed) fail, so the verifier is load-bearing.
+Straight-line code of small plans makes exactly the share calls the verified tables list."""
 
 import dataclasses
 import re
 
 import pytest
 
-from conftest import ROOT, SPECS
+from conftest import ROOT
 
 from tsgen.ops import get_family
 from tsgen.plan.ir import SignalRef
 from tsgen.plan.lower import c_tables, straight_line_groups
 from tsgen.plan.verifier import default_schedules, job_plan, plan_jobs, verify
 from tsgen.render import render
+from tsgen.shipped import shipped
 from tsgen.spec import load_spec, spec_variant
 
-COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")
-               and not get_family(load_spec(s).model.op).is_multimem(load_spec(s).model)]
+# the shipped specs built from plans, loaded once (tsgen.shipped caches them)
+LOADED = {l.path: l for l in shipped(multimem=False) if hasattr(get_family(l.model.op), "comm_plan")}
+COLLECTIVES = sorted(LOADED)
 
 
 def _plan(spec_path, w):
@@ -28,19 +30,21 @@ def _plan(spec_path, w):
 
 
 def test_some_collectives_ship():
-    assert {load_spec(s).model.op for s in COLLECTIVES} == {
+    assert {LOADED[s].model.op for s in COLLECTIVES} == {
         "allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"}
 
 
 @pytest.mark.plans
-@pytest.mark.parametrize("job", [j for j in plan_jobs([ROOT / "specs"], range(2, 9)) if j.world],
-                         ids=lambda j: f"{j.name}-{j.world}")
-def test_shipped_plans_verify(job):
+@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in range(2, 9)], ids=lambda x: str(x.stem)
+                         if hasattr(x, "stem") else str(x))
+def test_shipped_plans_verify(spec, w):
+    (job,) = plan_jobs([spec], [w])  # here, not at collection: the inner loop deselects the sweep
     if job.skip:
         pytest.skip(job.skip)
     assert verify(job_plan(job.path, job.world), schedules=job.schedules) == []
 
 
+@pytest.mark.plans
 def test_the_plan_sweep_is_every_collective_at_every_world_size():
     jobs = plan_jobs([ROOT / "specs"], range(2, 9))
     multimem = "multimem variant: no plan to verify, compiled only"
@@ -143,6 +147,42 @@ def test_verify_cli_exit_codes(tmp_path):
     assert bad.code == 2
 
 
+def test_verify_checks_the_worlds_the_spec_is_compiled_for():
+    """Without --world, each spec at its own world_sizes (was: 2..8 whatever they were)."""
+    from conftest import run_cli
+
+    r = run_cli("verify", "specs/allgather.yaml", "--schedules", "1")
+    assert r.code == 0, r
+    assert [line.split(":")[0] for line in r.stdout.splitlines()] == [
+        "allgather world 2", "allgather world 3", "allgather world 4", "allgather world 8", "tsgen"], r
+
+
+def test_verify_refuses_worlds_the_spec_is_not_compiled_for():
+    """A world size no kernel of the spec is compiled for is refused, naming the spec and its sizes
+    (was: verified as if it were, exit 0)."""
+    from conftest import run_cli
+
+    r = run_cli("verify", "specs/allgather.yaml", "specs/broadcast.yaml", "--world", "4..6")
+    assert r.code == 2 and r.stdout == "", r
+    assert r.stderr.splitlines() == [
+        "tsgen: --world 4,5,6: not every spec is compiled for it (without --world, each spec is verified at "
+        "its own world sizes):",
+        "  specs/allgather.yaml: compiled for world sizes [2, 3, 4, 8], not 5, 6",
+        "  specs/broadcast.yaml: compiled for world sizes [2, 3, 4, 8], not 5, 6"], r
+
+
+@pytest.mark.parametrize("spec", ["put_block", "allgather_multimem"])
+def test_verify_of_a_spec_without_plans_says_so(spec):
+    """A spec with no comm plan (another op, a multimem variant): exit 2 and why (was: "0 plans
+    verified", exit 0)."""
+    from conftest import run_cli
+
+    r = run_cli("verify", f"specs/{spec}.yaml")
+    assert r.code == 2, r
+    assert r.stderr.startswith(f"tsgen: no plan to verify in specs/{spec}.yaml: only collectives built from a "
+                               "comm plan (all_reduce, all_to_all, allgather, broadcast, reduce_scatter) have one"), r
+
+
 def test_verify_cli_jobs_keep_the_order():
     """Chunks of schedules run in a pool of processes; the lines come in the order of the
     specs asked for and of the world sizes (sorted), the same as from one process."""
@@ -225,7 +265,7 @@ def _expand(groups, nblocks):
 
 
 @pytest.mark.parametrize("hoist", [False, True], ids=["plain", "hoisted"])
-@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in load_spec(s).model.world_sizes],
+@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in LOADED[s].model.world_sizes],
                          ids=lambda x: x.stem if hasattr(x, "stem") else f"w{x}")
 def test_straight_line_groups_are_the_tables(spec, w, hoist):
     """Straight-line code makes, in every block of every rank, exactly the share calls
@@ -237,7 +277,7 @@ def test_straight_line_groups_are_the_tables(spec, w, hoist):
 
 
 @pytest.mark.parametrize("hoist", [False, True], ids=["plain", "hoisted"])
-@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in load_spec(s).model.world_sizes],
+@pytest.mark.parametrize("spec,w", [(s, w) for s in COLLECTIVES for w in LOADED[s].model.world_sizes],
                          ids=lambda x: x.stem if hasattr(x, "stem") else f"w{x}")
 def test_share_runs_expand_to_the_table(spec, w, hoist):
     """The run-length encoded share table the source writes (plan.lower.share_runs, expanded by

@@ -15,7 +15,7 @@ from conftest import ROOT, SPECS
 from tsgen.errors import RuntimeSetupError, SpecError
 from tsgen.ops import get_family
 from tsgen.render import render
-from tsgen.shipped import shipped_specs
+from tsgen.shipped import shipped, shipped_specs
 from tsgen.runtime.placement import (fit_blocks, mps_active, place_ranks, ranks_per_gpu, residency_problem,
                                      share_from_env)
 from tsgen.spec import describe_variant, load_spec, spec_variant
@@ -84,19 +84,19 @@ def test_mps_detection():
 # ---------------------------------------------------------------------------
 
 RUNNABLE = [p for p in shipped_specs(multimem=False) if p not in shipped_specs(transport="nvshmem")]
-SHARED = [p for p in RUNNABLE if get_family(load_spec(p).model.op).shared_refusal(load_spec(p).model) is None]
+SHARED = [s.path for s in shipped(multimem=False) if s.path in RUNNABLE
+          and get_family(s.model.op).shared_refusal(s.model) is None]
 
 
-def _worlds(loaded):
-    """World sizes 2..8 at which the op can be built (the variant validates); the shipped ones
-    must be among them."""
+def _at_worlds(loaded):
+    """{world: the spec at that world size} for the sizes 2..8 at which the op can be built (the
+    variant validates); the shipped ones must be among them."""
     if max(loaded.model.world_sizes) == 1:
-        return []
-    ok = []
+        return {}
+    ok = {}
     for w in range(2, 9):
         try:
-            spec_variant(loaded, {} if w in loaded.model.world_sizes else {"world_sizes": [w]})
-            ok.append(w)
+            ok[w] = spec_variant(loaded, {} if w in loaded.model.world_sizes else {"world_sizes": [w]})
         except SpecError:
             pass
     assert set(loaded.model.world_sizes) <= set(ok), loaded.path
@@ -114,12 +114,12 @@ def test_fitted_variant_of_every_shipped_spec(path, sms):
     as a shipped spec does, and every rank's grid (plus the SMs it reserves) fits at one block per SM."""
     loaded = load_spec(path)
     family = get_family(loaded.model.op)
-    for world in _worlds(loaded):
-        at_world = spec_variant(loaded, {} if world in loaded.model.world_sizes else {"world_sizes": [world]})
+    for world, at_world in _at_worlds(loaded).items():
         updates = family.shared_fit(at_world.model, world, sms)
         variant = spec_variant(at_world, updates)  # raises SpecError if a check fails
         spec = variant.model
-        kernel = next(k for k in family.abi(spec).kernels if k.world_size == world)
+        abi = family.lower(spec, variant.plans)[0]  # from the plans the variant was validated with
+        kernel = next(k for k in abi.kernels if k.world_size == world)
         assert world * (kernel.grid + _reserve(spec)) <= sms, (world, kernel.grid, describe_variant(updates))
         assert updates == {} or set(updates) <= {"launch", "params"}
         if not updates:  # unchanged only where it already fit

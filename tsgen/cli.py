@@ -21,6 +21,7 @@ from .env import env_seconds, force_no_multicast, shared_gpu_env
 from .procs import Stopped, stop_on_signals
 from .runtime.placement import share_from_env
 from .errors import KernelFailed, SpecError, TsgenError
+from .files import checkout_folder
 
 
 def _reports_errors(fn):
@@ -46,6 +47,12 @@ def _reports_errors(fn):
 def _cpus() -> int:
     """CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_specs() -> Path:
+    """specs/ of the checkout, what `build` and `verify` read when given no spec."""
+    return checkout_folder("specs", "with no spec given, tsgen reads the shipped specs of a checkout "
+                                    "(run it in one, or name spec files or folders)")
 
 
 def _jobs_option(what: str):
@@ -90,17 +97,18 @@ def main() -> None:
               type=click.Path(file_okay=False, path_type=Path), help="output folder")
 @click.option("--check", is_flag=True, help="write nothing; exit 1 with a diff if an output is stale, missing or orphaned")
 @click.option("--prune", is_flag=True, help="delete generated files no spec produces any more")
+@click.option("--force", is_flag=True, help="overwrite outputs whose banner names another spec file")
 @click.option("--compile", "do_compile", is_flag=True, help="also compile each source with nvcc (cached)")
 @click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture for --compile")
 @_jobs_option("--compile: sources compiled at a time")
 @_reports_errors
-def build(paths, out_dir, check, prune, do_compile, arch, jobs):
+def build(paths, out_dir, check, prune, force, do_compile, arch, jobs):
     """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json;
     --compile: then compile them, --jobs at a time."""
     from .build import build as run_build
 
-    paths = list(paths) or [Path("specs")]
-    result = run_build(paths, out_dir, check=check, prune=prune)
+    paths = list(paths) or [default_specs()]
+    result = run_build(paths, out_dir, check=check, prune=prune, force=force)
     if check:
         click.echo(f"tsgen: {len(result.rendered)} spec(s) up to date in {out_dir}")
     else:
@@ -241,7 +249,9 @@ def world_sizes(text: str) -> list[int]:
 
 @main.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
-@click.option("--world", "worlds", default="2..8", show_default=True, help="world sizes: 2..8, or 2,3,4")
+@click.option("--world", "worlds", default=None,
+              help="world sizes, LO..HI or a list (2..8, 2,3,4), each one every spec is compiled for "
+                   "[default: each spec's own world_sizes]")
 @click.option("--schedules", type=click.IntRange(min=1), default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @_jobs_option("processes verifying at once")
@@ -255,7 +265,8 @@ def verify(paths, worlds, schedules, seed, jobs):
     Plans and their schedules are verified --jobs at a time; the output is in spec order."""
     from .plan.verifier import verify_specs
 
-    checked = verify_specs(list(paths) or [Path("specs")], world_sizes(worlds), schedules, seed, jobs, click.echo)
+    sizes = None if worlds is None else world_sizes(worlds)
+    checked = verify_specs(list(paths) or [default_specs()], sizes, schedules, seed, jobs, click.echo)
     click.echo(f"tsgen: {checked} plans verified")
 
 

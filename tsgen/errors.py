@@ -13,6 +13,11 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+# How to install what running kernels needs: the extras of pyproject.toml, from the checkout (the
+# package is not on the package index). tests/test_pointers.py checks that these extras exist.
+CUDA_EXTRAS_HINT = '`pip install ".[cuda13]"` in the tsgen checkout (".[cuda12]" for CUDA 12)'
+
+
 class TsgenError(Exception):
     """Base class: a message meant for the user and an exit code."""
 

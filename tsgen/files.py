@@ -11,6 +11,7 @@ file of its user's. So: `private_folder` is THE check of a folder whose files ts
 trusts (the compile cache), `unsafe_entry` the same check of one of its files, and
 `open_shared` THE way tsgen opens a file it creates in a shared place (the compile
 locks, the GPU lock): never through a symlink, never truncating, only a file of its own.
+Also here: the folders of a checkout (specs/, suites/) that commands read by default.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import re
 import stat
 import tempfile
 from pathlib import Path
+
+from .errors import TsgenError
 
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.\w+\.tmp(\.\w+)?\Z")  # also nvcc's NAME.tmp.o
 
@@ -191,3 +194,12 @@ def open_shared(path: Path) -> int:
         os.close(fd)
         raise UnsafePath(path, problem)
     return fd
+
+
+def checkout_folder(name: str, why: str) -> Path:
+    """The folder `name` (specs, suites) of the tsgen checkout a command runs in, the working
+    directory; TsgenError saying where it looked, and `why` it looked, when there is none."""
+    folder = Path(name)
+    if not folder.is_dir():
+        raise TsgenError(f"no {name}/ folder in {Path.cwd()}: {why}")
+    return folder

@@ -94,7 +94,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   int gpus = 0;
-  CHECK(cudaGetDeviceCount(&gpus));
+  const cudaError_t found = cudaGetDeviceCount(&gpus);  // no driver, no device: an error, or 0
+  if (found != cudaSuccess || gpus == 0) {
+    std::fprintf(stderr, "%s: no CUDA GPU found (cudaGetDeviceCount: %s)\n", argv[0],
+                 found != cudaSuccess ? cudaGetErrorString(found) : "0 devices");
+    return 2;
+  }
   std::vector<int> device(world);
   std::vector<int> ranks_on(gpus, 0);
   for (int r = 0; r < world; ++r) ranks_on[device[r] = r % gpus]++;

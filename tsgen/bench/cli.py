@@ -14,6 +14,7 @@ from ..env import shared_gpu_env
 from ..runtime.placement import share_from_env
 
 from ..errors import CheckFailed, RuntimeSetupError
+from ..files import checkout_folder
 
 TIMING = ("tsgen: one World across all sizes; per size, buffer sets rotated so that they exceed 2x the L2; warm-up, "
           "then `reps` samples of back-to-back calls (a CUDA graph per GPU where the op allows) between events on "
@@ -87,7 +88,11 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     from .suites import Entry, list_suites as suites_list, load_suite, run_entries, stop_on_signals
 
     if list_suites:
-        for name, desc in suites_list():
+        folder = checkout_folder("suites", "the benchmark suites are suites/*.yaml of a tsgen checkout: run tsgen in one")
+        listed = suites_list(folder)
+        if not listed:
+            raise RuntimeSetupError(f"no suites (*.yaml) in {folder.resolve()}")
+        for name, desc in listed:
             click.echo(f"{name:24s} {desc}")
         return
     if (spec is None) == (suite is None):

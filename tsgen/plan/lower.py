@@ -3,6 +3,7 @@ straight-line share groups, and copy-engine stream programs. See tsgen/plan/__in
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ C_STRUCTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
 }
 
 
+@functools.cache  # c_init asks for every table row: a full build made 250,000 calls
 def field_names(struct: str, header: str = "tsgen_plan.cuh") -> tuple[str, ...]:
     """The fields of tsgen::`struct` in declaration order (array extents dropped)."""
     return tuple(re.sub(r"\[.*", "", name) for _, name in C_STRUCTS[header][struct])

@@ -12,9 +12,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from ..errors import CheckFailed, SpecError
-from ..ops import get_family
-from ..spec import load_spec, spec_files, spec_variant
+from ..errors import CheckFailed, SpecError, TsgenError
+from ..ops import OpFamily, families, get_family
+from ..spec import LoadedSpec, load_spec, spec_files, spec_variant
 from .ir import MAX_ALSO, MAX_SIGNALS, MAX_SRCS, MAX_WAITS, CommPlan, Slice
 
 # ---------------------------------------------------------------------------
@@ -336,9 +336,15 @@ class _Sim:
 
     def run_random(self, rng: random.Random) -> None:
         """Move a ready actor drawn uniformly at random until none is ready or an error."""
-        ready = self.ready
-        while ready and not self.errors:
-            self.advance(ready[rng.randrange(len(ready))])
+        ready, errors, advance, bits = self.ready, self.errors, self.advance, rng.getrandbits
+        while ready and not errors:
+            # rng.randrange(len(ready)) written out, the same draws: this loop is the verifier's time
+            n = len(ready)
+            k = n.bit_length()
+            i = bits(k)
+            while i >= n:
+                i = bits(k)
+            advance(ready[i])
 
     def run_sweeps(self, order: str) -> None:
         """Sweep the actors in a fixed priority order: each in turn moves as far as it can
@@ -482,19 +488,31 @@ class PlanJob:
         return self.name if self.world is None else f"{self.name} world {self.world}"
 
 
-def plan_jobs(paths: Iterable[Path], worlds: Iterable[int], schedules: int | None = None) -> list[PlanJob]:
-    """Every collective plan of the specs under `paths` at each world size, in order.
-    schedules None: default_schedules(world)."""
-    jobs = []
+def _has_plans(family: OpFamily) -> bool:
+    """The family's ops are built from comm plans (the collectives)."""
+    return hasattr(family, "comm_plan")
+
+
+def _planned_specs(paths: Iterable[Path]) -> Iterator[tuple[Path, LoadedSpec, OpFamily]]:
+    """(path, loaded spec, family) of each spec under `paths` whose op is built from a comm plan."""
     for path in spec_files(list(paths)):
         loaded = load_spec(path)
         family = get_family(loaded.model.op)
-        if not hasattr(family, "comm_plan"):
-            continue
+        if _has_plans(family):
+            yield path, loaded, family
+
+
+def plan_jobs(paths: Iterable[Path], worlds: Iterable[int] | None = None,
+              schedules: int | None = None) -> list[PlanJob]:
+    """Every collective plan of the specs under `paths`, in order: at each spec's own world
+    sizes (worlds None), or at each of `worlds`, built as a variant of the spec (skipped where
+    the family does not plan that world size). schedules None: default_schedules(world)."""
+    jobs = []
+    for path, loaded, family in _planned_specs(paths):
         if family.is_multimem(loaded.model):
             jobs.append(PlanJob(loaded.name, path, None, skip="multimem variant: no plan to verify, compiled only"))
             continue
-        for w in worlds:
+        for w in loaded.model.world_sizes if worlds is None else worlds:
             try:
                 spec_variant(loaded, {"world_sizes": [w]})
                 skip = None
@@ -503,6 +521,18 @@ def plan_jobs(paths: Iterable[Path], worlds: Iterable[int], schedules: int | Non
             jobs.append(PlanJob(loaded.name, path, w, default_schedules(w) if schedules is None else schedules,
                                 skip=skip))
     return jobs
+
+
+def not_compiled_for(paths: Iterable[Path], worlds: Iterable[int]) -> list[str]:
+    """`tsgen verify --world`: a line for each collective spec under `paths` that is not
+    compiled for every one of `worlds` (its world_sizes), saying which."""
+    worlds = list(worlds)
+    problems = []
+    for path, loaded, _ in _planned_specs(paths):
+        compiled = loaded.model.world_sizes
+        if missing := [w for w in worlds if w not in compiled]:
+            problems.append(f"{path}: compiled for world sizes {list(compiled)}, not {', '.join(map(str, missing))}")
+    return problems
 
 
 @lru_cache(maxsize=4)  # a worker mostly gets consecutive chunks of one plan
@@ -537,11 +567,15 @@ def verify_jobs(jobs: list[PlanJob], seed: int = 0, processes: int = 1) -> Itera
         pool.shutdown(cancel_futures=True)
 
 
-def verify_specs(paths: list[Path], sizes: list[int], schedules: int | None, seed: int, processes: int,
+def verify_specs(paths: list[Path], sizes: list[int] | None, schedules: int | None, seed: int, processes: int,
                  echo: Callable[[str], None]) -> int:
-    """`tsgen verify`: every plan of the specs under `paths` at each world size in `sizes`,
-    one line each through `echo`, in spec order; the number of plans verified. CheckFailed
-    when any fails."""
+    """`tsgen verify`: every plan of the specs under `paths` at each world size in `sizes`
+    (None: each spec's own world sizes), one line each through `echo`, in spec order; the
+    number of plans verified. TsgenError (exit 2) when `sizes` holds a world size a spec is not
+    compiled for, or when there is no plan to verify; CheckFailed when any plan fails."""
+    if sizes is not None and (refused := not_compiled_for(paths, sizes)):
+        raise TsgenError(f"--world {','.join(map(str, sizes))}: not every spec is compiled for it (without --world, "
+                         "each spec is verified at its own world sizes):\n  " + "\n  ".join(refused))
     failed = checked = 0
     for job, problems in verify_jobs(plan_jobs(paths, sizes, schedules), seed, processes):
         if job.skip:
@@ -557,4 +591,8 @@ def verify_specs(paths: list[Path], sizes: list[int], schedules: int | None, see
             echo(f"{job.label}: ok ({job.schedules + 3} schedules x 2 calls)")
     if failed:
         raise CheckFailed(f"{failed} of {checked} plans failed verification")
+    if not checked:
+        planned = ", ".join(f.kind for f in families() if _has_plans(f))
+        raise TsgenError(f"no plan to verify in {' '.join(map(str, paths))}: only collectives built from a "
+                         f"comm plan ({planned}) have one, and their multimem variants do not")
     return checked

@@ -18,15 +18,14 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from ..errors import RuntimeSetupError
+from ..errors import CUDA_EXTRAS_HINT, RuntimeSetupError
 
 def cupy_or_error():
     try:
         import cupy
     except ImportError as e:
         raise RuntimeSetupError(
-            "running kernels needs CuPy: `pip install 'tsgen-cuda[cuda13]'` (or [cuda12]) "
-            f"for your driver's CUDA version ({e})"
+            f"running kernels needs CuPy for your driver's CUDA version: {CUDA_EXTRAS_HINT} ({e})"
         ) from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()

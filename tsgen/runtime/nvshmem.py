@@ -39,7 +39,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping, NamedTuple
 
-from ..errors import RuntimeSetupError
+from ..errors import CUDA_EXTRAS_HINT, RuntimeSetupError
 from . import store as store_mod
 from .ipc import context_lost, join, launcher_world, pick_device
 
@@ -63,8 +63,8 @@ def import_nvshmem() -> NvshmemLib:
         from cuda.core import Device
     except ImportError as e:
         raise RuntimeSetupError(
-            "the nvshmem backend needs nvshmem4py and the NVSHMEM library: `pip install 'tsgen-cuda[cuda13]'` "
-            f"(nvshmem4py-cu13, nvidia-nvshmem-cu13; [cuda12] for CUDA 12) ({e})"
+            f"the nvshmem backend needs nvshmem4py and the NVSHMEM library: {CUDA_EXTRAS_HINT}, which brings "
+            f"nvshmem4py-cu13 and nvidia-nvshmem-cu13 ({e})"
         ) from None
     return NvshmemLib(core, bindings, Device)
 

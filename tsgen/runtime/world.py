@@ -415,10 +415,12 @@ def first_streams(make: Callable[[], dict], error: type, processes_share: bool,
 
 
 def _wait_for_turn(path: str) -> None:
-    """Take and give back the GPU lock (harness.gpu_turn's file) without following a link."""
+    """Take and give back the GPU lock (harness.gpu_turn's file, opened as files.open_shared does)."""
     import fcntl
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    from ..files import open_shared
+
+    fd = open_shared(Path(path))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         fcntl.flock(fd, fcntl.LOCK_UN)
