@@ -100,7 +100,7 @@ def test_output_is_complete_when_the_kernel_returns(name, world, variant):
     assert checked and not wrong, "\n".join(lines)
 
 
-@pytest.mark.parametrize("skew", [SKEW_SEED, "lag"], ids=["seeded", "lag"])
+@pytest.mark.parametrize("skew", [SKEW_SEED, "lag_blocks"], ids=["seeded", "lag_blocks"])
 @pytest.mark.parametrize("name", ["ulysses_pre_a2a", "ulysses_post_a2a"])
 def test_skewed_ranks_still_complete(name, skew):
     """The positive twin of the negative control: the same skew (and the seeded one), the wait
@@ -113,13 +113,15 @@ def test_skewed_ranks_still_complete(name, skew):
 @pytest.mark.parametrize("name", ["ulysses_pre_a2a", "ulysses_post_a2a"])
 def test_negative_control_without_the_arrival_wait_fails(name):
     """params.arrival_wait false: the kernel returns before the peers' pushes have landed, so
-    the consumer on the stream must see holes at every call, under the lag schedule (rank 0's
-    kernel ends before its peers begin; with the seeded skew, 1 run in 16 missed, 2026-11-26)."""
+    the consumer on the stream must see holes at every call, under the lag_blocks schedule (the
+    entry handshake runs on time, then the peers' pushing blocks lag: rank 0 has returned before
+    they write to it). Measured on one H200 (2026-11-26): with the seeded skew, 1 run in 16 missed;
+    under "lag" (every peer block late) 0 of 50 calls caught: the entry wait lines the ranks up."""
     need_gpus(4)
     wrong, checked, lines = stream_check(ROOT / "specs" / f"{name}.yaml", 4, {"params": {"arrival_wait": False}},
-                                         skew="lag", count=301, iters=CONTROL_CALLS)
+                                         skew="lag_blocks", count=301, iters=CONTROL_CALLS)
     caught = int(lines[-1].split()[2])
-    record_control(f"{name} arrival wait", CONTROL_CALLS, caught, world=4, skew="lag")
+    record_control(f"{name} arrival wait", CONTROL_CALLS, caught, world=4, skew="lag_blocks")
     assert checked and wrong, "broken kernel passed:\n" + "\n".join(lines)
 
 

@@ -68,5 +68,5 @@ sys.exit(1 if missed else 0)
 PY
 grep -E "^(FAILED|ERROR)|passed|failed" "$run/$log" | tail -n 25 | cut -c1-240
 find "$OUT/results" -type f \( -name "*.md" -o -name "*.json" \) -exec cp -t "$OUT" {} +
-tar czf "$OUT/gate_logs.tgz" -C "$run" .
+tar czf "$OUT/gate_logs.tgz" -C "$run" . && rm -rf "$run"  # what comes back: the logs in one file
 exit "$code"

@@ -114,7 +114,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
         "dtype_matrix": {"tests": len(dtypes), "passed": sum(r["pass"] for r in dtypes)},
         "negative_controls": sorted(({"spec": r["spec"], "skew": r.get("skew"), "caught": not r["pass"]}
                                      for r in negs if "spec" in r and "pass" in r),  # one run each (`controls`: seeds)
-                                    key=lambda n: (n["spec"], n["skew"] or 0)),
+                                    key=lambda n: (n["spec"], str(n["skew"] or ""))),  # seeds and schedule names
         "timeout_probes": {"tests": len(probes), "passed": sum(r.get("rc") == 0 for r in probes)},  # rc 0: timed out, printed, trapped
         "vendor": [ln for ln in vendor if "PASS" in ln or "FAIL" in ln],
         "families": {kind: {"tests": len(rows), "passed": sum(bool(r.get("pass")) for r in rows),

@@ -81,8 +81,8 @@ def render_source(lowered: Lowered, skew: int | str | None = None) -> str:
     """NAME.cu: the lowered spec's template inputs substituted into its template. `skew`
     (tests only, never in shipped sources): every block of every rank waits a seeded, varying
     time before its call's work (templates/module.cu.j2), so on a shared GPU a missing wait
-    or fence shows up as it would over NVLink; "lag": the fixed schedule of the negative controls
-    (rank 0 first, templates/ops/skew.j2). Ops with their own entry points ignore it."""
+    or fence shows up as it would over NVLink; "lag" / "lag_blocks": the fixed schedules of the
+    negative controls (rank 0 first, templates/ops/skew.j2). Ops with their own entry points ignore it."""
     text = environment().get_template(f"ops/{lowered.template}").render(**lowered.template_inputs, skew=skew)
     return with_contents(text, lowered.name)
 
