@@ -9,8 +9,9 @@ is written; on 0 `--check` is clean, and a few of the valid cases go through nvc
 end. A second property: no description and no file or folder name changes what remains of
 a source once its comments are stripped as a C preprocessor strips them, with and without
 trigraphs. Cases: TSGEN_FUZZ_EXAMPLES (default 1000, and a quarter as many for the injection
-property: about a minute on two cores); the run is derandomized, so CI sees the same cases
-every time (TSGEN_FUZZ_RANDOM=1 draws new ones)."""
+property: 12-16 s each on one core); the run is derandomized, so CI sees the same cases
+every time (TSGEN_FUZZ_RANDOM=1 draws new ones). Both are `slow`: CI runs them, the inner
+loop does not."""
 
 from __future__ import annotations
 
