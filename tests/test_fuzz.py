@@ -11,8 +11,8 @@ a source once its comments are stripped as a C preprocessor strips them, with an
 trigraphs. A third (issue 30): a whole number of a shipped spec written in a form only YAML 1.1
 reads (040, 1:04, 1_0, 0b11), as a float (64.0) or as a bool is refused at its line, never read
 as some number. Cases: TSGEN_FUZZ_EXAMPLES (default 1000, a quarter as many for the injection
-property and a fifth for the numbers: about a minute on two cores); the run is derandomized,
-so CI sees the same cases every time (TSGEN_FUZZ_RANDOM=1 draws new ones)."""
+property and a fifth for the numbers); the run is derandomized, so CI sees the same cases every
+time (TSGEN_FUZZ_RANDOM=1 draws new ones). They are `slow`: CI runs them, the inner loop does not."""
 
 from __future__ import annotations
 
@@ -220,6 +220,7 @@ def fuzz_yaml11(case):
     assert any(PROBLEM.fullmatch(p)["line"] == str(line) for p in problems), (form, line, r)
 
 
+@pytest.mark.slow
 def test_yaml11_numbers_floats_and_bools_for_whole_numbers_are_refused():
     fuzz_yaml11()
     print(f"\nfuzz: {STATS['yaml11']} whole numbers in YAML 1.1-only forms, as floats or as bools, all refused")

@@ -259,10 +259,12 @@ def world_sizes(text: str) -> list[int]:
 def verify(paths, worlds, schedules, seed, jobs):
     """Execute collective plans on the CPU under many interleavings of ranks and blocks.
 
-    Proves for each world size: outputs equal the reference contributions, every output
-    element is written exactly once per call, no read or write crosses a call boundary,
-    every wait is matched by signals, and no schedule deadlocks. Exit 1 on any problem.
-    Plans and their schedules are verified --jobs at a time; the output is in spec order."""
+    Proves for each world size a spec is compiled for: outputs equal the reference
+    contributions, every output element is written exactly once per call, no read or write
+    crosses a call boundary, every wait is matched by signals, and no schedule deadlocks.
+    Exit 1 on any problem; 2 when the specs hold no plan, or --world names a size a spec is
+    not compiled for. Plans and their schedules are verified --jobs at a time; the output is
+    in spec order."""
     from .plan.verifier import verify_specs
 
     sizes = None if worlds is None else world_sizes(worlds)

@@ -88,7 +88,8 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     from .suites import Entry, list_suites as suites_list, load_suite, run_entries, stop_on_signals
 
     if list_suites:
-        folder = checkout_folder("suites", "the benchmark suites are suites/*.yaml of a tsgen checkout: run tsgen in one")
+        folder = checkout_folder("suites", "the benchmark suites are suites/*.yaml of a tsgen checkout: "
+                                           "run tsgen in one")
         listed = suites_list(folder)
         if not listed:
             raise RuntimeSetupError(f"no suites (*.yaml) in {folder.resolve()}")

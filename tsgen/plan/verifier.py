@@ -284,7 +284,11 @@ class _Sim:
         Shares of one step write disjoint parts of a slice: the slice counts as written
         when the last share lands, with what every share read agreeing."""
         t, k = self.t, self.call[r]
-        total = t.values.sum(tuple(self._read(r, a, g, q, c, share) for q, c in t.step_srcs[g]))
+        srcs = t.step_srcs[g]
+        if len(srcs) == 1:  # a copy: what it reads (values.sum of one value is that value)
+            total = self._read(r, a, g, *srcs[0], share)
+        else:
+            total = t.values.sum(tuple(self._read(r, a, g, q, c, share) for q, c in srcs))
         if self.step_call[g] != k:
             self.step_call[g], self.step_first[g], self.step_done[g] = k, total, 0
         elif self.step_first[g] != total:
