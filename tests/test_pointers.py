@@ -87,7 +87,7 @@ def install_hints():
             for arg in m.group(1).split():
                 if not arg.startswith("-"):
                     yield where, arg.strip("'\"")
-        for m in re.finditer(r"""["']?\.\[[\w,-]+\]["']?""", text):
+        for m in re.finditer(r"""["']?\.\[[a-zA-Z][\w,-]*\]["']?""", text):  # not a regex's .[0-9]
             yield where, m.group().strip("'\"")
 
 

@@ -2,7 +2,7 @@
 module that calls two tsgen ops (forward and backward graphs) under FakeTensorMode, the error
 messages (importing tsgen without torch: tests/test_torch_import.py). No GPU: the ops are loaded on a process group of
 torch's "fake" backend, where they trace but do not run (tools/gpu_torch.sh runs them on GPUs).
-Skipped, with the reason, where torch is not installed (`pip install "tsgen-cuda[torch]"`)."""
+Skipped, with the reason, where torch is not installed (`pip install ".[torch]"`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GEN = ROOT / "generated"
 
 
-torch = pytest.importorskip("torch", reason="tsgen.torch needs PyTorch: pip install 'tsgen-cuda[torch]'")
+torch = pytest.importorskip("torch", reason="tsgen.torch needs PyTorch: pip install '.[torch]'")
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - builds without distributed
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)

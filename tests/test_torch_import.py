@@ -1,4 +1,4 @@
-"""tsgen without torch: torch is an optional extra (`pip install "tsgen-cuda[torch]"`). Runs with or
+"""tsgen without torch: torch is an optional extra (`pip install ".[torch]"`). Runs with or
 without torch installed (a subprocess hides it)."""
 
 from __future__ import annotations
@@ -26,4 +26,4 @@ def test_import_tsgen_without_torch():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "REFUSED" in proc.stdout and "pip install 'tsgen-cuda[torch]'" in proc.stdout, proc.stdout
+    assert "REFUSED" in proc.stdout and "pip install '.[torch]'" in proc.stdout, proc.stdout

@@ -1,4 +1,4 @@
-"""tsgen kernels inside PyTorch (`pip install "tsgen-cuda[torch]"`): torch ops on your process group.
+"""tsgen kernels inside PyTorch (`pip install ".[torch]"`): torch ops on your process group.
 
     import torch, torch.distributed as dist, tsgen.torch
     dist.init_process_group("nccl"); torch.cuda.set_device(local_rank)    # under torchrun
@@ -17,7 +17,7 @@ from __future__ import annotations
 try:
     import torch as _torch  # noqa: F401
 except ImportError as _e:  # pragma: no cover - exercised by tests/test_torch_cpu.py in a subprocess
-    raise ImportError(f"tsgen.torch needs PyTorch (>= 2.4): pip install 'tsgen-cuda[torch]' ({_e})") from None
+    raise ImportError(f"tsgen.torch needs PyTorch (>= 2.4): pip install '.[torch]' ({_e})") from None
 
 from .ops import TorchOp, close_all, load, loaded, pair, synchronize  # noqa: E402
 from .signature import OpSignature, TsgenArgumentError, TsgenTorchError  # noqa: E402
