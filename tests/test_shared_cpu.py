@@ -264,14 +264,14 @@ def test_skew_adds_only_the_delay(name):
 
 
 def test_the_lag_schedule_puts_rank_0_first():
-    """skew="lag" (the negative controls'): rank 0's block 0 at once, its other blocks 1 ms later,
-    every other rank 2 ms later; no seed hash."""
+    """skew="lag" (the negative controls'): rank 0's block 0 at once, its other blocks 10 ms later,
+    every other rank 20 ms later; no seed hash."""
     loaded = load_spec(ROOT / "specs" / "simple_shift.yaml")
     source = render(loaded, base=ROOT, skew="lag").source
-    assert "rank != 0 ? 2000000ull : blockIdx.x == 0 ? 0ull : 1000000ull" in source
+    assert "rank != 0 ? 20000000ull : blockIdx.x == 0 ? 0ull : 10000000ull" in source
     assert "0x9E3779B97F4A7C15ull" not in source and source.count("tsgen_skew(rank, epoch);") == 3
     blocks = render(loaded, base=ROOT, skew="lag_blocks").source  # past a handshake on block 0's word
-    assert "rank == 0 || blockIdx.x == 0 ? 0ull : 2000000ull" in blocks and ": 1000000ull" not in blocks
+    assert "rank == 0 || blockIdx.x == 0 ? 0ull : 20000000ull" in blocks and ": 10000000ull" not in blocks
 
 
 # One spec of the generic skew (module.cu.j2) and one of each template that places its own call:
