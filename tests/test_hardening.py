@@ -1262,12 +1262,12 @@ def test_r8_seconds_in_variables_are_finite_numbers(monkeypatch, capsys, variabl
 
 def test_r8_a_cache_folder_tsgen_cannot_write(fake_nvcc, monkeypatch):
     """The lock's open fails (PermissionError, injected: root writes anywhere): a message, exit 2."""
-    import tsgen.toolchain as T
+    import tsgen.files as F
 
     def refuse(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(T, "open_shared", refuse)
+    monkeypatch.setattr(F, "open_shared", refuse)  # the lock's open (files.held_lock)
     r = run_cli("build", "specs/put_block.yaml", "-o", fake_nvcc / "o", "--compile")
     assert r.code == 2, r
     assert r.stderr.startswith(f"tsgen: compile cache {fake_nvcc / 'cache'}: Permission denied "), r

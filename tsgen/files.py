@@ -16,6 +16,7 @@ Also here: the folders of a checkout (specs/, suites/) that commands read by def
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -195,6 +196,20 @@ def open_shared(path: Path) -> int:
         raise UnsafePath(path, problem)
     return fd
 
+
+
+@contextlib.contextmanager
+def held_lock(path: Path):
+    """An exclusive flock on the lock file `path` (opened with open_shared) while the block runs:
+    THE lock of tsgen's files in shared places (a compile's cache entry, the GPU's turn)."""
+    import fcntl
+
+    with os.fdopen(open_shared(path), "r+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 def checkout_folder(name: str, why: str) -> Path:
     """The folder `name` (specs, suites) of the tsgen checkout a command runs in, the working

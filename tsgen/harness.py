@@ -95,20 +95,14 @@ def gpu_turn(world=None):
     if not path or (world is not None and world.backend.store is not None):
         yield
         return
-    import fcntl
+    from .files import held_lock
 
-    from .files import open_shared
-
-    try:
-        fd = open_shared(Path(path))  # in /tmp: never through a planted symlink
-    except OSError as e:
-        raise RuntimeSetupError(f"TSGEN_GPU_LOCK={path}: {e.strerror or e}") from None
-    with os.fdopen(fd, "r+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as held:
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            held.enter_context(held_lock(Path(path)))  # in /tmp: never through a planted symlink
+        except OSError as e:
+            raise RuntimeSetupError(f"TSGEN_GPU_LOCK={path}: {e.strerror or e}") from None
+        yield
 
 
 def free_quietly(bufs) -> None:

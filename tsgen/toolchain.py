@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from . import procs
 from .env import env_seconds
 from .errors import ToolchainError
-from .files import (UnsafePath, atomic_write, new_file_mode, new_temp, open_shared, private_folder, sweep_temps,
+from .files import (UnsafePath, atomic_write, held_lock, new_file_mode, new_temp, private_folder, sweep_temps,
                     unsafe_entry)
 
 if TYPE_CHECKING:
@@ -312,15 +312,12 @@ def _compiling(out: Path):
     and processes (parallel builds, test workers). The lock file goes when the compile
     ends; a compile that opened it before then finds `out` there and uses it. Opened with
     files.open_shared: a symlink planted in its place is refused, never followed."""
-    import fcntl
-
     lock = out.with_name(f".{out.name}.lock")
-    try:
-        fd = open_shared(lock)
-    except OSError as e:
-        raise cache_error(out.parent, e) from None
-    with os.fdopen(fd, "r+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(held_lock(lock))
+        except OSError as e:
+            raise cache_error(out.parent, e) from None
         try:
             yield
         finally:

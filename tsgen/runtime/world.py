@@ -415,17 +415,11 @@ def first_streams(make: Callable[[], dict], error: type, processes_share: bool,
 
 
 def _wait_for_turn(path: str) -> None:
-    """Take and give back the GPU lock (harness.gpu_turn's file, opened as files.open_shared does)."""
-    import fcntl
+    """Take and give back the GPU lock (harness.gpu_turn's file)."""
+    from ..files import held_lock
 
-    from ..files import open_shared
-
-    fd = open_shared(Path(path))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    with held_lock(Path(path)):
+        pass
 
 
 def prepare_ranks(prepare: Callable[[int, int], int], name: str, devices: dict[int, int], module: str,
