@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -181,7 +182,12 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
             "negative_control": negs, "timeout_probe": probes}, "\n".join(md) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def missed_controls(controls: list[dict]) -> list[str]:
+    """'control: caught/seeds' of every negative control that missed at some seed (call)."""
+    return [f"{c['control']}: {c['caught']}/{c['seeds']}" for c in controls if c["caught"] < c["seeds"]]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="the run's folder ($OUT)")
     parser.add_argument("results", type=Path, help="the results folder (results/)")
@@ -189,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", help="the command that made the run")
     parser.add_argument("--kind", default=None,
                         help="folder under RESULTS/tests/ (default: real-gpu for gpu_real.sh's run, else shared-gpu)")
+    parser.add_argument("--require-controls", action="store_true",
+                        help="exit 1 when a negative control missed at any seed (the GPU gate)")
     args = parser.parse_args(argv)
     run, results, commit = args.run, args.results, args.commit
     data, md = summarize(run, commit, args.command)
@@ -201,7 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     stem.with_suffix(".md").write_text(md)
     print(md)
+    if not args.require_controls:
+        return 0
+    controls = data["summary"]["controls"]
+    missed = missed_controls(controls)
+    print(f"negative controls: {len(controls) - len(missed)} of {len(controls)} caught at every seed"
+          + (f"; MISSED: {', '.join(missed)}" if missed else ""))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
