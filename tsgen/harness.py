@@ -105,16 +105,6 @@ def gpu_turn(world=None):
         yield
 
 
-def free_quietly(bufs) -> None:
-    """Free a test's buffers while an error is on its way: after a kernel failed, the CUDA
-    context is lost and freeing fails too, which would only hide the error that matters (the
-    memory goes back to the driver with the process)."""
-    try:
-        bufs.free()
-    except Exception:  # noqa: BLE001
-        bufs.bases = {}
-
-
 # The byte written over every output before call `call` (POISON_BYTES[call % 8]; neighbours
 # differ, so a value left from the call before is told apart). Repeated to fill an element, each
 # is NaN as a float16, NaN or beyond 1e36 in magnitude as a bfloat16 or float32: no output
@@ -203,53 +193,50 @@ def run_test(
         module = world.load(cached.manifest, arch=arch, source=source)
         tallies = {rank: RankTally() for rank in world.ranks}
         bufs = module.alloc(count)
-        try:
-            outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
-            poison_survives = family.poison_survives(spec)
-            for call in range(iters):
-                rng = np.random.default_rng([seed, call])
-                inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
-                expected = family.reference(spec, gpus, count, inputs)
-                tol = family.tolerance(spec, gpus, count, inputs)
-                # With one process per GPU: no rank launches before every rank has loaded
-                # its inputs and poisoned its outputs (a fast peer's puts would be poisoned
-                # over), and none checks (or loads the next call) before every rank's kernel
-                # is done (a slow peer may still be writing our outputs or reading our inputs).
-                load_call(world, bufs, inputs, call)
-                world.synchronize()
-                world.barrier(f"call {call}: inputs loaded, outputs poisoned")
-                if before_launch is not None:
-                    before_launch(call)
-                try:  # alone on the GPU while its kernels run, where tests share one
-                    with gpu_turn(world), device_output() as printed:
-                        module.launch(bufs)
-                        world.synchronize()
-                except KernelFailed as e:
-                    raise KernelFailed(f"{spec.name}, call {call} of {iters}: {e}{printed.diagnosis()}") from None
-                world.barrier(f"call {call}: every kernel done")
-                poison_call = call if poison_survives else None  # see OpFamily.poison_survives
-                for rank in world.ranks:
-                    for s in outputs:
-                        got = as_bits(bufs.array(s.name, rank).get())
-                        want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
-                        bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
-                                             None if tol is None else tol[s.name][rank],
-                                             None if tol is None else s.dtype,
-                                             poison_call)
-                        t = tallies[rank]
-                        t.checked += got.size
-                        t.wrong += bad.size
-                        if bad.size and call not in t.bad_calls:
-                            t.bad_calls.append(call)
-                        if bad.size and len(t.first) < 3:
-                            i = int(bad[0])
-                            t.first.append(
-                                f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
-                                f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
-                            )
-        except BaseException:
-            free_quietly(bufs)
-            raise
+        # an error leaves the heap to World.__exit__: it aborts the peers first, then frees once
+        outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
+        poison_survives = family.poison_survives(spec)
+        for call in range(iters):
+            rng = np.random.default_rng([seed, call])
+            inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
+            expected = family.reference(spec, gpus, count, inputs)
+            tol = family.tolerance(spec, gpus, count, inputs)
+            # With one process per GPU: no rank launches before every rank has loaded
+            # its inputs and poisoned its outputs (a fast peer's puts would be poisoned
+            # over), and none checks (or loads the next call) before every rank's kernel
+            # is done (a slow peer may still be writing our outputs or reading our inputs).
+            load_call(world, bufs, inputs, call)
+            world.synchronize()
+            world.barrier(f"call {call}: inputs loaded, outputs poisoned")
+            if before_launch is not None:
+                before_launch(call)
+            try:  # alone on the GPU while its kernels run, where tests share one
+                with gpu_turn(world), device_output() as printed:
+                    module.launch(bufs)
+                    world.synchronize()
+            except KernelFailed as e:
+                raise KernelFailed(f"{spec.name}, call {call} of {iters}: {e}{printed.diagnosis()}") from None
+            world.barrier(f"call {call}: every kernel done")
+            poison_call = call if poison_survives else None  # see OpFamily.poison_survives
+            for rank in world.ranks:
+                for s in outputs:
+                    got = as_bits(bufs.array(s.name, rank).get())
+                    want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
+                    bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
+                                         None if tol is None else tol[s.name][rank],
+                                         None if tol is None else s.dtype,
+                                         poison_call)
+                    t = tallies[rank]
+                    t.checked += got.size
+                    t.wrong += bad.size
+                    if bad.size and call not in t.bad_calls:
+                        t.bad_calls.append(call)
+                    if bad.size and len(t.first) < 3:
+                        i = int(bad[0])
+                        t.first.append(
+                            f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
+                            f"({bad.size} wrong{', poison left: unwritten' if poison_survives and (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
+                        )
         bufs.free()
         gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first, t.bad_calls]
                                                    for r, t in tallies.items()])
