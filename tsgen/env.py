@@ -47,9 +47,20 @@ def env_seconds(name: str, default: str | None, error: type[Exception], env=None
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise error(f"{name}={text!r}: give the seconds as a finite number {'>= 0' if zero_ok else '> 0'}")
+    problem = seconds_problem(value, zero_ok)
+    if problem:
+        raise error(f"{name}={text!r}: {problem}")
     return value
+
+
+def seconds_problem(value: float, zero_ok: bool) -> str | None:
+    """What is wrong with `value` as a number of seconds (finite, > 0, or >= 0 where `zero_ok`);
+    None when nothing is. The one rule for variables (env_seconds) and options (tsgen launch)."""
+    import math
+
+    if math.isfinite(value) and (value >= 0 if zero_ok else value > 0):
+        return None
+    return f"give the seconds as a finite number {'>= 0' if zero_ok else '> 0'}"
 
 
 # For processes whose ranks share a GPU, set before the first CUDA call (cuInit reads them):

@@ -20,7 +20,6 @@ NVLink multicast stays off in every child (tsgen/env.py's variables, forced).
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import signal
@@ -32,7 +31,7 @@ import time
 from typing import BinaryIO, Sequence, TextIO
 
 from . import procs
-from .env import STORE_SECRET, force_no_multicast
+from .env import STORE_SECRET, force_no_multicast, seconds_problem
 
 CHUNK = 1 << 16  # the most bytes of one rank's line the launcher holds before forwarding them
 EPIPE_CODE = 128 + signal.SIGPIPE
@@ -162,8 +161,9 @@ def check_arguments(nproc: int, port: int | None, timeout: float | None, grace: 
         raise ValueError(f"--port {port}: a TCP port is 1-65535 (leave it out for a free one)")
     for name, value, zero in (("--timeout", timeout, False), ("--grace", grace, True),
                               ("kill_after", kill_after, True)):
-        if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            raise ValueError(f"{name} {value}: give the seconds as a finite number {'>= 0' if zero else '> 0'}")
+        problem = None if value is None else seconds_problem(value, zero)
+        if problem:
+            raise ValueError(f"{name} {value}: {problem}")
 
 
 def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 30.0,
