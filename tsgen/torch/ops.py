@@ -24,7 +24,7 @@ import ctypes
 import os
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +137,13 @@ class _HeapState:
     heap: heap_mod.Heap
     slots: dict[str, Slot]
     cargs: list[Any]  # the launcher's arguments but the stream
+    views: dict[str, torch.Tensor] = field(default_factory=dict)  # made once per slot: calls reuse them
 
     def view(self, slot: str) -> torch.Tensor:
-        s = self.slots[slot]
-        return self.heap.view(s.offset, s.nbytes, getattr(torch, TORCH_DTYPES[s.dtype]))
+        if slot not in self.views:
+            s = self.slots[slot]
+            self.views[slot] = self.heap.view(s.offset, s.nbytes, getattr(torch, TORCH_DTYPES[s.dtype]))
+        return self.views[slot]
 
 
 class TorchOp:
