@@ -406,3 +406,43 @@ def test_ideal_entries_give_the_fraction_of_ideal(tmp_path):
                                      "  - {spec: specs/attention_hd128.yaml, ideal_of: [nope]}\n")
     with pytest.raises(SpecError, match="ideal_of: no entry is labelled 'nope'"):
         load_suite(str(tmp_path / "s.yaml"))
+
+
+def test_a_suite_loads_each_spec_once(monkeypatch):
+    """`tsgen bench --suite large-w4` validates each entry's spec (and builds its comm plans) once:
+    the suite's check, the progress count, the world sizes and the timing share it. Counted up to
+    the first entry's timing (the fake World's module load stops the run there)."""
+    import contextlib
+
+    import tsgen.bench.results as results_mod
+    import tsgen.bench.runner as runner_mod
+    import tsgen.bench.suites as suites_mod
+    import tsgen.runtime as runtime_mod
+    import tsgen.spec as spec_mod
+    from tsgen.bench.suites import load_suite
+
+    class Reached(Exception):
+        pass
+
+    entries = load_suite("large-w4").entries
+    needed = sum(len(load_spec(e.spec).plans) for e in entries)
+    built, validate = [], spec_mod._validate
+
+    def counting(*a, **kw):
+        model, plans = validate(*a, **kw)
+        built.append(len(plans))
+        return model, plans
+
+    def reached(loaded, *a, **kw):
+        raise Reached(loaded.path)
+
+    world = type("FakeWorld", (), {"size": 4, "shared": False})()
+    monkeypatch.setattr(spec_mod, "_validate", counting)
+    monkeypatch.setattr(suites_mod, "stop_on_signals", lambda: None)
+    monkeypatch.setattr(runtime_mod, "World", lambda *a, **k: contextlib.nullcontext(world))
+    monkeypatch.setattr(results_mod, "environment", lambda world=None: {})
+    monkeypatch.setattr(runner_mod, "render_to_cache", reached)
+    with pytest.raises(Reached, match="allgather"):
+        run_cli("bench", "--suite", "large-w4")
+    assert len(entries) == 6 and needed == 24
+    assert sum(built) == needed, f"{sum(built)} plans built for {needed} needed ({len(built)} validations)"

@@ -3,6 +3,7 @@ TsgenError into its message and exit code, as for every command)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -104,11 +105,11 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
         iters, reps = s.model.iters if iters == 20 else iters, s.model.reps if reps == 7 else reps
         share_gpus = share_gpus or s.model.share_gpus or None
         if gpus:
-            entries = [Entry(e.spec, gpus, e.sizes, e.label, e.variant, e.patterns) for e in entries]
+            entries = [dataclasses.replace(e, gpus=gpus) for e in entries]
     else:
         entries, title = [Entry(spec, gpus, sizes, None, {}, tuple(patterns) or None)], f"tsgen bench {spec}"
     if sizes and suite:
-        entries = [Entry(e.spec, e.gpus, sizes, e.label, e.variant, e.patterns) for e in entries]
+        entries = [dataclasses.replace(e, sizes=sizes) for e in entries]
     if share_gpus or (share_gpus is None and share_from_env()):
         shared_gpu_env(rank_per_process=backend != "single")  # before any CUDA call (tsgen/env.py says why)
     if suite:
@@ -157,10 +158,9 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
 
 def _steps(entry) -> int:
     from ..ops import get_family
-    from ..spec import load_spec
     from .sizes import parse_sizes
 
-    spec = load_spec(entry.spec).model
+    spec = entry.loaded.model
     conv = get_family(spec.op).bench
     try:
         return len(parse_sizes(entry.sizes if entry.sizes is not None else (conv.default_sizes or str(spec.test.count))))

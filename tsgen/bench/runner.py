@@ -32,7 +32,7 @@ from ..errors import RuntimeSetupError
 from ..harness import poison_byte, render_to_cache, shared_gpu_variant, wrong_elements
 from ..ops import get_family
 from ..ops.conventions import BenchCase
-from ..spec import load_spec, spec_variant
+from ..spec import LoadedSpec, load_spec, spec_variant
 from .baselines import INPROCESS, MULTIPROCESS, Measured, check_names, run_multiprocess
 from .ceilings import ceilings_for, fraction_of_ceiling, guard
 from .results import device_of
@@ -111,14 +111,15 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                patterns: tuple[str, ...] | None = None, backend: str = "single", share_gpus: bool | None = None,
                baselines: bool = True, arch: str = "sm_90a", echo: Callable[[str], None] = print,
                progress: Callable[[str], None] | None = None, control: str | None = None, world=None) -> Outcome:
-    """Time `spec_path` (with `variant` merged in) at `sizes` (default: the op's) against its
-    baselines; errors instead of rows for every result that fails a check."""
+    """Time `spec_path` (with `variant` merged in; or a LoadedSpec, loaded once by the caller) at
+    `sizes` (default: the op's) against its baselines; errors instead of rows for every result
+    that fails a check."""
     from ..runtime import World
     from ..runtime.backends import world_size
 
     if control is not None and control not in CONTROLS:
         raise RuntimeSetupError(f"negative control {control!r}: choose {', '.join(CONTROLS)}")
-    loaded = load_spec(spec_path)
+    loaded = spec_path if isinstance(spec_path, LoadedSpec) else load_spec(spec_path)
     if variant:
         loaded = spec_variant(loaded, variant)
     spec, family = loaded.model, get_family(loaded.model.op)
@@ -128,7 +129,7 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
         gpus = world.size
     elif backend == "single" and gpus is None:
         if len(spec.world_sizes) != 1:
-            raise RuntimeSetupError(f"{spec_path}: --gpus N is needed (the spec runs at world sizes "
+            raise RuntimeSetupError(f"{loaded.path}: --gpus N is needed (the spec runs at world sizes "
                                     f"{list(spec.world_sizes)})")
         gpus = spec.world_sizes[0]
     else:
