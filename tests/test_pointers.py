@@ -120,3 +120,21 @@ def test_the_readme_is_a_door():
     assert len(text.splitlines()) <= 300
     for name in ("guide", "running", "testing", "benchmarks", "guarantees", "vendoring", "torch"):
         assert f"(docs/{name}.md)" in text, name
+
+
+def test_families_md_indexes_every_family():
+    """docs/design/families.md is the index of the op families: every op kind is in exactly one row
+    of its table, and that row names the family's module, template and bench conventions."""
+    import inspect
+
+    from tsgen.ops import families
+
+    text = (ROOT / "docs" / "design" / "families.md").read_text()
+    rows = [ln for ln in text.split("## The index", 1)[1].split("\n## ", 1)[0].splitlines() if ln.startswith("| `")]
+    for f in families():
+        mine = [r for r in rows if f"`{f.kind}`" in r.split("|")[1]]
+        assert len(mine) == 1, f"{f.kind}: {len(mine)} rows"
+        module = Path(inspect.getsourcefile(type(f))).relative_to(ROOT).as_posix()
+        named = module if "/collectives/" not in module else "tsgen/ops/collectives/<op>.py"
+        for piece in (named, type(f).__name__, f"templates/ops/{f.template}", type(f.bench).__name__):
+            assert piece in mine[0], f"{f.kind}: its row does not name {piece}"
