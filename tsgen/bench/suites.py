@@ -13,7 +13,7 @@ their commands live in the results they produced):
         label: all_reduce_one_shot_b8     # the name in the tables (default: the spec's name)
         variant: {params: {blocks_per_peer: 8}, launch: {blocks: 9}}   # spec fields changed
         sizes: 64K,1M                     # this entry's own sizes
-    readme:                      # rows of the README's performance table (tsgen/bench/index.py)
+    readme:                      # rows of the performance tables of docs/benchmarks.md (tsgen/bench/index.py)
       title: Collectives at world 4 against NCCL
       sizes: [256M, 1G]
 
