@@ -37,7 +37,7 @@ if os.environ.get("TSGEN_SHARE_GPUS") == "1":
 
 def sharing() -> bool:
     """TSGEN_SHARE_GPUS=1: worlds larger than the machine's GPU count run with ranks sharing
-    GPUs (README "Testing on one GPU"); with enough GPUs every rank still gets its own."""
+    GPUs (docs/testing.md "Testing on one GPU"); with enough GPUs every rank still gets its own."""
     return os.environ.get("TSGEN_SHARE_GPUS") == "1"
 
 

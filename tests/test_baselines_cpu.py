@@ -294,7 +294,7 @@ def test_run_baselines_passes_config_and_sorts(monkeypatch):
     rows = bl.run_baselines("allreduce", "bf16", "64K,1M", 4, timeout=12)
     cfg = seen["cfg"]
     assert cfg["op"] == "all_reduce" and cfg["dtype"] == "bfloat16" and cfg["sizes"] == [65536, 1 << 20]
-    assert cfg["init_method"] == "env://" and cfg["kind"] == "collective" and seen["timeout"] == 12
+    assert cfg["init_method"] == "env://" and cfg["worker"] == "tsgen.bench.nccl:worker" and seen["timeout"] == 12
     assert cfg["devices"] == [0, 1, 2, 3]
     assert [(r["bytes"], r["backend"]) for r in rows] == [
         (65536, "nccl"), (65536, "symm_mem_one_shot"), (65536, "symm_mem_two_shot"),

@@ -13,7 +13,7 @@ import pytest
 
 from bench_fakes import install
 from conftest import ROOT, run_cli
-from tsgen.bench.index import BEGIN, END, latest_md, readme_block, scan
+from tsgen.bench.index import BEGIN, END, latest_md, readme_block, scan, tables_file
 from tsgen.bench.legacy import normalize
 from tsgen.bench.runner import SHARED_NOTE
 from tsgen.bench.suites import list_suites, load_suite
@@ -103,6 +103,31 @@ def test_results_index(tmp_path):
     assert run_cli("results", *args, "--check").code == 0
     readme.write_text(text.replace("Big allgather", "Bigger"))
     assert run_cli("results", *args, "--check").code == 1
+
+
+def test_the_tables_live_where_their_markers_are(tmp_path):
+    """The generated tables go to the file under docs/ that has the markers (docs/benchmarks.md),
+    the README untouched, each run linked relative to that file; without markers anywhere, to
+    the README."""
+    res, suites, docs = tmp_path / "results", tmp_path / "suites", tmp_path / "docs"
+    _result(res / "allgather" / "big", "2026-11-22-bbbbbbb", "2026-11-22T10:00:00Z", 8.0)
+    suites.mkdir()
+    docs.mkdir()
+    (suites / "big.yaml").write_text("description: d\nentries: [{spec: specs/allgather.yaml}]\n"
+                                     "readme: {title: Big allgather, sizes: [1G]}\n")
+    readme, bench = tmp_path / "README.md", docs / "benchmarks.md"
+    readme.write_text("# x\n\nthe door\n")
+    bench.write_text(f"# b\n\n{BEGIN}\nold\n{END}\n")
+    args = ["--results", str(res), "--readme", str(readme), "--suites", str(suites), "--docs", str(docs)]
+    assert tables_file(readme, docs) == bench
+    assert run_cli("results", *args).code == 0
+    assert readme.read_text() == "# x\n\nthe door\n"
+    text = bench.read_text()
+    assert "**Big allgather**" in text and "old" not in text
+    assert "[results/allgather/big/2026-11-22-bbbbbbb.json](../results/allgather/big/2026-11-22-bbbbbbb.json)" in text
+    assert run_cli("results", *args, "--check").code == 0
+    bench.write_text("# b\n")
+    assert tables_file(readme, docs) == readme
 
 
 def test_repository_results_index_is_current():

@@ -17,7 +17,7 @@ from tsgen.bench.runner import SHARED_NOTE, add_ratios, bench_spec
 from tsgen.bench.timing import MIN_CALL_US, Timing, time_calls
 from tsgen.errors import RuntimeSetupError
 from tsgen.ops import families, get_family
-from tsgen.ops.conventions import BenchCase
+from tsgen.ops.conventions import BenchCase, baseline_names
 from tsgen.shipped import shipped
 from tsgen.spec import load_spec, spec_variant
 
@@ -72,15 +72,15 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
         return [B.Measured("torch all_to_all_single dispatch+combine", s, Timing([40.0 * factor] * 2, 4, "eager"))
                 for s in sizes]
 
-    for name, fn in (("nccl", collectives), ("symm_mem", collectives), ("cublas+nccl", fused), ("torch_fused", fused),
-                     ("torch_sdpa_cp", cp_sdpa), ("torch_a2a", collectives), ("torch_moe", moe)):
-        monkeypatch.setitem(B.MULTIPROCESS, name, fn)
+    for name, fn in (("collectives", collectives), ("fused", fused), ("cp_sdpa", cp_sdpa), ("torch_a2a", collectives),
+                     ("moe_a2a", moe)):
+        monkeypatch.setattr(B, name, fn)  # the functions the families' Baselines name
 
     def sdpa(step):  # in this process (torch is not installed here): one backend that runs, one that does not
         return [B.Measured("torch SDPA flash", step.case.size, Timing([40.0 * factor] * 2, 4, "eager")),
                 B.Measured("torch SDPA cuDNN", step.case.size, None, skipped="not built here")]
 
-    monkeypatch.setitem(B.INPROCESS, "sdpa", sdpa)
+    monkeypatch.setattr(B, "sdpa", sdpa)
 
 
 @pytest.mark.parametrize("kind", [f.kind for f in families()])
@@ -267,7 +267,7 @@ def test_baseline_above_its_ceiling_is_an_error(monkeypatch):
     def absurd(names, family, spec, world, sizes, iters, reps, warmup):
         return [B.Measured("nccl", s, Timing([1e-3] * 2, 4, "graph")) for s in sizes]
 
-    monkeypatch.setitem(B.MULTIPROCESS, "nccl", absurd)
+    monkeypatch.setattr(B, "collectives", absurd)
     out = bench_spec("specs/allgather.yaml", 2, "1M", echo=lambda s: None, **FAST)
     assert [r["impl"] for r in out.rows] == ["tsgen"] and any(e.startswith("nccl:") for e in out.errors)
 
@@ -276,12 +276,42 @@ def test_every_family_states_its_conventions():
     for f in families():
         conv = f.bench
         assert conv.kind in ("copy", "collective", "gemm", "fused", "grid", "latency")
-        B.check_names(conv.baselines)
+        B.check_baselines(conv.baselines)
         assert conv.metric in ("busbw_GBps", "algbw_GBps", "TFLOPs", "time_us")
-    assert get_family("all_reduce").bench.baselines == ("nccl", "symm_mem")
-    assert get_family("gemm").bench.baselines == ("cublas",)
-    assert set(get_family("allgather_gemm").bench.baselines) == {"cublas+nccl", "torch_fused"}
-    assert get_family("cannon").bench.baselines == ("cublas_whole",)
+    names = lambda kind: baseline_names(get_family(kind).bench.baselines)  # noqa: E731
+    assert names("all_reduce") == ("nccl", "symm_mem")
+    assert names("gemm") == ("cublas",)
+    assert set(names("allgather_gemm")) == {"cublas+nccl", "torch_fused"}
+    assert names("cannon") == ("cublas_whole",)
+    assert [b.in_process for b in get_family("gemm").bench.baselines] == [True]
+    assert [b.in_process for b in get_family("all_reduce").bench.baselines] == [False, False]
+
+
+def test_a_baseline_names_a_function_that_times_it(monkeypatch):
+    """A family's Baseline names a function of tsgen/bench/baselines.py; one it does not have is a
+    configuration error before anything runs, and the one named is the one called."""
+    from tsgen.bench.sizes import BenchConfigError
+    from tsgen.ops.conventions import Baseline
+
+    with pytest.raises(BenchConfigError, match="no function 'nope'"):
+        B.check_baselines((Baseline("x", "nope"),))
+    with pytest.raises(BenchConfigError):
+        B.check_baselines((Baseline("x", "_timing"),))  # a helper is no baseline
+    seen = []
+    monkeypatch.setattr(B, "collectives", lambda names, *a: seen.append(names) or [])
+    both = (Baseline("nccl", "collectives"), Baseline("symm_mem", "collectives"), Baseline("cublas", "cublas", True))
+    assert B.run_multiprocess(both, None, None, 2, [1], 1, 1, 1) == []
+    assert seen == [["nccl", "symm_mem", "cublas"]]  # once for both, with every name
+
+
+def test_a_worker_runs_the_function_its_config_names():
+    from tsgen.bench.nccl import worker
+    from tsgen.bench.workers import worker_function
+
+    assert worker_function("tsgen.bench.nccl:worker") is worker
+    for bad in ("os:system", "tsgen.bench.nccl", "tsgen.bench.nccl:worker()"):
+        with pytest.raises(ValueError):
+            worker_function(bad)
 
 
 def test_json_rows_and_plot(monkeypatch, tmp_path):
@@ -406,3 +436,43 @@ def test_ideal_entries_give_the_fraction_of_ideal(tmp_path):
                                      "  - {spec: specs/attention_hd128.yaml, ideal_of: [nope]}\n")
     with pytest.raises(SpecError, match="ideal_of: no entry is labelled 'nope'"):
         load_suite(str(tmp_path / "s.yaml"))
+
+
+def test_a_suite_loads_each_spec_once(monkeypatch):
+    """`tsgen bench --suite large-w4` validates each entry's spec (and builds its comm plans) once:
+    the suite's check, the progress count, the world sizes and the timing share it. Counted up to
+    the first entry's timing (the fake World's module load stops the run there)."""
+    import contextlib
+
+    import tsgen.bench.results as results_mod
+    import tsgen.bench.runner as runner_mod
+    import tsgen.bench.suites as suites_mod
+    import tsgen.runtime as runtime_mod
+    import tsgen.spec as spec_mod
+    from tsgen.bench.suites import load_suite
+
+    class Reached(Exception):
+        pass
+
+    entries = load_suite("large-w4").entries
+    needed = sum(len(load_spec(e.spec).plans) for e in entries)
+    built, validate = [], spec_mod._validate
+
+    def counting(*a, **kw):
+        model, plans = validate(*a, **kw)
+        built.append(len(plans))
+        return model, plans
+
+    def reached(loaded, *a, **kw):
+        raise Reached(loaded.path)
+
+    world = type("FakeWorld", (), {"size": 4, "shared": False})()
+    monkeypatch.setattr(spec_mod, "_validate", counting)
+    monkeypatch.setattr(suites_mod, "stop_on_signals", lambda: None)
+    monkeypatch.setattr(runtime_mod, "World", lambda *a, **k: contextlib.nullcontext(world))
+    monkeypatch.setattr(results_mod, "environment", lambda world=None: {})
+    monkeypatch.setattr(runner_mod, "render_to_cache", reached)
+    with pytest.raises(Reached, match="allgather"):
+        run_cli("bench", "--suite", "large-w4")
+    assert len(entries) == 6 and needed == 24
+    assert sum(built) == needed, f"{sum(built)} plans built for {needed} needed ({len(built)} validations)"

@@ -15,7 +15,8 @@ from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.plan.ir import SignalRef
 from tsgen.plan.lower import c_tables, straight_line_groups
-from tsgen.plan.verifier import default_schedules, job_plan, plan_jobs, verify
+from tsgen.plan.verifier import default_schedules, verify
+from tsgen.plan_jobs import job_plan, plan_jobs
 from tsgen.render import render
 from tsgen.shipped import shipped
 from tsgen.spec import load_spec, spec_variant

@@ -1,5 +1,5 @@
 """What the project tells a newcomer points at what exists: every file or folder of the checkout
-named in the README, the example's README, the suites and the strings of tsgen/ (its error
+named in the README, the manual (docs/*.md), the example's README, the suites and the strings of tsgen/ (its error
 hints and descriptions) exists, and every install hint installs from the checkout (`pip install
 ".[extra]"` with an extra pyproject.toml declares; the package itself is not on the index)."""
 
@@ -34,6 +34,8 @@ def texts():
     """(where, text) of everything this test reads."""
     for name in ("README.md", "examples/vendor/README.md"):
         yield name, (ROOT / name).read_text()
+    for p in sorted((ROOT / "docs").glob("*.md")):  # the manual the README leads to (not the lab logs)
+        yield f"docs/{p.name}", p.read_text()
     for p in sorted((ROOT / "suites").glob("*.yaml")):
         yield f"suites/{p.name}", p.read_text()
     for p in sorted((ROOT / "tsgen").rglob("*.py")):
@@ -110,3 +112,29 @@ def test_a_bad_install_hint_is_caught(monkeypatch, hint, problem):
     monkeypatch.setattr(sys.modules[__name__], "texts", lambda: iter([("x", hint)]))
     with pytest.raises(AssertionError, match=re.escape(problem)):
         test_install_hints_install_from_the_checkout()
+
+
+def test_the_readme_is_a_door():
+    """The README stays a door (issue 32): at most 300 lines, leading to each part of the manual."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    for name in ("guide", "running", "testing", "benchmarks", "guarantees", "vendoring", "torch"):
+        assert f"(docs/{name}.md)" in text, name
+
+
+def test_families_md_indexes_every_family():
+    """docs/design/families.md is the index of the op families: every op kind is in exactly one row
+    of its table, and that row names the family's module, template and bench conventions."""
+    import inspect
+
+    from tsgen.ops import families
+
+    text = (ROOT / "docs" / "design" / "families.md").read_text()
+    rows = [ln for ln in text.split("## The index", 1)[1].split("\n## ", 1)[0].splitlines() if ln.startswith("| `")]
+    for f in families():
+        mine = [r for r in rows if f"`{f.kind}`" in r.split("|")[1]]
+        assert len(mine) == 1, f"{f.kind}: {len(mine)} rows"
+        module = Path(inspect.getsourcefile(type(f))).relative_to(ROOT).as_posix()
+        named = module if "/collectives/" not in module else "tsgen/ops/collectives/<op>.py"
+        for piece in (named, type(f).__name__, f"templates/ops/{f.template}", type(f.bench).__name__):
+            assert piece in mine[0], f"{f.kind}: its row does not name {piece}"

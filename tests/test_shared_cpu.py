@@ -345,7 +345,7 @@ def test_a_rank_of_a_process_world_takes_no_extra_hardware_queues():
 
 def test_printf_is_primed_once_per_device(tmp_path, monkeypatch):
     """A shared GPU's context launches a printf kernel once, and waits for it, before the first
-    module's kernels (tools/exp_blocking_calls.cu: that first launch waits for every running kernel)."""
+    module's kernels (docs/lab/experiments.md: that first launch waits for every running kernel)."""
     import types
 
     import tsgen.toolchain

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -122,3 +124,75 @@ def test_the_gpu_scripts_ask_pytest_for_failures_and_skips():
             if "-m pytest" in line or line.strip().startswith("--"):
                 assert not re.search(r"\s-rs\b", line), (script, line)
         assert "-rfEs" in (ROOT / "tools" / script).read_text(), script
+
+
+def _fake_gpu_tools(tmp: Path, free: str, cores: int, names: str) -> dict:
+    """PATH with a fake nvidia-smi (the free memory, indices and names given; its arguments logged
+    to tmp/smi_args) and a fake nproc."""
+    import os
+
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(parents=True)
+    smi = bin_dir / "nvidia-smi"
+    indices = "".join(f"{i}\\n" for i in range(names.count("\n")))
+    smi.write_text("#!/bin/sh\n"
+                   f"echo \"$*\" >> {tmp / 'smi_args'}\n"
+                   "case \"$*\" in\n"
+                   "  *memory.free*) printf '" + free.replace("\n", "\\n") + "' ;;\n"
+                   f"  *index*) printf '{indices}' ;;\n"
+                   "  *name*) printf '" + names.replace("\n", "\\n") + "' ;;\n"
+                   "esac\n")
+    (bin_dir / "nproc").write_text(f"#!/bin/sh\necho {cores}\n")
+    for f in (smi, bin_dir / "nproc"):
+        f.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("JOBS", "WORKER_MIB", "CUDA_VISIBLE_DEVICES")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    return env
+
+
+def _gpu_lib(env: dict, call: str) -> str:
+    r = subprocess.run(["bash", "-c", f"source tools/gpu_lib.sh && {call}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@pytest.mark.parametrize("free,cores,jobs,expected", [
+    ("143000\n120000\n", 16, None, 11),  # the GPU with the least free memory: 120000 // 10240
+    ("143000\n", 8, None, 6),  # the cores less 2
+    ("5000\n", 16, None, 1),  # at least one worker
+    ("143000\n", 3, None, 2),  # up to 4 cores: 2
+    ("143000\n", 16, "3", 3),  # JOBS decides
+    ("", 16, None, 1),  # nvidia-smi said nothing: one worker's worth (10240 MiB)
+])
+def test_gpu_workers_follow_the_free_memory(tmp_path, free, cores, jobs, expected):
+    """tools/gpu_lib.sh sizes the GPU scripts' pytest workers: the least free memory of the visible
+    GPUs over WORKER_MIB, at least 1, at most the cores less 2; JOBS overrides."""
+    env = _fake_gpu_tools(tmp_path, free, cores, "NVIDIA H200\n")
+    if jobs:
+        env["JOBS"] = jobs
+    assert _gpu_lib(env, "gpu_workers") == str(expected)
+    env["WORKER_MIB"] = "5120"
+    if not jobs and free == "143000\n120000\n":
+        assert _gpu_lib(env, "gpu_workers") == "14"  # 23 by memory, 14 cores
+
+
+def test_gpu_kind_and_the_visible_gpus(tmp_path):
+    env = _fake_gpu_tools(tmp_path, "80000\n", 16, "NVIDIA H200\nNVIDIA H200\n")
+    assert _gpu_lib(env, "gpu_count") == "2"
+    assert _gpu_lib(env, "gpu_kind") == "nvidia-h200-x2"
+    env = _fake_gpu_tools(tmp_path / "one", "80000\n", 16, "NVIDIA H100 80GB HBM3\n")
+    env["CUDA_VISIBLE_DEVICES"] = "3"
+    assert _gpu_lib(env, "gpu_kind") == "nvidia-h100"
+    assert all(line.startswith("-i 3 ") for line in (tmp_path / "one" / "smi_args").read_text().splitlines())
+
+
+def test_the_gpu_scripts_share_one_library():
+    """The gate, the shared-GPU and the real-GPU scripts size their workers, describe the device and
+    build the vendoring example through tools/gpu_lib.sh, not each its own copy."""
+    for script in ("gpu_gate.sh", "gpu_shared.sh", "gpu_real.sh"):
+        text = (ROOT / "tools" / script).read_text()
+        assert 'gpu_lib.sh"' in text, script
+        body = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+        for own in ("nproc", "cmake -S", "--query-gpu=name,driver_version", "memory.free"):
+            assert own not in body, (script, own)

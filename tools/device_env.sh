@@ -4,7 +4,7 @@
 eval "$(python3 -m tsgen.env)" && [ "${NCCL_NVLS_ENABLE:-}" = 0 ] || { echo "device_env: cannot set the no-multicast environment" >&2; exit 2; }
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tsgen-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (pydantic), see README
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (pydantic), see docs/running.md
   # once per machine: a script that runs others sources this file again
   [ -f /tmp/site/.tsgen-wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.tsgen-wheels; } || exit 2

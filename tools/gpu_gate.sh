@@ -9,31 +9,24 @@
 # Then tools/summarize_shared.py writes results/tests/<kind>/<date>-<commit>.{json,md} under
 # $OUT/results (failed test ids, skip reasons, every negative control's detection rate), and the
 # logs go into $OUT/gate_logs.tgz.   bash tools/gpu_gate.sh [PYTEST_ARGS...]
-# Workers: the visible GPUs' free memory over WORKER_MIB (default 10240: measured on one H200, 17
-# workers ran contexts out of memory, 14 did not), at most the cores less 2; JOBS overrides.
-# PER_TEST (default 180) seconds before a test fails.
+# Workers: tools/gpu_lib.sh's gpu_workers (free GPU memory over WORKER_MIB, at most the cores less
+# 2; JOBS overrides). PER_TEST (default 180) seconds before a test fails.
 set -uo pipefail
 here=$(dirname "$0")
 source "$here/device_env.sh"
+source "$here/gpu_lib.sh"
 run=$OUT/gate; mkdir -p "$run"
 export TSGEN_RESULTS_DIR=$run
-visible=${CUDA_VISIBLE_DEVICES:-}
-smi() { nvidia-smi ${visible:+-i "$visible"} "$@"; }
-gpus=$(smi --query-gpu=index --format=csv,noheader | wc -l)
-name=$(smi --query-gpu=name --format=csv,noheader | head -n 1)
-case "$name" in *H200*) kind=nvidia-h200 ;; *H100*) kind=nvidia-h100 ;; *) kind=$(echo "$name" | tr -c 'a-zA-Z0-9\n' - | tr A-Z a-z) ;; esac
-[ "$gpus" -gt 1 ] && kind=$kind-x$gpus
-free=$(smi --query-gpu=memory.free --format=csv,noheader,nounits | sort -n | head -n 1)
-cores=$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))
-by_memory=$(( ${free:-10240} / ${WORKER_MIB:-10240} )); [ "$by_memory" -ge 1 ] || by_memory=1
-jobs=${JOBS:-$(( cores < by_memory ? cores : by_memory ))}
+gpus=$(gpu_count)
+kind=$(gpu_kind)
+free=$(gpu_free_mib)
+jobs=$(gpu_workers)
 commit=${TSGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-{ smi --query-gpu=name,driver_version,memory.total,memory.free --format=csv,noheader
-  python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
-  nvcc --version | tail -n 2 | head -n 1; date -u +%FT%TZ; } | tee "$run/device.txt"
+gpu_device_info "$run/device.txt"
 echo "gate: $kind, $gpus GPU(s), $jobs workers (free $free MiB), commit $commit" | tee -a "$run/gate.txt"
 # per-process GPU memory once a second: the measured worker footprint for WORKER_MIB
-( while sleep 1; do smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits; done ) > "$run/apps_mem.txt" 2>/dev/null &
+( while sleep 1; do gpu_smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits; done ) \
+  > "$run/apps_mem.txt" 2>/dev/null &
 sampler=$!
 start=$(date +%s)
 if [ "$gpus" -eq 1 ]; then
@@ -50,17 +43,12 @@ echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$run/
 peak=$(awk -F', *' '{ if ($2 > m) m = $2 } END { print m + 0 }' "$run/apps_mem.txt")
 echo "largest test process on the GPU: $peak MiB" | tee -a "$run/gate.txt"
 # the vendoring example (examples/vendor, no Python): W ranks on the visible GPUs
-if cmake -S examples/vendor -B /tmp/tsgen-vendor -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" >/dev/null \
-   && cmake --build /tmp/tsgen-vendor >/dev/null; then
-  for w in $worlds; do timeout 120 /tmp/tsgen-vendor/allgather_demo "$w" 1000003 20 >> "$run/vendor.txt" 2>&1 || code=1; done
-else
-  echo "vendoring example: build FAILED" >> "$run/vendor.txt"; code=1
-fi
+gpu_vendor_example "$run/vendor.txt" $worlds || code=1
 # (--require-controls: a negative control that missed at any call fails the gate)
 python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" "bash tools/gpu_gate.sh $*" --kind "$kind" \
   --require-controls | tee -a "$run/gate.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
-grep -E "^(FAILED|ERROR)|passed|failed" "$run/$log" | tail -n 25 | cut -c1-240
+gpu_outcome "$run/$log" 25
 find "$OUT/results" -type f \( -name "*.md" -o -name "*.json" \) -exec cp -t "$OUT" {} +
 tar czf "$OUT/gate_logs.tgz" -C "$run" . && rm -rf "$run"  # what comes back: the logs in one file
 exit "$code"

@@ -28,7 +28,7 @@ TEST_SPECS=${TEST_SPECS:-"$NVSH $COLLS $PRIMS"}
 WORLDS=${WORLDS:-"4 2"}
 export TSGEN_STORE=${TSGEN_STORE:-tsgen} TSGEN_STORE_TIMEOUT=${TSGEN_STORE_TIMEOUT:-60}
 # One host: NVSHMEM's bootstrap over loopback, no network transport (a multi-node run sets
-# these to its NIC and transport instead: README "Deployments").
+# these to its NIC and transport instead: docs/running.md "Multi-node with NVSHMEM").
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
 export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none}
 export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}

@@ -265,7 +265,7 @@ def verify(paths, worlds, schedules, seed, jobs):
     Exit 1 on any problem; 2 when the specs hold no plan, or --world names a size a spec is
     not compiled for. Plans and their schedules are verified --jobs at a time; the output is
     in spec order."""
-    from .plan.verifier import verify_specs
+    from .plan_jobs import verify_specs
 
     sizes = None if worlds is None else world_sizes(worlds)
     checked = verify_specs(list(paths) or [default_specs()], sizes, schedules, seed, jobs, click.echo)

@@ -11,7 +11,7 @@
                 started by workers.py under `tsgen launch`)
   suites.py     suites/NAME.yaml: specs x variants x sizes
   results.py    results/<op>/<suite>/<date>-<commit>.{json,md} with the environment
-  index.py      newest run per suite, results/latest.md, the README's tables, the archive
+  index.py      newest run per suite, results/latest.md, the performance tables (docs/benchmarks.md), the archive
   report.py     tables and plots; legacy.py reads result files written before this bench
   cli.py        `tsgen bench`, `tsgen results`
 """

@@ -1,19 +1,19 @@
-"""The baselines an op names in its conventions (`family.bench.baselines`), by name.
+"""The functions that time the baselines an op's family states (`family.bench.baselines`, each a
+tsgen.ops.conventions.Baseline naming one of these functions), and the dispatch to them.
 
-In this process, on the World's own streams and timed by the same core as tsgen's calls:
+In this process, on the World's own streams and timed by the same core as tsgen's calls (a Step in,
+a list of Measured out):
   memcpy_peer   cudaMemcpyPeerAsync moving the copy's bytes between the same GPUs
   cublas        the GEMM's product (M x K . K x N) through cuBLAS on rank 0's GPU
   cublas_whole  the whole M x K . K x N product of a grid GEMM on one GPU
   sdpa          attention through PyTorch SDPA (flash and cuDNN backends) on rank 0's GPU
-One process per GPU (tsgen launch), after tsgen's timings:
-  nccl, symm_mem            the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
-  cublas+nccl, torch_fused  the fused ops' baselines (tsgen/bench/torch_ops.py)
-  torch_a2a                 the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
-  torch_sdpa_cp             cp_attention's: all_gather_into_tensor of K and V + SDPA (torch_ops.py)
-  torch_moe                 MoE dispatch + combine through all_to_all_single (tsgen/bench/moe_torch.py)
-
-An in-process baseline returns (impl, Timing, the BenchCase its guard uses, extra fields);
-a multi-process one rows of `Measured` (the same, from the workers' JSON).
+One process per GPU (tsgen launch; the workers run the function the config names), after tsgen's
+timings, rows of Measured from the workers' JSON:
+  collectives   nccl, symm_mem: the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
+  fused         cublas+nccl, torch_fused: the fused ops' baselines (tsgen/bench/torch_ops.py)
+  torch_a2a     the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
+  cp_sdpa       cp_attention's: all_gather_into_tensor of K and V + SDPA (torch_ops.py)
+  moe_a2a       MoE dispatch + combine through all_to_all_single (tsgen/bench/moe_torch.py)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..ops.conventions import BenchCase
+from ..ops.conventions import Baseline, BenchCase
 from .sizes import BenchConfigError, calls_per_sample
 from .timing import CupyClock, Timing, time_calls
 from .ulysses import torch_a2a_rows
@@ -95,8 +95,6 @@ def sdpa(step) -> list[Measured]:
                                     reps=step.reps, warmup=step.warmup, label=step.label)]
 
 
-INPROCESS = {"memcpy_peer": memcpy_peer, "cublas": cublas, "cublas_whole": cublas_whole, "sdpa": sdpa}
-
 
 # ---------------------------------------------------------------------------
 # one process per GPU
@@ -167,32 +165,41 @@ def moe_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps:
     from .workers import launch_workers
 
     p = spec.params
-    cfg = {"kind": "moe", "sizes": sizes, "experts": p.experts, "topk": p.topk, "hidden": p.hidden,
+    cfg = {"worker": "tsgen.bench.moe_torch:moe_worker", "sizes": sizes, "experts": p.experts, "topk": p.topk, "hidden": p.hidden,
            "iters": iters, "reps": reps, "warmup": warmup}
     impl = "torch all_to_all_single dispatch+combine" + (" (bf16 rows)" if p.payload == "fp8" else "")
     return [Measured(impl, r["tokens"], _timing(r), extra={k: r[k] for k in ("wrong", "torch_version") if k in r},
                      skipped=r.get("skipped")) for r in launch_workers(cfg, world)]
 
 
-MULTIPROCESS = {"nccl": collectives, "symm_mem": collectives, "cublas+nccl": fused, "torch_fused": fused,
-                "torch_sdpa_cp": cp_sdpa, "torch_a2a": torch_a2a,
-                "torch_moe": moe_a2a}
+def runner(baseline: Baseline):
+    """The function of this module that times `baseline` (looked up when called, so a test can
+    replace it); BenchConfigError when there is none."""
+    fn = globals().get(baseline.runner)
+    if not callable(fn) or baseline.runner.startswith("_"):
+        raise BenchConfigError(f"baseline {baseline.name!r}: tsgen/bench/baselines.py has no function "
+                               f"{baseline.runner!r} to time it")
+    return fn
 
 
-def check_names(names) -> None:
-    for n in names:
-        if n not in INPROCESS and n not in MULTIPROCESS:
-            raise BenchConfigError(f"baseline {n!r}: tsgen/bench/baselines.py has none by that name")
+def check_baselines(baselines) -> None:
+    for b in baselines:
+        runner(b)
 
 
-def run_multiprocess(names, family, spec, world: int, sizes: list[int], iters: int, reps: int,
+def run_in_process(baselines, step) -> list[Measured]:
+    """The in-process baselines of one size (and pattern)."""
+    return [m for b in baselines if b.in_process for m in runner(b)(step)]
+
+
+def run_multiprocess(baselines, family, spec, world: int, sizes: list[int], iters: int, reps: int,
                      warmup: int) -> list[Measured]:
-    """Each multi-process runner once, however many of its names the op lists."""
+    """Each multi-process function once, with the names of all the op's baselines."""
+    names = [b.name for b in baselines]
     out, done = [], set()
-    for n in names:
-        fn = MULTIPROCESS.get(n)
-        if fn is None or fn in done:
+    for b in baselines:
+        if b.in_process or b.runner in done:
             continue
-        done.add(fn)
-        out += fn(names, family, spec, world, sizes, calls_per_sample(iters, 1), reps, warmup)
+        done.add(b.runner)
+        out += runner(b)(names, family, spec, world, sizes, calls_per_sample(iters, 1), reps, warmup)
     return out

@@ -3,6 +3,7 @@ TsgenError into its message and exit code, as for every command)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -104,11 +105,11 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
         iters, reps = s.model.iters if iters == 20 else iters, s.model.reps if reps == 7 else reps
         share_gpus = share_gpus or s.model.share_gpus or None
         if gpus:
-            entries = [Entry(e.spec, gpus, e.sizes, e.label, e.variant, e.patterns) for e in entries]
+            entries = [dataclasses.replace(e, gpus=gpus) for e in entries]
     else:
         entries, title = [Entry(spec, gpus, sizes, None, {}, tuple(patterns) or None)], f"tsgen bench {spec}"
     if sizes and suite:
-        entries = [Entry(e.spec, e.gpus, sizes, e.label, e.variant, e.patterns) for e in entries]
+        entries = [dataclasses.replace(e, sizes=sizes) for e in entries]
     if share_gpus or (share_gpus is None and share_from_env()):
         shared_gpu_env(rank_per_process=backend != "single")  # before any CUDA call (tsgen/env.py says why)
     if suite:
@@ -157,10 +158,9 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
 
 def _steps(entry) -> int:
     from ..ops import get_family
-    from ..spec import load_spec
     from .sizes import parse_sizes
 
-    spec = load_spec(entry.spec).model
+    spec = entry.loaded.model
     conv = get_family(spec.op).bench
     try:
         return len(parse_sizes(entry.sizes if entry.sizes is not None else (conv.default_sizes or str(spec.test.count))))
@@ -189,15 +189,16 @@ def _finish(rows: list[dict], errors: list[str], control: str | None) -> None:
               show_default=True)
 @click.option("--docs", "docs_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--check: the Markdown files under it are checked with the README (default: docs/ beside the README)")
-@click.option("--check", is_flag=True, help="write nothing; exit 1 when latest.md or the README's tables are stale, "
+@click.option("--check", is_flag=True, help="write nothing; exit 1 when latest.md or the generated tables are stale, "
               "when a performance figure in the README or docs/ is in no results file its section cites, or when a "
               "relative link leads nowhere; warn when no GPU test run in results/tests/ has seen the newest change "
               "of templates/, generated/ or tsgen/runtime/")
 def results(results_dir, readme, suites_dir, docs_dir, check):
-    """Keep the results index: archive superseded runs, write results/latest.md and the README's
-    performance tables from the newest run of each suite. --check: also every performance figure
+    """Keep the results index: archive superseded runs, write results/latest.md and the
+    performance tables (between the tsgen-results markers of the README or a file of docs/:
+    docs/benchmarks.md) from the newest run of each suite. --check: also every performance figure
     of the README and docs/ against the results files (tsgen/bench/figures.py says what counts)."""
-    from .index import archive_superseded, latest_md, readme_block, scan, update_readme
+    from .index import archive_superseded, latest_md, readme_block, scan, tables_file, update_readme
 
     if not results_dir.is_dir():
         raise RuntimeSetupError(f"{results_dir}: no such folder")
@@ -207,8 +208,10 @@ def results(results_dir, readme, suites_dir, docs_dir, check):
         latest = results_dir / "latest.md"
         if not latest.exists() or latest.read_text() != latest_md(results_dir):
             stale.append(f"{latest} is stale")
-        if readme.exists() and readme.read_text() != update_readme(readme, readme_block(results_dir, suites_dir)):
-            stale.append(f"{readme}'s generated tables are stale")
+        tables = tables_file(readme, docs_dir)
+        if tables.exists() and tables.read_text() != update_readme(tables, readme_block(results_dir, suites_dir,
+                                                                                       tables.parent)):
+            stale.append(f"{tables}'s generated tables are stale")
         unbacked = _check_figures(results_dir, readme, docs_dir)
         if stale or unbacked:
             raise CheckFailed("; ".join(stale + ([f"{unbacked} problem(s) with the figures and links above"]
@@ -221,11 +224,12 @@ def results(results_dir, readme, suites_dir, docs_dir, check):
         click.echo(f"archived: {old} -> {new}")
     (results_dir / "latest.md").write_text(latest_md(results_dir))
     click.echo(f"tsgen: wrote {results_dir / 'latest.md'}")
-    if readme.exists():
-        text = update_readme(readme, readme_block(results_dir, suites_dir))
-        if text != readme.read_text():
-            readme.write_text(text)
-            click.echo(f"tsgen: updated the generated tables in {readme}")
+    tables = tables_file(readme, docs_dir)
+    if tables.exists():
+        text = update_readme(tables, readme_block(results_dir, suites_dir, tables.parent))
+        if text != tables.read_text():
+            tables.write_text(text)
+            click.echo(f"tsgen: updated the generated tables in {tables}")
 
 
 def _check_figures(results_dir: Path, readme: Path, docs_dir: Path) -> int:

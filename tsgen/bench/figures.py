@@ -9,7 +9,7 @@ point or an `x` right after the number (`1.18x`, `2.0-2.4x`, `4x`; not `4 x H200
 `2 x hidden`), or decimals before "of NCCL", "of cuBLAS", "of the peak" and the like. In a table, a bare number in a column whose header names
 one of these units (`time us`, `busbw`, `TFLOP/s`, `vs NCCL`, `ratio`, `%`) is one too. Not
 figures: anything in code (fenced blocks, `inline code`), HTML comments, link targets, and the
-README's generated tables between the tsgen-results markers (`tsgen results` writes them from the
+generated tables between the tsgen-results markers (docs/benchmarks.md) (`tsgen results` writes them from the
 files and `--check` compares them).
 
 **Backed** means: every number of the figure is in a results file that the figure's section
@@ -137,7 +137,7 @@ class Report:
 
 def _prose(lines: list[str]) -> list[tuple[int, str]]:
     """(line number, text) of the lines that are prose: no fenced code, HTML comments or the
-    README's generated block."""
+    generated block (docs/benchmarks.md)."""
     out, fence, comment, generated = [], None, False, False
     for i, line in enumerate(lines, 1):
         stripped = line.strip()

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from ..ops import get_family
+from ..ops.conventions import baseline_names
 from ..ops.collectives.bench import ITEMSIZE as DTYPES
 from ..ops.collectives.bench import NCCL_CALLS, nccl_counts
 from ..ops.collectives.bench import busbw_factor as _busbw_factor
@@ -166,7 +167,7 @@ def resolve_backends(op: str, backends: Iterable[str] | None = None) -> list[str
     symm_mem_two_shot. Multimem names raise MulticastForbiddenError."""
     op = normalize_op(op)
     if backends is None:
-        backends = get_family(op).bench.baselines
+        backends = baseline_names(get_family(op).bench.baselines)
     if isinstance(backends, str):
         backends = [b for b in backends.split(",") if b.strip()]
     out: list[str] = []
@@ -189,7 +190,7 @@ def resolve_backends(op: str, backends: Iterable[str] | None = None) -> list[str
 
 def skip_reason(backend: str, op: str) -> str | None:
     """Why a backend has no rows for an op, known before running (else None)."""
-    if backend.startswith("symm_mem_") and "symm_mem" not in get_family(normalize_op(op)).bench.baselines:
+    if backend.startswith("symm_mem_") and "symm_mem" not in baseline_names(get_family(normalize_op(op)).bench.baselines):
         return "symm_mem baselines cover all_reduce only"
     return None
 
@@ -287,7 +288,7 @@ def run_baselines(op: str, dtype: str, sizes, world: int, backends: Iterable[str
            "device_type": device_type,
            "configs": [{"use_graphs": bool(c["use_graphs"]), "rotate": bool(c["rotate"])} for c in configs]
            if configs else None}
-    cfg["kind"], cfg["init_method"] = "collective", "env://"  # tsgen launch sets MASTER_ADDR / MASTER_PORT
+    cfg["worker"], cfg["init_method"] = "tsgen.bench.nccl:worker", "env://"  # tsgen launch sets MASTER_ADDR / MASTER_PORT
     for attempt in range(2):
         try:
             rows = launch_workers(cfg, world, timeout=timeout)

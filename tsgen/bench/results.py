@@ -6,7 +6,7 @@ kind, else the ops' family module (collectives, primitives, fused, grid_gemm); <
 UTC date of the run, <commit> the short commit of the code that ran (TSGEN_COMMIT, else git,
 else "unknown"). The meta records the device, driver, CUDA, CuPy, NCCL and torch versions,
 tsgen's version and the exact command. tsgen/bench/index.py makes results/latest.md and the
-README's tables from the newest file of each suite.
+performance tables (docs/benchmarks.md) from the newest file of each suite.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from ..errors import RuntimeSetupError
 from ..harness import poison_byte, render_to_cache, shared_gpu_variant, wrong_elements
 from ..ops import get_family
 from ..ops.conventions import BenchCase
-from ..spec import load_spec, spec_variant
-from .baselines import INPROCESS, MULTIPROCESS, Measured, check_names, run_multiprocess
+from ..spec import LoadedSpec, load_spec, spec_variant
+from .baselines import Measured, check_baselines, run_in_process, run_multiprocess
 from .ceilings import ceilings_for, fraction_of_ceiling, guard
 from .results import device_of
 from .sizes import calls_per_sample, human, parse_sizes, rotation_slots
@@ -111,24 +111,25 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                patterns: tuple[str, ...] | None = None, backend: str = "single", share_gpus: bool | None = None,
                baselines: bool = True, arch: str = "sm_90a", echo: Callable[[str], None] = print,
                progress: Callable[[str], None] | None = None, control: str | None = None, world=None) -> Outcome:
-    """Time `spec_path` (with `variant` merged in) at `sizes` (default: the op's) against its
-    baselines; errors instead of rows for every result that fails a check."""
+    """Time `spec_path` (with `variant` merged in; or a LoadedSpec, loaded once by the caller) at
+    `sizes` (default: the op's) against its baselines; errors instead of rows for every result
+    that fails a check."""
     from ..runtime import World
     from ..runtime.backends import world_size
 
     if control is not None and control not in CONTROLS:
         raise RuntimeSetupError(f"negative control {control!r}: choose {', '.join(CONTROLS)}")
-    loaded = load_spec(spec_path)
+    loaded = spec_path if isinstance(spec_path, LoadedSpec) else load_spec(spec_path)
     if variant:
         loaded = spec_variant(loaded, variant)
     spec, family = loaded.model, get_family(loaded.model.op)
     conv = family.bench
-    check_names(conv.baselines)
+    check_baselines(conv.baselines)
     if world is not None:
         gpus = world.size
     elif backend == "single" and gpus is None:
         if len(spec.world_sizes) != 1:
-            raise RuntimeSetupError(f"{spec_path}: --gpus N is needed (the spec runs at world sizes "
+            raise RuntimeSetupError(f"{loaded.path}: --gpus N is needed (the spec runs at world sizes "
                                     f"{list(spec.world_sizes)})")
         gpus = spec.world_sizes[0]
     else:
@@ -160,15 +161,11 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                                 f"{name} {human(size)}{'' if pattern == 'all' else ' ' + pattern}")
                     row, problems = _time_tsgen(step, control, ceil, dev)
                     _report(out, row, problems, echo)
-                    if in_process:
-                        for b in conv.baselines:
-                            if b in INPROCESS:
-                                for m in INPROCESS[b](step):
-                                    if m.timing is None:
-                                        out.notes.append(f"{m.impl} at {human(size)}: not timed: {m.skipped}")
-                                        continue
-                                    _report(out, *_baseline_row(m, step.case, spec, family, w, ceil, dev, pattern),
-                                            echo)
+                    for m in run_in_process(conv.baselines, step) if in_process else []:
+                        if m.timing is None:
+                            out.notes.append(f"{m.impl} at {human(size)}: not timed: {m.skipped}")
+                            continue
+                        _report(out, *_baseline_row(m, step.case, spec, family, w, ceil, dev, pattern), echo)
                 finally:
                     for b in sets:
                         b.free()
@@ -180,8 +177,8 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
             out.notes.append("baselines not timed (--no-baselines)" if control is None else "negative control")
         elif backend != "single":
             out.notes.append(f"--backend {backend}: tsgen alone (the baselines start their own processes)")
-        elif any(b in MULTIPROCESS for b in conv.baselines):
-            echo(f"baselines: {', '.join(b for b in conv.baselines if b in MULTIPROCESS)}, one process per GPU ...")
+        elif any(not b.in_process for b in conv.baselines):
+            echo(f"baselines: {', '.join(b.name for b in conv.baselines if not b.in_process)}, one process per GPU ...")
             for m in run_multiprocess(conv.baselines, family, spec, w.size, size_list, iters, reps, warmup):
                 if m.timing is None:
                     out.notes.append(f"{m.impl} at {human(m.size)}: not timed: {m.skipped}")

@@ -13,7 +13,7 @@ their commands live in the results they produced):
         label: all_reduce_one_shot_b8     # the name in the tables (default: the spec's name)
         variant: {params: {blocks_per_peer: 8}, launch: {blocks: 9}}   # spec fields changed
         sizes: 64K,1M                     # this entry's own sizes
-    readme:                      # rows of the README's performance table (tsgen/bench/index.py)
+    readme:                      # rows of the performance tables of docs/benchmarks.md (tsgen/bench/index.py)
       title: Collectives at world 4 against NCCL
       sizes: [256M, 1G]
 
@@ -33,7 +33,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from ..errors import SpecError
-from ..spec import load_spec, spec_variant
+from ..spec import LoadedSpec, load_spec, spec_variant
 from ..spec_types import StrictModel
 from .sizes import parse_sizes
 
@@ -77,6 +77,15 @@ class Entry:
     variant: dict = field(default_factory=dict)
     patterns: tuple[str, ...] | None = None
     ideal_of: tuple[str, ...] = ()
+    loaded_spec: LoadedSpec | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def loaded(self) -> LoadedSpec:
+        """The spec with the entry's variant, loaded (and its plans built) once for the whole
+        run: the suite's check, the progress count, the world sizes and the timing all read it."""
+        if self.loaded_spec is None:
+            self.loaded_spec = spec_variant(load_spec(self.spec), self.variant)
+        return self.loaded_spec
 
 
 @dataclass
@@ -107,6 +116,7 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
         raise SpecError([f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]) from None
     problems, entries, names = [], [], set()  # names: the entries' row labels (ideal_of refers to them)
     for i, e in enumerate(model.entries):
+        loaded = None
         where = f"{path}: entries.{i}"
         sizes = e.sizes if e.sizes is not None else model.sizes
         try:
@@ -118,11 +128,12 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
             problems.append(f"{where}.spec: {e.spec} does not exist")
         else:
             try:  # a variant validated as a shipped spec is
-                names.add(e.label or spec_variant(load_spec(e.spec), e.variant).model.name)
+                loaded = spec_variant(load_spec(e.spec), e.variant)
+                names.add(e.label or loaded.model.name)
             except SpecError as err:
                 problems += [f"{where}.{'variant' if e.variant else 'spec'}: {p}" for p in err.problems]
         entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
-                             tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ())))
+                             tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ()), loaded))
     for i, e in enumerate(entries):
         problems += [f"{path}: entries.{i}.ideal_of: no entry is labelled {n!r} (entries: {', '.join(sorted(names))})"
                      for n in e.ideal_of if n not in names]
@@ -188,7 +199,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
 
     planned = []
     for e in entries:
-        loaded = spec_variant(load_spec(e.spec), e.variant)
+        loaded = e.loaded
         gpus = e.gpus
         if backend != "single":
             gpus = world_size(backend, gpus)
@@ -205,7 +216,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
             with World(gpus, backend=backend, share_gpus=share_gpus) as world:
                 env = environment(world)
                 for e, _, key in group:
-                    out = bench_spec(e.spec, gpus, e.sizes, variant=e.variant, label=e.label, iters=iters, reps=reps,
+                    out = bench_spec(e.loaded, gpus, e.sizes, label=e.label, iters=iters, reps=reps,
                                      warmup=warmup, patterns=e.patterns, backend=backend, share_gpus=share_gpus,
                                      baselines=baselines and key not in timed, arch=arch, echo=echo, progress=progress,
                                      control=control, world=world)

@@ -122,7 +122,7 @@ def sdpa(world, rank: int, spec, seq: int, *, iters: int, reps: int, warmup: int
 def run_fused(conv, op: str, params, dtype: str, world: int, sizes: list[int], *, iters: int, reps: int,
               warmup: int, timeout: float = 300) -> list[dict]:
     """The fused ops' baselines for each total M in `sizes`, one process per GPU; rank 0's rows."""
-    cfg = {"kind": "fused", "op": op, "ms": sizes, "k": params.k, "n": params.n, "dtype": dtype, "iters": iters,
+    cfg = {"worker": "tsgen.bench.torch_ops:fused_worker", "op": op, "ms": sizes, "k": params.k, "n": params.n, "dtype": dtype, "iters": iters,
            "reps": reps, "warmup": warmup, "comm_call": conv.comm_call, "fused_call": conv.fused_call}
     return launch_workers(cfg, world, timeout=timeout)
 
@@ -214,7 +214,7 @@ def fused_worker(cfg: dict, rank: int) -> list[dict]:
 def run_cp(params, dtype: str, world: int, sizes: list[int], *, iters: int, reps: int, warmup: int,
            timeout: float = 300) -> list[dict]:
     """cp_attention's baseline for each whole sequence S in `sizes`, one process per GPU; rank 0's rows."""
-    cfg = {"kind": "cp_attention", "sizes": sizes, "heads": params.heads, "kv_heads": params.kv_heads,
+    cfg = {"worker": "tsgen.bench.torch_ops:cp_worker", "sizes": sizes, "heads": params.heads, "kv_heads": params.kv_heads,
            "head_dim": params.head_dim, "batch": params.batch, "causal": params.causal, "layout": params.layout,
            "dtype": dtype, "iters": iters, "reps": reps, "warmup": warmup}
     return launch_workers(cfg, world, timeout=timeout)

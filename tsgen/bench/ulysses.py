@@ -34,7 +34,7 @@ def torch_a2a_rows(family, spec, world: int, sizes: list[int], iters: int, reps:
         return [{"impl": IMPL, "size": s, "skipped": "PyTorch is not installed here (torch.distributed runs the "
                  "baseline)"} for s in sizes]
     p = spec.params
-    cfg = {"kind": "ulysses", "pre": family.pre, "sizes": sizes, "batch": p.batch,
+    cfg = {"worker": "tsgen.bench.ulysses:worker", "pre": family.pre, "sizes": sizes, "batch": p.batch,
            "heads": p.heads, "head_dim": p.head_dim, "layout": p.layout, "dtype": spec.dtype,
            "packed_qkv": bool(getattr(p, "packed_qkv", False)), "kv_heads": getattr(p, "kv_heads", None) or p.heads,
            "iters": iters, "reps": reps, "warmup": warmup}

@@ -7,7 +7,8 @@ returns what rank 0 wrote to cfg["result_path"]. A rank that raises writes its t
 error_dir/error-RANK.txt and exits 1; tsgen launch then stops the others after a short grace
 (their NCCL calls would wait forever), and BaselineRunError carries the first traceback (or
 the log's tail, for a rank that died without one). So does the timeout.
-The worker dispatches on cfg["kind"] to a function `worker(cfg, rank) -> rows` (WORKERS).
+The worker runs the function cfg["worker"] names, "tsgen.bench.MODULE:FUNCTION" (the baseline
+function that launched it says which), as `FUNCTION(cfg, rank) -> rows`.
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from typing import Sequence
 
 from ..env import force_no_multicast
 
-WORKERS = {"collective": "tsgen.bench.nccl:worker", "fused": "tsgen.bench.torch_ops:fused_worker",
-           "ulysses": "tsgen.bench.ulysses:worker",
-           "cp_attention": "tsgen.bench.torch_ops:cp_worker",
-           "moe": "tsgen.bench.moe_torch:moe_worker"}
 GRACE_S = 3.0  # after one rank failed, the others' NCCL calls would wait forever
 
 
@@ -111,14 +108,21 @@ def nccl_process(rank: int):
     return torch, dist, dev, world
 
 
+def worker_function(name: str):
+    """"tsgen.bench.MODULE:FUNCTION" -> the function; ValueError for any other name."""
+    module, _, function = name.partition(":")
+    if not module.startswith("tsgen.bench.") or not function.isidentifier():
+        raise ValueError(f"worker {name!r}: not a tsgen.bench.MODULE:FUNCTION")
+    return getattr(importlib.import_module(module), function)
+
+
 def worker_main(cfg_path: str) -> None:
-    """One rank: run cfg["kind"]'s worker, rank 0 writes the rows; leave without teardown."""
+    """One rank: run cfg["worker"], rank 0 writes the rows; leave without teardown."""
     force_no_multicast()
     rank = int(os.environ["RANK"])
     cfg = json.loads(Path(cfg_path).read_text())
     try:
-        module, name = WORKERS[cfg["kind"]].split(":")
-        rows = getattr(importlib.import_module(module), name)(cfg, rank)
+        rows = worker_function(cfg["worker"])(cfg, rank)
         if rank == 0:
             tmp = Path(cfg["result_path"] + ".tmp")
             tmp.write_text(json.dumps(rows))

@@ -41,7 +41,7 @@ from pydantic import AfterValidator, BeforeValidator, Field
 from ..spec_types import SpecBase, StrictModel, _as_list
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
-from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
+from .conventions import Baseline, BenchCase, BenchConventions, rel_err, sample_rows
 
 # sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_LIMIT = 232448
@@ -158,7 +158,7 @@ class AttentionBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "4096,8192,16384"
     metric = "TFLOPs"
-    baselines = ("sdpa",)
+    baselines = (Baseline("sdpa", "sdpa", in_process=True),)
     graphs = False
     counts_calls = False  # one kernel, no call counter (peers, rank and calls are unused: see the template)
     check = "rows"

@@ -22,6 +22,24 @@ Fetch = Callable[[str, int, int, int], np.ndarray]
 
 
 @dataclass(frozen=True)
+class Baseline:
+    """One implementation an op is timed against, stated by the op's family: its name (in the
+    rows, the ratios and the NCCL runner's backends), the function of tsgen/bench/baselines.py
+    that times it (imported by `tsgen bench` only: nothing here touches a GPU), and whether it
+    runs in tsgen's process on tsgen's streams after each size (its function takes the Step) or
+    one process per GPU after all sizes (its function takes names, family, spec, world, sizes,
+    iters, reps, warmup; a function that several baselines share runs once for all of them)."""
+
+    name: str
+    runner: str
+    in_process: bool = False
+
+
+def baseline_names(baselines: tuple[Baseline, ...]) -> tuple[str, ...]:
+    return tuple(b.name for b in baselines)
+
+
+@dataclass(frozen=True)
 class BenchCase:
     """One size of one op on one world: what one call is and does, per GPU."""
 
@@ -43,7 +61,7 @@ class BenchConventions:
     size_unit: ClassVar[str] = "count"  # what --sizes means: bytes | rows | count (the family's count_unit)
     default_sizes: ClassVar[str | None] = None  # None: the spec's test.count
     metric: ClassVar[str] = "time_us"  # headline column: busbw_GBps | GBps | TFLOPs | time_us
-    baselines: ClassVar[tuple[str, ...]] = ()  # names in tsgen.bench.baselines.REGISTRY
+    baselines: ClassVar[tuple[Baseline, ...]] = ()  # what the op is timed against (Baseline)
     patterns: ClassVar[tuple[str, ...]] = ("all",)  # which ranks run: all | pair (rank 0 only) | ring
     graphs: ClassVar[bool] = True  # time CUDA graph replays of back-to-back calls where capture works
     counts_calls: ClassVar[bool] = True  # the module advances its device call counter once per call

@@ -50,7 +50,7 @@ from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_
                         o_tolerance, scale_of, scale_vars, shape_key, smem_bytes, to_bshd)
 from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
-from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
+from .conventions import Baseline, BenchCase, BenchConventions, rel_err, sample_rows
 
 MAX_WORLD = 8  # tsgen::cp::MAX_WORLD
 SIGNALS = 4 * MAX_WORLD  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
@@ -154,7 +154,7 @@ class CpAttentionBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "8192,16384,32768"
     metric = "TFLOPs"
-    baselines = ("torch_sdpa_cp",)
+    baselines = (Baseline("torch_sdpa_cp", "cp_sdpa"),)
     graphs = False
     check = "rows"
 

@@ -31,7 +31,7 @@ from ..spec_types import SpecBase, WorldSizes
 from .base import Buffer, OpFamily, launcher_vars, one_kernel_abi
 from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
-from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
+from .conventions import Baseline, BenchCase, BenchConventions, rel_err, sample_rows
 from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
 MAX_WORLD = 8  # tsgen::fused::MAX_WORLD
@@ -69,7 +69,7 @@ class FusedBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "4096,8192,16384"
     metric = "TFLOPs"
-    baselines = ("cublas+nccl", "torch_fused")
+    baselines = (Baseline("cublas+nccl", "fused"), Baseline("torch_fused", "fused"))
     graphs = False
     check = "rows"
     # the torch calls of the baselines: the GEMM's shapes are the op's own

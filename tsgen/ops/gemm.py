@@ -28,7 +28,7 @@ from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, _as_list
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
-from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
+from .conventions import Baseline, BenchCase, BenchConventions, rel_err, sample_rows
 
 # sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_LIMIT = 232448
@@ -118,7 +118,7 @@ class GemmBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "4096,8192,16384"
     metric = "TFLOPs"
-    baselines = ("cublas",)
+    baselines = (Baseline("cublas", "cublas", in_process=True),)
     graphs = False
     counts_calls = False  # one kernel, no call counter
     check = "rows"

@@ -47,7 +47,7 @@ from ..spec_types import SpecBase, WorldSizes
 from .base import Buffer, OpFamily, launcher_vars, one_kernel_abi
 from ..errors import RuntimeSetupError
 from .collectives import from_f64, to_f64
-from .conventions import BenchCase, BenchConventions, rel_err, sample_rows
+from .conventions import Baseline, BenchCase, BenchConventions, rel_err, sample_rows
 from .gemm import GemmFamily, GemmLaunch, GemmParams, gemm_shared_fit, smem_bytes
 
 MAX_Q = 8  # tsgen::grid::MAX_Q
@@ -143,7 +143,7 @@ class GridBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "8192,16384"
     metric = "TFLOPs"
-    baselines = ("cublas_whole",)
+    baselines = (Baseline("cublas_whole", "cublas_whole", in_process=True),)
     graphs = False
     check = "rows"
 

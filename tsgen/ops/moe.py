@@ -36,7 +36,7 @@ from pydantic import Field
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel
 from .base import Buffer, OpFamily
-from .conventions import BenchCase, BenchConventions
+from .conventions import Baseline, BenchCase, BenchConventions
 from .collectives import from_f64, to_f64
 from .collectives.base import _values
 
@@ -54,7 +54,7 @@ class MoeBench(BenchConventions):
     kind = "latency"
     size_unit = "count"
     metric = "time_us"
-    baselines = ("torch_moe",)
+    baselines = (Baseline("torch_moe", "moe_a2a"),)
 
     def group_shape(self, spec):
         """The baseline moves what the routing and row shape say: a variant of another shape (or

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from ..spec_types import SpecBase, StrictModel
 from .base import Buffer, OpFamily
-from .conventions import BenchCase, BenchConventions
+from .conventions import Baseline, BenchCase, BenchConventions
 
 MAX_U64 = (1 << 64) - 1
 
@@ -95,7 +95,7 @@ class CopyBench(BenchConventions):
     size_unit = "bytes"
     default_sizes = "256M,1G"
     metric = "algbw_GBps"
-    baselines = ("memcpy_peer",)
+    baselines = (Baseline("memcpy_peer", "memcpy_peer", in_process=True),)
     patterns = ("pair", "ring")
     check_up_to = 1 << 30  # random bytes are cheap to make and to compare
 

@@ -70,7 +70,7 @@ from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import Launch, SpecBase, StrictModel, TestConfig
 from .base import Buffer, OpFamily
-from .conventions import BenchCase, BenchConventions
+from .conventions import Baseline, BenchCase, BenchConventions
 
 VEC_BYTES = 16  # one vector load / store
 MAX_BLOCKS = 132  # blocks wait on peers: every block of every rank resident at once (one per SM)
@@ -204,7 +204,7 @@ class UlyssesBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "4K,16K,64K"
     metric = "busbw_GBps"
-    baselines = ("torch_a2a",)
+    baselines = (Baseline("torch_a2a", "torch_a2a"),)
 
     def group_shape(self, spec):
         """Rows exchanged and their layout: a variant of another shape gets its own baseline."""

@@ -19,8 +19,9 @@ The package, by what each part does with a plan:
 
 - tsgen.plan.ir: the plan itself (Slice, SignalRef, Step, Share, RankPlan, CommPlan) and
   `schedule`, which splits steps into block shares; the table limits (MAX_SRCS ...).
-- tsgen.plan.verifier: executing plans on the CPU under many schedules (`verify`) and
-  `tsgen verify` over spec files (`plan_jobs`, `verify_jobs`, `verify_specs`).
+- tsgen.plan.verifier: executing plans on the CPU under many schedules (`verify`);
+  `tsgen verify` over spec files (`plan_jobs`, `verify_jobs`, `verify_specs`) loads specs and
+  so lives above the package, in tsgen/plan_jobs.py: nothing here imports tsgen above plan/.
 - tsgen.plan.lower: the C lowering: table rows (`c_tables`, `c_slice`), straight-line
   share groups, and copy-engine stream programs.
 """

@@ -8,7 +8,7 @@ stream, so the kernels see exactly what they see on separate GPUs; what they
 compete for is the SMs: blocks that wait on other blocks or ranks hang unless
 every co-located rank's grid is resident at once. This module holds the pure
 arithmetic of that (no GPU needed): the placement, the residency check and the
-grid that fits. docs: README "Testing on one GPU".
+grid that fits. docs: docs/testing.md "Testing on one GPU".
 """
 
 from __future__ import annotations

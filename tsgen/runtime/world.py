@@ -193,7 +193,7 @@ def module_files(manifest: str | Path | Manifest, source: str | Path | None = No
 
 # The first launch of a kernel that calls printf (every tsgen kernel that waits: its timeout
 # diagnostic) sets the context's printf buffer up, and the GPU runs nothing else meanwhile: it
-# waits for every kernel already running (measured on an H100, tools/exp_blocking_calls.cu,
+# waits for every kernel already running (measured on an H100, docs/lab/experiments.md,
 # docs/lab/shared_gpu.md). Where ranks share a GPU, one rank's first kernel would then wait for
 # its peers' kernels, which spin until it has run. So a printf kernel runs once per device
 # first. (Shared worlds still time out at some first calls for another reason, not yet found:

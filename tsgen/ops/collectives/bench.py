@@ -13,8 +13,9 @@ one_shot_all_reduce / two_shot_all_reduce_; one process per GPU (tsgen/bench/ncc
 from __future__ import annotations
 
 from ...errors import RuntimeSetupError
-from ..conventions import BenchCase, BenchConventions
+from ..conventions import Baseline, BenchCase, BenchConventions
 
+NCCL = Baseline("nccl", "collectives")  # the collective through NCCL, one process per GPU (tsgen/bench/nccl.py)
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
 # op -> the torch.distributed call the NCCL baseline makes
 NCCL_CALLS = {"allgather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
@@ -59,7 +60,7 @@ class CollectiveBench(BenchConventions):
     size_unit = "bytes"
     default_sizes = "64K,1M,16M,256M,1G"
     metric = "busbw_GBps"
-    baselines = ("nccl",)
+    baselines = (NCCL,)
 
     def nccl_op(self, family) -> str:
         """The collective whose NCCL call is the baseline."""
@@ -76,4 +77,4 @@ class CollectiveBench(BenchConventions):
 
 
 class AllReduceBench(CollectiveBench):
-    baselines = ("nccl", "symm_mem")
+    baselines = (NCCL, Baseline("symm_mem", "collectives"))
