@@ -123,3 +123,31 @@ def test_torchrun_ranks_meet_without_tsgen_launch(tmp_path, group, where, launch
     assert run.returncode == 0, run.stdout[-4000:]
     _check(_results(run.stdout), 3, launcher, where, 1)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_process_group_made_again_gets_a_new_rendezvous(monkeypatch):
+    """shared() reuses the rendezvous while the default group lives, and drops it (without
+    touching the old store) when the group was destroyed and made again: a new store."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from tsgen.runtime import store
+
+    monkeypatch.setattr(store, "_shared", {})
+    made = []
+    monkeypatch.setattr(atexit, "register", made.append)
+    monkeypatch.setattr(atexit, "unregister", made.remove)
+    seen = []
+    for _ in range(2):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        try:
+            rv = store.shared("127.0.0.1", 29500, 0, 1)
+            assert store.shared("127.0.0.1", 29500, 0, 1) is rv  # one per process while the group lives
+            assert rv.kv.where == "torch.distributed's default store"
+            assert rv.all_gather("solo", b"x") == [b"x"]
+            seen.append(rv)
+        finally:
+            dist.destroy_process_group()
+    assert seen[0] is not seen[1] and seen[0].closed and not seen[1].closed
+    assert made == [seen[1].close]  # the dropped one is not left at exit

@@ -223,8 +223,9 @@ class TorchStore:
     """A torch.distributed (c10d) store behind the same three calls: the default process
     group's (`of_group`), torchrun's agent's or a TCPStore of tsgen's making (`tcp`)."""
 
-    def __init__(self, store, where: str):
+    def __init__(self, store, where: str, group: object | None = None):
         self.store, self.where = store, where
+        self.group = group  # the default process group's store object, when that is the store
 
     @classmethod
     def of_group(cls) -> "TorchStore":
@@ -234,7 +235,8 @@ class TorchStore:
         if not (dist.is_available() and dist.is_initialized()):
             raise StoreError("torch.distributed has no default process group: call "
                              "torch.distributed.init_process_group first")
-        return cls(dist.distributed_c10d._get_default_store(), "torch.distributed's default store")
+        store = dist.distributed_c10d._get_default_store()
+        return cls(store, "torch.distributed's default store", group=store)
 
     @classmethod
     def tcp(cls, host: str, port: int, serve: bool, timeout: float, where: str | None = None) -> "TorchStore":
@@ -437,12 +439,30 @@ def _torch_initialized() -> bool:
 _shared: dict[tuple, Rendezvous] = {}
 
 
+def _group_store() -> object | None:
+    """The default process group's store object while torch.distributed has one, else None."""
+    if torch_group() is None:
+        return None
+    try:
+        return sys.modules["torch.distributed"].distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 -- the group went away meanwhile
+        return None
+
+
 def shared(host: str, port: int, rank: int, size: int) -> Rendezvous:
     """This process's rendezvous (made once, reused by every World, left at exit):
     ranks that create and destroy Worlds in the same order stay in step. Once any rank
-    has aborted, every later wait on it fails with that rank's message: the job is over."""
+    has aborted, every later wait on it fails with that rank's message: the job is over.
+    A process group destroyed and made again is a new store: the rendezvous on the old one
+    is dropped (not left: its store may be gone) and a new one made."""
     key = (host, port, rank, size)
     rv = _shared.get(key)
+    group = _group_store()
+    if rv is not None and not rv.closed and isinstance(rv.kv, TorchStore) and rv.kv.group is not None \
+            and rv.kv.group is not group:
+        atexit.unregister(rv.close)
+        rv.closed = True
+        rv = None
     if rv is None or rv.closed:
         rv = _shared[key] = connect(host, port, rank, size)
         atexit.register(rv.close)
