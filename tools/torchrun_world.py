@@ -38,7 +38,8 @@ def main() -> int:
         import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(local)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
         kw = {"device_id": torch.device("cuda", local)} if a.group == "nccl" else {}
         dist.init_process_group(a.group, **kw)
 
@@ -88,10 +89,8 @@ def main() -> int:
                 raise RuntimeError("rank failed on purpose")
             world.barrier("the failing rank never comes")
         message = "the barrier completed"
-    except store.StoreError as e:
-        message = str(e)
-    except RuntimeError as e:
-        message = str(e)
+    except Exception as e:  # noqa: BLE001 -- the StoreError expected, or what went wrong instead
+        message = f"{type(e).__name__}: {e}"
     waited = time.monotonic() - t0
     if info.rank != last:
         check("abort", "rank failed on purpose" in message and waited < 5,
