@@ -283,10 +283,11 @@ def fake_cupy(machine: Machine, gpus: list[int]):
     return Cp
 
 
-def ipc_world(size, machine=None, timeout=10.0, gpus=None):
-    """`size` fake processes: each its Rendezvous and its fake CUDA seeing `gpus(rank)`."""
+def ipc_world(size, machine=None, timeout=10.0, gpus=None, store="tsgen"):
+    """`size` fake processes: each its Rendezvous (on `store`: TSGEN_STORE) and its fake CUDA
+    seeing `gpus(rank)`."""
     machine = machine or Machine()
-    rvs = localhost_ranks(size, timeout=timeout)
+    rvs = localhost_ranks(size, timeout=timeout, store=store)
     see = gpus or (lambda r: list(range(size)))
 
     def make(r, rv):

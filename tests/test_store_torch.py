@@ -154,3 +154,33 @@ def test_a_process_group_made_again_gets_a_new_rendezvous(monkeypatch):
             dist.destroy_process_group()
     assert seen[0] is not seen[1] and seen[0].closed and not seen[1].closed
     assert made == [seen[1].close]  # the dropped one is not left at exit
+
+
+def test_ipc_heaps_and_teardown_over_a_torch_store():
+    """The IPC backend's handle exchange, free barrier and abort over a torch store (threads stand
+    for processes against tests/test_ipc_cpu.py's fake CUDA, as there over tsgen's store)."""
+    from conftest import close_ranks, together
+    from test_ipc_cpu import _assert_all_released, _assert_all_released_but_for, ipc_world
+
+    machine, rvs, backends = ipc_world(3, timeout=20, store="torch")
+    try:
+        assert all(rv.kv.where.startswith("torch TCPStore at 127.0.0.1:") for rv in rvs)
+        bases = together(backends, lambda r, b: b.alloc_heap(4096))
+        tables = together(backends, lambda r, b: b.peer_tables(bases[r]))
+        for r in range(3):
+            for q in range(3):  # every peer's heap through a mapping of exactly its base
+                addr = int(tables[r][r][q])
+                assert addr == bases[r][r] if q == r else machine.mappings[addr] == bases[q][q]
+        assert together(backends, lambda r, b: b.free_heap(bases[r])) == [None] * 3
+        _assert_all_released(machine)
+        # a failed rank: the others free their heaps without waiting for it
+        bases = together(backends, lambda r, b: b.alloc_heap(256))
+        together(backends, lambda r, b: b.peer_tables(bases[r]))
+        rvs[0].abort("RuntimeSetupError: kernel failed")
+        t0 = time.monotonic()
+        together(backends[1:], lambda r, b: b.free_heap(bases[r + 1]))
+        assert time.monotonic() - t0 < 5
+        backends[0].free_heap(bases[0])
+        _assert_all_released_but_for(machine, 2)  # ranks 1 and 2 freed while rank 0 still mapped them
+    finally:
+        close_ranks(rvs)
