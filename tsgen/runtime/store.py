@@ -363,17 +363,9 @@ class Rendezvous:
             self.kv.close()
 
 
-# what each choice of store_choice is, for messages and docs
-STORES = {
-    "torch group": "torch.distributed's default process group's store",
-    "torchrun agent": "the TCPStore torchrun's agent serves on MASTER_ADDR:MASTER_PORT",
-    "tsgen": "tsgen's own authenticated store, served by a child process of rank 0",
-    "torch TCPStore": "a torch TCPStore served by rank 0 on MASTER_ADDR:MASTER_PORT (no authentication)",
-}
-
-
 def store_choice(env, torch_group: bool) -> str:
-    """Which store this process meets its peers in (a key of STORES), from TSGEN_STORE and
+    """Which store this process meets its peers in ("torch group", "torchrun agent", "tsgen" or
+    "torch TCPStore", the module doc says what each is), from TSGEN_STORE and
     whether torch.distributed has a default process group (`torch_group`). Pure.
 
     auto (unset): the process group's store when there is one, else torchrun's agent's when
