@@ -214,6 +214,10 @@ def test_rendezvous_is_usable_over_any_keyvalue():
 
     rv = Rendezvous(Dict(), 0, 1)
     assert rv.all_gather("solo", b"x") == [b"x"]
+    for rank_serves, left in ((True, ["tsgen/left/1"]), (False, [])):  # leaving is said only to a rank serving
+        peer = Rendezvous(Dict(), 1, 2, rank_serves=rank_serves)
+        peer.close()
+        assert [k for k in peer.kv if k.startswith("tsgen/left/")] == left
     rv.barrier("solo 2")
     assert rv.aborted() is None
     rv.abort("because")

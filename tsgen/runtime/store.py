@@ -281,9 +281,12 @@ class Rendezvous:
     """`size` ranks meeting through one store; this object is rank `rank`'s side."""
 
     def __init__(self, kv: KeyValue, rank: int, size: int, timeout: float = DEFAULT_TIMEOUT,
-                 serves: bool = False, linger: float = 10.0):
+                 serves: bool = False, linger: float = 10.0, rank_serves: bool = True):
         self.kv, self.rank, self.size, self.timeout = kv, rank, size, timeout
         self.serves, self.linger = serves, linger  # a serving rank waits for the others before closing
+        # some rank serves the store and waits for the others to leave (else torch serves it: the
+        # process group's or torchrun's store, and no rank needs to hear who left)
+        self.rank_serves = rank_serves
         self._seq = 0
         self.closed = False
 
@@ -355,7 +358,7 @@ class Rendezvous:
                 left = [f"tsgen/left/{r}" for r in range(self.size) if r != self.rank]
                 while not self.kv.check(left) and self.aborted() is None and time.monotonic() < deadline:
                     time.sleep(0.01)
-            else:
+            elif self.rank_serves:
                 self.kv.set(f"tsgen/left/{self.rank}", b"")
         except StoreError:
             pass
@@ -403,11 +406,13 @@ def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rende
         why = {"torchrun agent": "torchrun started this process, and its agent's store is torch's",
                "torch TCPStore": "TSGEN_STORE=torch"}.get(kind, kind)
         raise StoreError(f"{why}, but torch.distributed does not import in this Python ({e})") from None
+    # the group's or torchrun's store: torch serves it, rank 0 exits when it likes (a rank telling
+    # a store whose server has gone that it left would fail, and torch would print a stack)
     if kind == "torch group":
-        return Rendezvous(TorchStore.of_group(), rank, size, timeout)
+        return Rendezvous(TorchStore.of_group(), rank, size, timeout, rank_serves=False)
     if kind == "torchrun agent":
         kv = TorchStore.tcp(host, port, False, timeout, where=f"torchrun agent's store at {host}:{port}")
-        return Rendezvous(kv, rank, size, timeout)
+        return Rendezvous(kv, rank, size, timeout, rank_serves=False)
     return Rendezvous(TorchStore.tcp(host, port, rank == 0, timeout), rank, size, timeout, serves=rank == 0)
 
 
