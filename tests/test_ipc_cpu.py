@@ -71,6 +71,22 @@ def test_process_env_errors(env, message):
     assert str(e.value).startswith(message), str(e.value)
 
 
+def test_process_env_from_a_torch_process_group():
+    """A process of an initialized torch.distributed group: the group's rank and size, the launcher's
+    local rank (else the rank), MASTER_ADDR / MASTER_PORT as ever; a launcher that disagrees is refused."""
+    i = process_env({}, group=(2, 4))
+    assert (i.rank, i.size, i.local_rank, i.master_addr, i.master_port, i.launcher) == (
+        2, 4, 2, "127.0.0.1", 29500, "torch.distributed")
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "1234"}
+    i = process_env(env, group=(3, 4))
+    assert (i.rank, i.size, i.local_rank, i.master_addr, i.master_port, i.launcher) == (
+        3, 4, 1, "node7", 1234, "torch.distributed")
+    with pytest.raises(RuntimeSetupError, match=r"torch.distributed's default process group makes this process "
+                                                r"rank 0 of 2, but torchrun's variables say rank 3 of 4 "
+                                                r"\(WORLD_SIZE=4\)"):
+        process_env(env, group=(0, 2))
+
+
 def test_world_size_per_backend():
     env = {"RANK": "0", "WORLD_SIZE": "2"}
     assert world_size("single", 3, env) == 3
@@ -267,10 +283,11 @@ def fake_cupy(machine: Machine, gpus: list[int]):
     return Cp
 
 
-def ipc_world(size, machine=None, timeout=10.0, gpus=None):
-    """`size` fake processes: each its Rendezvous and its fake CUDA seeing `gpus(rank)`."""
+def ipc_world(size, machine=None, timeout=10.0, gpus=None, store="tsgen"):
+    """`size` fake processes: each its Rendezvous (on `store`: TSGEN_STORE) and its fake CUDA
+    seeing `gpus(rank)`."""
     machine = machine or Machine()
-    rvs = localhost_ranks(size, timeout=timeout)
+    rvs = localhost_ranks(size, timeout=timeout, store=store)
     see = gpus or (lambda r: list(range(size)))
 
     def make(r, rv):

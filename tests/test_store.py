@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROOT, close_ranks as _close, localhost_ranks as _ranks, together as _together
 from tsgen.launch import free_port
-from tsgen.runtime.store import Rendezvous, StoreError, TcpStore, connect, store_timeout
+from tsgen.runtime.store import Rendezvous, StoreError, TcpStore, connect, store_choice, store_timeout
 
 PY = sys.executable
 
@@ -134,6 +134,47 @@ def test_store_choice_and_timeout_from_environment():
         connect("127.0.0.1", free_port(), 0, 1, {"TSGEN_STORE": "redis"})
 
 
+AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True"}  # torchrun's
+
+
+@pytest.mark.parametrize("env,group,want", [
+    ({}, False, "tsgen"),  # tsgen launch (its secret), mpirun / srun: never an unauthenticated store unasked
+    ({"TSGEN_STORE_SECRET": "s"}, False, "tsgen"),
+    ({"TSGEN_STORE_SECRET": "s"}, True, "torch group"),  # a process group's store wins: one store, torch's
+    ({}, True, "torch group"),
+    (AGENT, False, "torchrun agent"),
+    (AGENT, True, "torch group"),
+    ({"TSGEN_STORE": "torch"}, False, "torch TCPStore"),  # asked for: rank 0 serves one
+    ({"TSGEN_STORE": "torch", **AGENT}, False, "torchrun agent"),
+    ({"TSGEN_STORE": "torch"}, True, "torch group"),
+    ({"TSGEN_STORE": "tsgen"}, True, "tsgen"),
+    ({"TSGEN_STORE": "auto", **AGENT, "TORCHELASTIC_USE_AGENT_STORE": "False"}, False, "tsgen"),
+])
+def test_store_choice(env, group, want):
+    assert store_choice(env, group) == want
+
+
+def test_store_choice_refusals():
+    with pytest.raises(StoreError, match="TSGEN_STORE=tsgen under torchrun's agent store"):
+        store_choice({"TSGEN_STORE": "tsgen", **AGENT}, False)
+    with pytest.raises(StoreError, match="TSGEN_STORE='redis': choose torch, tsgen or auto"):
+        store_choice({"TSGEN_STORE": "redis"}, True)
+
+
+def test_auto_without_a_secret_or_torch_says_every_way_to_meet():
+    with pytest.raises(StoreError) as e:
+        connect("127.0.0.1", free_port(), 0, 2, {})
+    for words in ("TSGEN_STORE_SECRET", "`tsgen launch` sets it", "torchrun", "torch.distributed process group"):
+        assert words in str(e.value), words
+
+
+def test_torchrun_without_torch_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)  # import fails as if torch were absent
+    with pytest.raises(StoreError, match="torchrun started this process, and its agent's store is torch's, but "
+                                         "torch.distributed does not import"):
+        connect("127.0.0.1", free_port(), 1, 2, AGENT)
+
+
 def test_torch_store_same_collectives():
     pytest.importorskip("torch.distributed")
     rvs = _ranks(3, free_port(), timeout=0.5, store="torch")
@@ -173,6 +214,10 @@ def test_rendezvous_is_usable_over_any_keyvalue():
 
     rv = Rendezvous(Dict(), 0, 1)
     assert rv.all_gather("solo", b"x") == [b"x"]
+    for rank_serves, left in ((True, ["tsgen/left/1"]), (False, [])):  # leaving is said only to a rank serving
+        peer = Rendezvous(Dict(), 1, 2, rank_serves=rank_serves)
+        peer.close()
+        assert [k for k in peer.kv if k.startswith("tsgen/left/")] == left
     rv.barrier("solo 2")
     assert rv.aborted() is None
     rv.abort("because")

@@ -179,7 +179,7 @@ BACKEND_OPTION = click.option(
     "--backend", type=click.Choice(["single", "ipc", "nvshmem"]), default="single", show_default=True,
     help="single: this process drives --gpus GPUs; ipc: one process per GPU (CUDA IPC), "
          "nvshmem: one process per GPU (NVSHMEM PE, symmetric heap; needs nvshmem4py), both started by "
-         "`tsgen launch --nproc N -- tsgen ...` (or torchrun, mpirun, srun)")
+         "`torchrun --nproc-per-node N -m tsgen ...` or `tsgen launch --nproc N -- tsgen ...` (or mpirun, srun)")
 GPUS_OPTION = click.option("--gpus", type=int, default=None,
                            help="world size: GPUs to run on (--backend ipc/nvshmem: optional, must match the launcher's)")
 SHARE_OPTION = click.option(
@@ -294,7 +294,10 @@ _add_bench_commands()
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(nproc, port, timeout, grace, cmd):
     """Start CMD as NPROC ranks (torchrun's environment); prefix their output with
-    the rank; when one fails, end the others (after --grace) and exit with its code."""
+    the rank; when one fails, end the others (after --grace) and exit with its code.
+
+    tsgen's own launcher, for worlds without torch; torchrun works as well (the ranks then
+    meet in its store; docs/design/runtime.md says what each does)."""
     from .launch import launch as run_launch
 
     try:

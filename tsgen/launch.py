@@ -16,6 +16,11 @@ the launcher 64 KiB, not gigabytes), and all of it before the launcher returns.
 When the launcher's own output goes away (`tsgen launch ... | head`), it stops
 the ranks and exits 141, as a program killed by SIGPIPE does.
 NVLink multicast stays off in every child (tsgen/env.py's variables, forced).
+
+tsgen's own launcher, kept beside torchrun rather than wrapping it: tsgen runs without torch,
+and torchrun stops the other ranks at once after a failure (no time for their timeout
+diagnosis) and exits 1 instead of the failed rank's code. Under torchrun the ranks meet in
+torch's store instead of tsgen's (docs/design/runtime.md, "Starting the processes").
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """One process per GPU: symmetric heaps shared through CUDA IPC handles.
 
-Each process drives one rank. Who it is comes from the launcher's
-environment (`process_env`: torchrun / tsgen launch, mpirun, MPI with PMI,
-Slurm); the ranks meet through a store (tsgen.runtime.store). A heap is one
+Each process drives one rank. Who it is comes from torch.distributed's default
+process group when the process has one, else from the launcher's environment
+(`process_env`: torchrun / tsgen launch, mpirun, MPI with PMI, Slurm); the ranks
+meet through a store (tsgen.runtime.store picks it: the process group's, torchrun's
+or tsgen's own). A heap is one
 cudaMalloc per rank (outside CuPy's pool, so its IPC handle names exactly
 that allocation and the offset is 0); its handle goes through the store, and
 every rank opens every peer's handle, which gives this rank's peer table:
@@ -54,10 +56,16 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
         raise RuntimeSetupError(f"{name}={text!r} is not a whole number") from None
 
 
-def process_env(env: Mapping[str, str]) -> ProcessInfo:
-    """This process's rank, world size and local rank, from the variables a launcher
-    sets; the store's address from MASTER_ADDR / MASTER_PORT (default 127.0.0.1:29500).
-    Pure: raises RuntimeSetupError naming the variables when they are missing or wrong."""
+def _master(env: Mapping[str, str]) -> tuple[str, int]:
+    """Where the store is reached or served: MASTER_ADDR / MASTER_PORT (default 127.0.0.1:29500)."""
+    port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
+    if not 0 < port < 65536:
+        raise RuntimeSetupError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+    return env.get("MASTER_ADDR") or "127.0.0.1", port
+
+
+def _launched(env: Mapping[str, str]) -> ProcessInfo | None:
+    """What the first launcher of LAUNCHERS whose variables are set says, or None."""
     for launcher, rank_var, size_var, local_var in LAUNCHERS:
         if rank_var not in env and size_var not in env:
             continue
@@ -72,20 +80,45 @@ def process_env(env: Mapping[str, str]) -> ProcessInfo:
         local_rank = _int_var(env, local_var) if local_var in env else rank
         if local_rank < 0:
             raise RuntimeSetupError(f"{local_var}={local_rank} is negative")
-        port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
-        if not 0 < port < 65536:
-            raise RuntimeSetupError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
-        return ProcessInfo(rank, size, local_rank, env.get("MASTER_ADDR") or "127.0.0.1", port, launcher, size_var)
+        return ProcessInfo(rank, size, local_rank, *_master(env), launcher, size_var)
+    return None
+
+
+TORCH_GROUP = "torch.distributed"
+
+
+def process_env(env: Mapping[str, str], group: tuple[int, int] | None = None) -> ProcessInfo:
+    """This process's rank, world size and local rank: torch.distributed's default process group's
+    (`group`: its rank and size, when one is initialized; the local rank from the launcher, else
+    the rank), else from the variables a launcher sets; the store's address from MASTER_ADDR /
+    MASTER_PORT (default 127.0.0.1:29500). Pure: raises RuntimeSetupError naming the variables
+    when they are missing or wrong, or disagree with the process group."""
+    launched = _launched(env)
+    if group is not None:
+        rank, size = group
+        if launched is not None and (launched.rank, launched.size) != (rank, size):
+            raise RuntimeSetupError(
+                f"torch.distributed's default process group makes this process rank {rank} of {size}, but "
+                f"{launched.launcher}'s variables say rank {launched.rank} of {launched.size} "
+                f"({launched.size_var}={launched.size}): tsgen runs on the process group's ranks; initialize "
+                "it with the launcher's rank and world size (init_method='env://')")
+        local_rank = launched.local_rank if launched is not None else rank
+        return ProcessInfo(rank, size, local_rank, *_master(env), TORCH_GROUP,
+                           "torch.distributed.get_world_size()")
+    if launched is not None:
+        return launched
     names = ", ".join(f"{r}/{s} ({launcher})" for launcher, r, s, _ in LAUNCHERS)
     raise RuntimeSetupError(
         f"the ipc and nvshmem backends run one process per GPU, but no launcher set this process's rank: none of {names} "
-        "is set. Start the ranks with `tsgen launch --nproc N -- ...`, torchrun, mpirun or srun"
+        "is set, and torch.distributed has no process group. Start the ranks with torchrun, `tsgen launch --nproc N "
+        "-- ...`, mpirun or srun, or initialize a torch.distributed process group first"
     )
 
 
 def launcher_world(env: Mapping[str, str], size: int | None = None) -> ProcessInfo:
-    """`process_env`, checking the world size asked for (None: any) against the launcher's."""
-    info = process_env(env)
+    """`process_env` (with torch.distributed's default process group when this process has one),
+    checking the world size asked for (None: any) against the launcher's."""
+    info = process_env(env, store_mod.torch_group())
     if size is not None and size != info.size:
         raise RuntimeSetupError(f"world size {size} asked for (--gpus), but the launcher started {info.size} "
                                 f"ranks ({info.size_var}={info.size})")

@@ -1,9 +1,11 @@
 """One process per GPU with NVSHMEM symmetric memory (nvshmem4py).
 
 Each process is one NVSHMEM PE and drives one rank (PE = rank). Who it is
-comes from the launcher's environment, as for the ipc backend; the ranks
-meet through the same store, which also carries NVSHMEM's unique id from
-rank 0 to the others (`nvshmem.core.init(..., initializer_method="uid")`).
+comes from torch.distributed's default process group or the launcher's
+environment, as for the ipc backend; the ranks meet through the same store
+(the group's, torchrun's or tsgen's: tsgen.runtime.store), which also carries
+NVSHMEM's unique id from rank 0 to the others (`nvshmem.core.init(...,
+initializer_method="uid")`).
 
 A heap is one `nvshmem.core.array` of bytes: nvshmem_malloc, the same offset
 on every PE, so a kernel's buffer pointers are symmetric addresses that
@@ -24,8 +26,8 @@ and its modules' registrations when it closes.
 Teardown is collective (nvshmem_free and nvshmem_finalize are barriers over
 every PE) and nvshmem4py holds the GIL inside them, so no Python-level
 deadline can end a wait for a PE that never comes. Every rank therefore
-meets the others in the store first (its server is another process, so it
-answers whatever the ranks are blocked in) and enters the NVSHMEM call only
+meets the others in the store first (its server is another process, or torch's
+C++ thread, so it answers whatever the ranks are blocked in) and enters the NVSHMEM call only
 when all have arrived; when the store says a rank aborted, or the meeting
 times out, the call is skipped and the memory left to the process's exit.
 After a kernel trap the CUDA context is lost and nothing is touched.

@@ -1,19 +1,31 @@
 """Rendezvous for one process per GPU: a key-value store shared by the ranks and
-the two collective steps the IPC backend needs (all-gather, barrier).
+the two collective steps the IPC and NVSHMEM backends need (all-gather, barrier).
 
-The store is tsgen's own under `tsgen launch` (torch's TCPStore authenticates no
-one), else torch.distributed's TCPStore when torch imports (the default process
-group's store whenever one is initialized), otherwise tsgen's own: a child
-process of rank 0 serves a dict over TCP (store_server.py; a process, so that
-rank 0 blocked in a C call holding the GIL cannot starve the others), and
-every rank, rank 0 included, is a client. tsgen's store serves only the job's
-ranks (each proves it knows the job's secret, TSGEN_STORE_SECRET, which `tsgen
-launch` gives every rank, and the server proves it back) and only on a loopback
-address unless TSGEN_STORE_REMOTE=1. Both answer three requests -- set, get, check -- and
-`Rendezvous` builds the collectives on them by polling `check`, so both
-behave the same: every wait has a timeout that names the label of the step,
-the ranks that never arrived and their keys; a rank that fails can `abort`
-the rendezvous so the others stop waiting at once, with its message.
+One `Rendezvous` (the collectives, abort and aborted) runs over any `KeyValue`
+(set, get, check: no call waits), of which there are two: `TorchStore`, a
+torch.distributed (c10d) store, and `TcpStore`, tsgen's own. Which store a
+process meets its peers in is decided in one place, `store_choice` (TSGEN_STORE:
+auto, torch or tsgen):
+- **torch group**: torch.distributed has a default process group (gloo or nccl,
+  however it was started): its store (`_get_default_store`, a PrefixStore of the
+  TCPStore it was made on). Only store calls are made, no collective, so no GPU is needed.
+- **torchrun agent**: the process was started by torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
+  and has no process group: torchrun's agent serves a TCPStore on MASTER_ADDR:MASTER_PORT
+  (made anew for every restart attempt); every rank is a client of it.
+- **tsgen**: tsgen's own store, for worlds started without torch (`tsgen launch`, or
+  mpirun / srun with TSGEN_STORE_SECRET set): a child process of rank 0 serves a dict over
+  TCP (store_server.py; a process, so that rank 0 blocked in a C call holding the GIL cannot
+  starve the others), and every rank, rank 0 included, is a client. It serves only the job's
+  ranks (each proves it knows the job's secret, TSGEN_STORE_SECRET, which `tsgen launch`
+  gives every rank, and the server proves it back) and only on a loopback address unless
+  TSGEN_STORE_REMOTE=1.
+- **torch TCPStore**: only when asked (TSGEN_STORE=torch) with neither of the first two: a
+  torch TCPStore on MASTER_ADDR:MASTER_PORT served by rank 0, which authenticates no one.
+
+`Rendezvous` builds the collectives on `check` by polling, so every store behaves the
+same: every wait has a timeout that names the label of the step, the ranks that never
+arrived and their keys; a rank that fails can `abort` the rendezvous so the others stop
+waiting at once (within a poll, at most 1 ms), with its message.
 
 Collectives are numbered in the order a process calls them (keys
 `tsgen/<number>/<rank>`): every rank must call the same collectives in the
@@ -56,7 +68,9 @@ def _secret(env) -> bytes:
     if not secret:
         raise StoreError(f"tsgen's store serves only the ranks of one job, which share a secret in {STORE_SECRET}: "
                          "`tsgen launch` sets it for every rank; under another launcher set it to the same random "
-                         "value in every rank (python -c 'import secrets; print(secrets.token_hex(32))')")
+                         "value in every rank (python -c 'import secrets; print(secrets.token_hex(32))'); or start the ranks "
+                         "with torchrun, or initialize a torch.distributed process group before the first World, "
+                         "and they meet in torch's store")
     return secret.encode()
 
 
@@ -206,21 +220,32 @@ class TcpStore:
 
 
 class TorchStore:
-    """torch.distributed's TCPStore (or the default process group's store) behind the same three calls."""
+    """A torch.distributed (c10d) store behind the same three calls: the default process
+    group's (`of_group`), torchrun's agent's or a TCPStore of tsgen's making (`tcp`)."""
 
-    def __init__(self, store, where: str):
+    def __init__(self, store, where: str, group: object | None = None):
         self.store, self.where = store, where
+        self.group = group  # the default process group's store object, when that is the store
 
     @classmethod
-    def connect(cls, host: str, port: int, serve: bool, timeout: float) -> "TorchStore":
+    def of_group(cls) -> "TorchStore":
+        """The default process group's store: the one its ranks met in (no collective is run)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise StoreError("torch.distributed has no default process group: call "
+                             "torch.distributed.init_process_group first")
+        store = dist.distributed_c10d._get_default_store()
+        return cls(store, "torch.distributed's default store", group=store)
+
+    @classmethod
+    def tcp(cls, host: str, port: int, serve: bool, timeout: float, where: str | None = None) -> "TorchStore":
+        """A TCPStore on host:port: served by this process when `serve`, else a client of it."""
         import datetime
 
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            # torch already has a store on MASTER_PORT: share it (our keys start with tsgen/)
-            return cls(dist.distributed_c10d._get_default_store(), "torch.distributed's default store")
-        where = f"torch TCPStore at {host}:{port}"
+        where = where or f"torch TCPStore at {host}:{port}"
         try:
             store = dist.TCPStore(host, port, is_master=serve, timeout=datetime.timedelta(seconds=timeout),
                                   wait_for_workers=False)
@@ -232,7 +257,7 @@ class TorchStore:
         try:
             return getattr(self.store, method)(*args)
         except Exception as e:  # torch raises RuntimeError / DistNetworkError / DistStoreError
-            raise StoreError(f"the {self.where} failed ({e}); did the rank serving it exit?") from None
+            raise StoreError(f"the {self.where} failed ({e}); did the process serving it exit?") from None
 
     def set(self, key: str, value: bytes) -> None:
         self._call("set", key, value)
@@ -256,9 +281,12 @@ class Rendezvous:
     """`size` ranks meeting through one store; this object is rank `rank`'s side."""
 
     def __init__(self, kv: KeyValue, rank: int, size: int, timeout: float = DEFAULT_TIMEOUT,
-                 serves: bool = False, linger: float = 10.0):
+                 serves: bool = False, linger: float = 10.0, rank_serves: bool = True):
         self.kv, self.rank, self.size, self.timeout = kv, rank, size, timeout
         self.serves, self.linger = serves, linger  # a serving rank waits for the others before closing
+        # some rank serves the store and waits for the others to leave (else torch serves it: the
+        # process group's or torchrun's store, and no rank needs to hear who left)
+        self.rank_serves = rank_serves
         self._seq = 0
         self.closed = False
 
@@ -330,7 +358,7 @@ class Rendezvous:
                 left = [f"tsgen/left/{r}" for r in range(self.size) if r != self.rank]
                 while not self.kv.check(left) and self.aborted() is None and time.monotonic() < deadline:
                     time.sleep(0.01)
-            else:
+            elif self.rank_serves:
                 self.kv.set(f"tsgen/left/{self.rank}", b"")
         except StoreError:
             pass
@@ -338,56 +366,100 @@ class Rendezvous:
             self.kv.close()
 
 
-def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rendezvous:
-    """A rendezvous on the store chosen by TSGEN_STORE: `torch` (torch.distributed's
-    TCPStore), `tsgen` (tsgen's own, which needs the job's secret in TSGEN_STORE_SECRET), or
-    unset/`auto`: tsgen's when the launcher gave the job a secret (`tsgen launch`) and torch
-    has no process group, else torch's when it imports, else tsgen's."""
-    timeout = store_timeout(env)
+def store_choice(env, torch_group: bool) -> str:
+    """Which store this process meets its peers in ("torch group", "torchrun agent", "tsgen" or
+    "torch TCPStore", the module doc says what each is), from TSGEN_STORE and
+    whether torch.distributed has a default process group (`torch_group`). Pure.
+
+    auto (unset): the process group's store when there is one, else torchrun's agent's when
+    torchrun started the process, else tsgen's (which needs TSGEN_STORE_SECRET: `tsgen launch`
+    sets it). torch: the same two torch stores, else a TCPStore rank 0 serves. tsgen: tsgen's."""
     choice = env.get("TSGEN_STORE", "auto")
     if choice not in ("auto", "torch", "tsgen"):
         raise StoreError(f"TSGEN_STORE={choice!r}: choose torch, tsgen or auto")
-    # under torchrun with TORCHELASTIC_USE_AGENT_STORE=True the agent serves MASTER_PORT
+    # torchrun (TORCHELASTIC_USE_AGENT_STORE=True): its agent serves MASTER_PORT
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if agent and choice == "tsgen":
-        raise StoreError("TSGEN_STORE=tsgen under torchrun's agent store: MASTER_PORT is served by the torchrun "
-                         "agent (a torch TCPStore); use TSGEN_STORE=torch or auto")
-    serve = rank == 0 and not agent
-    # under `tsgen launch` (the job's secret set) tsgen's authenticated store, unless torch has a process group
-    ours = choice == "tsgen" or (choice == "auto" and bool(env.get(STORE_SECRET)) and not agent
-                                 and not _torch_initialized())
-    if not ours:
-        try:
-            import torch.distributed  # noqa: F401
-        except ImportError:
-            if choice == "torch":
-                raise StoreError("TSGEN_STORE=torch but torch.distributed does not import") from None
-        else:
-            kv = TorchStore.connect(host, port, serve, timeout)
-            serve = serve and not kv.where.startswith("torch.distributed's default")
-            return Rendezvous(kv, rank, size, timeout, serves=serve)
-    store = TcpStore(host, port, serve, timeout, _secret(env), remote=env.get("TSGEN_STORE_REMOTE") == "1")
-    return Rendezvous(store, rank, size, timeout, serves=serve)
+    if choice == "tsgen":
+        if agent:
+            raise StoreError("TSGEN_STORE=tsgen under torchrun's agent store: MASTER_PORT is served by the torchrun "
+                             "agent (a torch TCPStore); use TSGEN_STORE=torch or auto")
+        return "tsgen"
+    if torch_group:
+        return "torch group"
+    if agent:
+        return "torchrun agent"
+    return "torch TCPStore" if choice == "torch" else "tsgen"
+
+
+def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rendezvous:
+    """This rank's side of a rendezvous on the store `store_choice` picks (host and port:
+    MASTER_ADDR / MASTER_PORT, where a store is reached or served)."""
+    timeout = store_timeout(env)
+    kind = store_choice(env, _torch_initialized())
+    if kind == "tsgen":
+        serve = rank == 0
+        store = TcpStore(host, port, serve, timeout, _secret(env), remote=env.get("TSGEN_STORE_REMOTE") == "1")
+        return Rendezvous(store, rank, size, timeout, serves=serve)
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError as e:
+        why = {"torchrun agent": "torchrun started this process, and its agent's store is torch's",
+               "torch TCPStore": "TSGEN_STORE=torch"}.get(kind, kind)
+        raise StoreError(f"{why}, but torch.distributed does not import in this Python ({e})") from None
+    # the group's or torchrun's store: torch serves it, rank 0 exits when it likes (a rank telling
+    # a store whose server has gone that it left would fail, and torch would print a stack)
+    if kind == "torch group":
+        return Rendezvous(TorchStore.of_group(), rank, size, timeout, rank_serves=False)
+    if kind == "torchrun agent":
+        kv = TorchStore.tcp(host, port, False, timeout, where=f"torchrun agent's store at {host}:{port}")
+        return Rendezvous(kv, rank, size, timeout, rank_serves=False)
+    return Rendezvous(TorchStore.tcp(host, port, rank == 0, timeout), rank, size, timeout, serves=rank == 0)
+
+
+def torch_group() -> tuple[int, int] | None:
+    """(rank, world size) of torch.distributed's default process group when torch is imported
+    already and has one initialized, else None (torch is never imported here: tsgen runs
+    without it)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001 -- a half-imported torch
+        return None
 
 
 def _torch_initialized() -> bool:
-    """torch.distributed is imported already and has a default process group (torch is not imported here)."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized())
-    except Exception:  # noqa: BLE001 -- a half-imported torch
-        return False
+    return torch_group() is not None
 
 
 _shared: dict[tuple, Rendezvous] = {}
 
 
+def _group_store() -> object | None:
+    """The default process group's store object while torch.distributed has one, else None."""
+    if torch_group() is None:
+        return None
+    try:
+        return sys.modules["torch.distributed"].distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 -- the group went away meanwhile
+        return None
+
+
 def shared(host: str, port: int, rank: int, size: int) -> Rendezvous:
     """This process's rendezvous (made once, reused by every World, left at exit):
     ranks that create and destroy Worlds in the same order stay in step. Once any rank
-    has aborted, every later wait on it fails with that rank's message: the job is over."""
+    has aborted, every later wait on it fails with that rank's message: the job is over.
+    A process group destroyed and made again is a new store: the rendezvous on the old one
+    is dropped (not left: its store may be gone) and a new one made."""
     key = (host, port, rank, size)
     rv = _shared.get(key)
+    group = _group_store()
+    if rv is not None and not rv.closed and isinstance(rv.kv, TorchStore) and rv.kv.group is not None \
+            and rv.kv.group is not group:
+        atexit.unregister(rv.close)
+        rv.closed = True
+        rv = None
     if rv is None or rv.closed:
         rv = _shared[key] = connect(host, port, rank, size)
         atexit.register(rv.close)
