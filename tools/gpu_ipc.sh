@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 5 on GPUs: one process per GPU (CUDA IPC backend). Needs 4 GPUs, CuPy and
-# nvcc; torch is optional (its TCPStore is the store when it imports). Logs under
+# nvcc; torch is optional (with TSGEN_STORE=torch the ranks meet on its TCPStore; docs/design/runtime.md). Logs under
 # $OUT/ipc; a PASS/FAIL table last (also $OUT/ipc_summary.txt). Every step has a
 # timeout and the whole script stops starting steps after BUDGET s (default 285).
 #   1. tsgen test --backend ipc at 2 and 4 ranks: primitives and collectives
