@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (the DeepEP baseline's checks run on torch tensors)")
+torch = pytest.importorskip("torch", reason="torch is not installed (the DeepEP baseline checks torch tensors)")
 if not hasattr(torch, "float8_e4m3fn"):
     pytest.skip("this torch has no float8_e4m3fn", allow_module_level=True)
 
@@ -44,6 +44,12 @@ def test_ll_bytes_count_selections():
     assert b["combine"] == 3 * 7168 * 2
     assert b["link_dispatch"] == 2 * (7168 + 224 + 16) and b["link_combine"] == 2 * 7168 * 2  # -1 is never remote
     assert D.ll_bytes(idx, remote, 7168, fp8=False)["dispatch"] == 3 * (7168 * 2 + 16)
+
+
+def test_ll_sms_as_deepeps_launchers_compute_them():
+    assert D.ll_sms(64, 132) == 64 and D.ll_sms(64, 132, 128) == 128  # moe-w2's low-latency shape, H100 / H200
+    assert D.ll_sms(288, 132) == 96 and D.ll_sms(288, 132, 128) == 128  # 3 warp groups: 96 blocks
+    assert D.ll_sms(256, 132, 300) == 128 and D.ll_sms(64, 132, 600) == 120  # 5 tokens per block: 120
 
 
 def test_fp8_cast_round_trip():
@@ -146,7 +152,9 @@ def test_ll_dispatch_checker(fp8):
     xs, idxs, _ = zip(*(inputs(r) for r in range(WORLD)))
     me, local = 1, EXPERTS // WORLD
     recv, scales, counts, src_info, layout = packed_ll(xs, idxs, me, fp8)
-    check = lambda r, c, s, lay: D.ll_dispatch_wrong(torch, r, c, s, lay, list(xs), list(idxs), me, local, scales)  # noqa: E731
+    def check(r, c, s, lay):
+        return D.ll_dispatch_wrong(torch, r, c, s, lay, list(xs), list(idxs), me, local, scales)
+
     assert check(recv, counts, src_info, layout) == 0
     bad = recv.clone()
     if fp8:

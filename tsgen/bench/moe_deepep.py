@@ -77,6 +77,18 @@ def ll_bytes(topk_idx, remote, hidden: int, fp8: bool) -> dict:
     return {"dispatch": sel * drow, "combine": sel * crow, "link_dispatch": far * drow, "link_combine": far * crow}
 
 
+def ll_sms(experts: int, device_sms: int, combine_tokens: int | None = None) -> int:
+    """SMs (blocks) of DeepEP's low-latency kernels at v1.2.1 (internode_ll.cu's launchers): warp
+    groups = ceil(E / device SMs), dispatch ceil(E / groups) blocks; combine at least as many, and
+    enough for `combine_tokens` tokens at ceil(tokens / device SMs) per block."""
+    groups = -(-experts // device_sms)
+    sms = -(-experts // groups)
+    if combine_tokens:
+        per = -(-combine_tokens // device_sms)
+        sms = max(sms, -(-combine_tokens // per))
+    return sms
+
+
 def fp8_cast(torch, x):
     """(e4m3 [T, H], fp32 scales [T, H / 128]): scale = max(amax of 128 channels, 1e-4) / 448,
     q = e4m3(x / scale), the quantization DeepEP's tests feed its fp8 dispatch."""
@@ -313,9 +325,10 @@ def _normal(run: _Run, deep_ep, tokens: int) -> list[dict]:
         got["d"] = buffer.dispatch(xin, handle=handle, config=dcfg)[0]
 
     t = run.time(dispatch, f"DeepEP dispatch {pay} {tokens}")
-    wrong = count_wrong(torch, got["d"], want_in) + count_wrong(torch, recv, want) + count_wrong(torch, recv_idx, want_idx) + layout_wrong
+    wrong = (count_wrong(torch, got["d"], want_in) + count_wrong(torch, recv, want)
+             + count_wrong(torch, recv_idx, want_idx) + layout_wrong)
     out.append(run.row("dispatch", tokens, t, wrong, nb["dispatch"], nb["link_dispatch"],
-                       config=_config(dcfg, sms), **common))
+                       config=_config("dispatch", world, sms), **common))
 
     worst = world * tokens
 
@@ -329,7 +342,8 @@ def _normal(run: _Run, deep_ep, tokens: int) -> list[dict]:
     wrong = (count_wrong(torch, tuple(a[:rows] for a in wx) if fp8 else wx[:rows], want_in)
              + count_wrong(torch, widx[:rows], want_idx) + int((widx[rows:] != -1).sum().item()))
     out.append(run.row("layout+dispatch", tokens, t, wrong, nb["dispatch"], nb["link_dispatch"],
-                       config=_config(dcfg, sms), **dict(common, impl_note="layout from topk_idx, num_worst_tokens")))
+                       config=_config("dispatch", world, sms),
+                       **dict(common, impl_note="layout from topk_idx, num_worst_tokens")))
 
     def combine(i, _):
         got["c"] = buffer.combine(recv, handle, config=ccfg)[0]
@@ -337,7 +351,7 @@ def _normal(run: _Run, deep_ep, tokens: int) -> list[dict]:
     t = run.time(combine, f"DeepEP combine {tokens}")
     ref = normal_combine_ref(torch, x, mask)
     out.append(run.row("combine", tokens, t, count_wrong(torch, got["c"], ref), nb["combine"], nb["link_combine"],
-                       config=_config(ccfg, sms), **dict(common, payload="bf16")))
+                       config=_config("combine", world, sms), **dict(common, payload="bf16")))
 
     def pair(i, _):
         r = buffer.dispatch(xin, handle=handle, config=dcfg)[0]
@@ -354,13 +368,10 @@ def _normal(run: _Run, deep_ep, tokens: int) -> list[dict]:
     return out
 
 
-def _config(c, sms: int) -> str:
-    names = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
-             "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
-    vals = [getattr(c, n, None) for n in names]
-    if any(v is None for v in vals):
-        return f"Buffer.get_*_config(world) at {sms} SMs"
-    return ", ".join(f"{n}={v}" for n, v in zip(names, vals))
+def _config(kind: str, world: int, sms: int) -> str:
+    """The config a row ran with: DeepEP's recommended one for the world size (v1.2.1 does not
+    expose a Config's fields to Python; its buffer.py has the table)."""
+    return f"deep_ep.Buffer.get_{kind}_config({world}) at {sms} SMs"
 
 
 def _low_latency(run: _Run, deep_ep, tokens: int) -> list[dict]:
@@ -378,7 +389,8 @@ def _low_latency(run: _Run, deep_ep, tokens: int) -> list[dict]:
     xs, idxs = run.gather(x), run.gather(idx)
     remote = (idx // local) != me
     out, got = [], {}
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms, combine_sms = ll_sms(experts, device_sms), ll_sms(experts, device_sms, tokens)
     for fp8 in (False, True):
         pay = "fp8" if fp8 else "bf16"
         nb = ll_bytes(idx, remote, hidden, fp8)
@@ -391,7 +403,7 @@ def _low_latency(run: _Run, deep_ep, tokens: int) -> list[dict]:
         q, scales = (recv if fp8 else (recv, None))
         wrong = ll_dispatch_wrong(torch, q, counts, handle[0], handle[1], xs, idxs, me, local, scales)
         out.append(run.row("dispatch", tokens, t, wrong, nb["dispatch"], nb["link_dispatch"], ep_mode="low_latency",
-                           payload=pay, sms=sms, impl_note="kernel launch covers the SMs it needs (LL mode)"))
+                           payload=pay, sms=sms))
     nb = ll_bytes(idx, remote, hidden, False)
     recv, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, tokens, experts, use_fp8=False)
     y = recv.clone()  # the identity expert's outputs
@@ -402,7 +414,7 @@ def _low_latency(run: _Run, deep_ep, tokens: int) -> list[dict]:
     t = run.time(combine, f"DeepEP low-latency combine {tokens}")
     ref = ll_combine_ref(torch, x, idx, weights)
     out.append(run.row("combine", tokens, t, count_far(got["c"], ref, 2 ** -7), nb["combine"], nb["link_combine"],
-                       ep_mode="low_latency", payload="bf16", sms=sms))
+                       ep_mode="low_latency", payload="bf16", sms=combine_sms))
 
     def pair(i, _):
         r, _, h, _, _ = buffer.low_latency_dispatch(x, idx, tokens, experts, use_fp8=False)
@@ -410,7 +422,8 @@ def _low_latency(run: _Run, deep_ep, tokens: int) -> list[dict]:
 
     t = run.time(pair, f"DeepEP low-latency dispatch+combine {tokens}")
     out.append(run.row("pair", tokens, t, count_far(got["p"], ref, 2 ** -7), nb["dispatch"] + nb["combine"],
-                       nb["link_dispatch"] + nb["link_combine"], ep_mode="low_latency", payload="bf16", sms=sms))
+                       nb["link_dispatch"] + nb["link_combine"], ep_mode="low_latency", payload="bf16",
+                       sms=max(sms, combine_sms)))
     torch.cuda.synchronize()
     run.dist.barrier()
     buffer.destroy()
