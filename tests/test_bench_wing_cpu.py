@@ -72,8 +72,14 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
         return [B.Measured("torch all_to_all_single dispatch+combine", s, Timing([40.0 * factor] * 2, 4, "eager"))
                 for s in sizes]
 
+    def deepep(names, family, spec, world, sizes, iters, reps, warmup):  # the pair compared, a phase beside it
+        return [m for s in sizes for m in (
+            B.Measured("DeepEP normal dispatch+combine (bf16, 24 SMs)", s, Timing([30.0 * factor] * 2, 4, "eager")),
+            B.Measured("DeepEP normal dispatch (bf16, 24 SMs)", s, Timing([15.0 * factor] * 2, 4, "eager"),
+                       case=BenchCase(s, s, link_bytes=1.0, bw_bytes=2.0), compare=False, role="dispatch"))]
+
     for name, fn in (("collectives", collectives), ("fused", fused), ("cp_sdpa", cp_sdpa), ("torch_a2a", collectives),
-                     ("moe_a2a", moe)):
+                     ("moe_a2a", moe), ("deepep", deepep)):
         monkeypatch.setattr(B, name, fn)  # the functions the families' Baselines name
 
     def sdpa(step):  # in this process (torch is not installed here): one backend that runs, one that does not
@@ -270,6 +276,35 @@ def test_baseline_above_its_ceiling_is_an_error(monkeypatch):
     monkeypatch.setattr(B, "collectives", absurd)
     out = bench_spec("specs/allgather.yaml", 2, "1M", echo=lambda s: None, **FAST)
     assert [r["impl"] for r in out.rows] == ["tsgen"] and any(e.startswith("nccl:") for e in out.errors)
+
+
+def test_deepep_rows_become_measurements(monkeypatch):
+    """The DeepEP worker's rows (tsgen/bench/moe_deepep.py) as bench measurements: each phase with its
+    own bytes, only the pair compared with tsgen's, a skipped size a note, the ceiling beside the first size."""
+    import tsgen.bench.workers as W
+
+    timed = {"time_us": 500.0, "samples_us": [500.0, 510.0], "calls": 10, "mode": "eager", "problems": []}
+    rows = [dict(timed, phase="dispatch", tokens=4096, ep_mode="normal", payload="fp8", sms=24, wrong=0,
+                 deepep_bytes=3000, link_bytes=1500),
+            dict(timed, phase="pair", tokens=4096, ep_mode="normal", payload="fp8", sms=24, wrong=0,
+                 deepep_bytes=9000, link_bytes=4500),
+            {"phase": "all", "tokens": 128, "skipped": "deep_ep cannot be imported"},
+            dict(timed, phase="ceiling", tokens=0, ep_mode="peer copy", payload="bytes", wrong=0,
+                 deepep_bytes=256 << 20, link_bytes=256 << 20)]
+    got = {}
+    monkeypatch.setattr(W, "launch_workers", lambda cfg, world: got.update(cfg=cfg, world=world) or rows)
+    spec = spec_variant(load_spec("specs/moe_fp8.yaml"), {"params": {"experts": 32, "hidden": 7168}}).model
+    ms = B.deepep(["deepep"], get_family("moe"), spec, 2, [4096, 128], 10, 5, 3)
+    assert got["world"] == 2 and got["cfg"]["worker"] == "tsgen.bench.moe_deepep:deepep_worker"
+    assert got["cfg"]["payload"] == "fp8" and got["cfg"]["hidden"] == 7168 and got["cfg"]["mode"] == "normal"
+    assert got["cfg"]["sizes"] == [4096, 128]
+    d, pair, skipped, ceiling = ms
+    assert d.impl == "DeepEP normal dispatch (fp8, 24 SMs)" and not d.compare and d.role == "dispatch"
+    assert d.case.bw_bytes == 3000 and d.case.link_bytes == 1500 and d.timing.median_us == 505.0
+    assert pair.impl == "DeepEP normal dispatch+combine (fp8, 24 SMs)" and pair.compare and pair.case.bw_bytes == 9000
+    assert skipped.timing is None and skipped.size == 128 and "cannot be imported" in skipped.skipped
+    assert ceiling.size == 4096 and ceiling.impl.startswith("peer copy ceiling (cudaMemcpyPeerAsync 256 MiB")
+    assert not ceiling.compare and ceiling.extra["wrong"] == 0
 
 
 def test_every_family_states_its_conventions():

@@ -14,6 +14,8 @@ timings, rows of Measured from the workers' JSON:
   torch_a2a     the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
   cp_sdpa       cp_attention's: all_gather_into_tensor of K and V + SDPA (torch_ops.py)
   moe_a2a       MoE dispatch + combine through all_to_all_single (tsgen/bench/moe_torch.py)
+  deepep        MoE dispatch, combine and the pair through DeepEP, with the peer-copy ceiling
+                (tsgen/bench/moe_deepep.py; notes where deep_ep is not installed)
 """
 
 from __future__ import annotations
@@ -170,6 +172,40 @@ def moe_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps:
     impl = "torch all_to_all_single dispatch+combine" + (" (bf16 rows)" if p.payload == "fp8" else "")
     return [Measured(impl, r["tokens"], _timing(r), extra={k: r[k] for k in ("wrong", "torch_version") if k in r},
                      skipped=r.get("skipped")) for r in launch_workers(cfg, world)]
+
+
+DEEPEP_FIELDS = ("wrong", "phase", "ep_mode", "payload", "sms", "config", "impl_note", "deepep_bytes", "link_bytes",
+                 "link_GBps", "deep_ep_version", "torch_version")
+
+
+def deepep(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
+    """MoE dispatch, combine and the pair through DeepEP, and the peer-copy ceiling
+    (tsgen/bench/moe_deepep.py), each row with its own bytes (DeepEP's count as the bandwidth
+    bytes, the rows over the link as the guard's); the pair is compared with tsgen's pair, the
+    phases and the ceiling are rows beside it. Without deep_ep: notes, and the ceiling."""
+    from .workers import launch_workers
+
+    p = spec.params
+    cfg = {"worker": "tsgen.bench.moe_deepep:deepep_worker", "sizes": sizes, "experts": p.experts, "topk": p.topk,
+           "hidden": p.hidden, "mode": p.mode, "payload": p.payload, "iters": iters, "reps": reps, "warmup": warmup}
+    out = []
+    for r in launch_workers(cfg, world):
+        size = r["tokens"] or sizes[0]  # the ceiling row sits beside the first size
+        if r.get("skipped"):
+            out.append(Measured("DeepEP", size, None, skipped=r["skipped"]))
+            continue
+        phase = r["phase"]
+        if phase == "ceiling":
+            impl = f"peer copy ceiling (cudaMemcpyPeerAsync {r['deepep_bytes'] >> 20} MiB per rank, all at once)"
+        else:
+            impl = (f"DeepEP {r['ep_mode'].replace('_', '-')} {'dispatch+combine' if phase == 'pair' else phase} "
+                    f"({r['payload']}, {r['sms']} SMs)")
+        case = BenchCase(size, size, link_bytes=float(r["link_bytes"]), bw_bytes=float(r["deepep_bytes"]),
+                         note="bytes: DeepEP's count (its tests), the rank that moves most")
+        out.append(Measured(impl, size, _timing(r), case=case, compare=phase == "pair",
+                            role="" if phase == "pair" else phase,
+                            extra={k: r[k] for k in DEEPEP_FIELDS if k in r}))
+    return out
 
 
 def runner(baseline: Baseline):

@@ -49,12 +49,14 @@ class MoeBench(BenchConventions):
     scales, per-row metadata and handles; `traffic`), DeepEP's "bottleneck bandwidth" over the
     link; the guard's link bytes are the least any rank sends. Baseline: PyTorch's
     all_to_all_single-based dispatch / combine (counts exchange, permute, all-to-all, unpermute
-    with index_add), one process per GPU (tsgen/bench/moe_torch.py)."""
+    with index_add), one process per GPU (tsgen/bench/moe_torch.py); DeepEP's dispatch, combine
+    and pair where its wheel is installed, beside the measured peer-copy ceiling
+    (tsgen/bench/moe_deepep.py)."""
 
     kind = "latency"
     size_unit = "count"
     metric = "time_us"
-    baselines = (Baseline("torch_moe", "moe_a2a"),)
+    baselines = (Baseline("torch_moe", "moe_a2a"), Baseline("deepep", "deepep"))
 
     def group_shape(self, spec):
         """The baseline moves what the routing and row shape say: a variant of another shape (or
