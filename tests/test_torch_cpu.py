@@ -23,7 +23,7 @@ if not dist.is_available():  # pragma: no cover - builds without distributed
 
 import tsgen.torch as tt  # noqa: E402
 from tsgen.manifest import Manifest  # noqa: E402
-from tsgen.torch.signature import OpSignature, TsgenArgumentError, TsgenTorchError  # noqa: E402
+from tsgen.torch.signature import OpSignature, ShapedSignature, TsgenArgumentError, TsgenTorchError, signature_of  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -294,6 +294,129 @@ def test_heap_mode_checked(groups):
         heap_mode("nccl", {})
 
 
+# -- Ulysses: tensors with shapes of their own --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ulysses(groups):
+    """ulysses_pre_a2a and ulysses_post_a2a (bshd, batch 2, 24 heads of 128) at W 2 and 4, paired."""
+    out = {}
+    for w in (2, 4):
+        pre = tt.load(GEN / "ulysses_pre_a2a.json", groups[w])
+        post = tt.load(GEN / "ulysses_post_a2a.json", groups[w])
+        tt.pair(pre, post)
+        out[w] = (pre, post)
+    return out
+
+
+@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("tokens", [1, 1001])
+def test_ulysses_fake_shapes(ulysses, w, tokens):
+    """pre: [batch, S/P, heads, head_dim] -> [batch, S, heads/P, head_dim]; post the inverse."""
+    pre, post = ulysses[w]
+    with fake_mode():
+        x = torch.empty(2, tokens, 24, 128, dtype=BF16, device="cuda")
+        y = pre(x)
+        assert tuple(y.shape) == (2, w * tokens, 24 // w, 128) and y.dtype == BF16
+        z = post(y)
+        assert tuple(z.shape) == (2, tokens, 24, 128) and z.dtype == BF16
+    assert str(torch.ops.tsgen.ulysses_pre_a2a.default._schema) == \
+        "tsgen::ulysses_pre_a2a(Tensor x, str group_name) -> Tensor"
+
+
+@pytest.mark.parametrize("w, q_heads", [(2, 8), (4, 4)])
+def test_ulysses_gqa_three_outputs(groups, w, q_heads):
+    """Packed QKV (16 query, 2 KV heads, bhsd): one tensor in, q, k and v out; with P > 2 a KV head
+    is replicated (one per rank)."""
+    op = tt.load(GEN / "ulysses_pre_a2a_gqa.json", groups[w])
+    assert str(torch.ops.tsgen.ulysses_pre_a2a_gqa.default._schema).endswith("-> (Tensor, Tensor, Tensor)")
+    with fake_mode():
+        q, k, v = op(torch.empty(1, 9, 20, 128, dtype=BF16, device="cuda"))
+    assert tuple(q.shape) == (1, q_heads, 9 * w, 128)
+    assert tuple(k.shape) == tuple(v.shape) == (1, 2 // w or 1, 9 * w, 128)
+    with pytest.raises(TsgenTorchError, match=r"ulysses_pre_a2a_gqa \(ulysses_pre_a2a\) has no adjoint op.*one "
+                                              r"tensor in and one out"):
+        tt.pair(op, tt.load(GEN / "ulysses_post_a2a.json", groups[w]))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: torch.empty(2, 8, 16, 128, dtype=BF16, device="cuda"),
+     r"tsgen::ulysses_pre_a2a on rank 0: argument x: dimension 2 \(heads\) is 16 \(shape \(2, 8, 16, 128\)\), but "
+     r"specs/ulysses_pre_a2a.yaml was compiled for heads 24: tsgen::ulysses_pre_a2a takes \[batch 2, S/P, heads 24, "
+     r"head_dim 128\] at world size 2"),
+    (lambda: torch.empty(8, 24, 128, dtype=BF16, device="cuda"),
+     r"argument x: 3 dimensions \(shape \(8, 24, 128\)\), but tsgen::ulysses_pre_a2a takes \[batch 2, S/P"),
+    (lambda: torch.empty(2, 8, 24, 128, dtype=torch.float16, device="cuda"),
+     r"argument x: dtype float16, but specs/ulysses_pre_a2a.yaml was compiled for bfloat16"),
+    (lambda: torch.empty(2, 24, 8, 128, dtype=BF16, device="cuda").transpose(1, 2),
+     r"argument x: not contiguous"),
+])
+def test_ulysses_errors(ulysses, make, match):
+    pre, _ = ulysses[2]
+    with fake_mode():
+        x = make()
+        with pytest.raises(TsgenArgumentError, match=match):
+            pre(x)
+
+
+def test_ulysses_post_sequence_not_divisible(ulysses):
+    _, post = ulysses[4]
+    with fake_mode():
+        with pytest.raises(TsgenArgumentError, match=r"tsgen::ulysses_post_a2a on rank 0: argument x: dimension 1 "
+                                                     r"\(S\) is 10 .*not a multiple of 4 \(the group size\)"):
+            post(torch.empty(2, 10, 6, 128, dtype=BF16, device="cuda"))
+        with pytest.raises(TsgenArgumentError, match=r"dimension 2 \(heads/P\) is 12 .*compiled for heads/P 6"):
+            post(torch.empty(2, 8, 12, 128, dtype=BF16, device="cuda"))
+
+
+def test_ulysses_pair_checks(ulysses, ops, groups):
+    pre2, post2 = ulysses[2]
+    ag2, _ = ops[2]
+    with pytest.raises(TsgenTorchError, match=r"needs a ulysses_post_a2a op as its adjoint, not tsgen::allgather"):
+        tt.pair(pre2, ag2)
+    with pytest.raises(TsgenTorchError, match=r"needs a ulysses_pre_a2a op as its adjoint, not tsgen::ulysses_post"):
+        tt.pair(post2, post2)
+    # the same kinds compiled for other shapes are not adjoints: a bhsd pre does not invert a bshd post
+    pre_sig = pre2.signature
+    data = json.loads((GEN / "ulysses_pre_a2a.json").read_text())
+    data["constants"]["BHSD"] = 1
+    other = signature_of(Manifest.from_json(json.dumps(data)), 2, 0)
+    post_sig = post2.signature
+    assert pre_sig.adjoint_problem(post_sig) is None and post_sig.adjoint_problem(pre_sig) is None
+    assert "does not map [batch 2, heads/P 12, S, head_dim 128] back to [batch 2, S/P, heads 24, head_dim 128]" in \
+        other.adjoint_problem(post_sig)
+
+
+def test_ulysses_compile_backward(ulysses):
+    """torch.compile(fullgraph=True) of pre -> (local work) -> post: the backward graph runs each op's
+    adjoint (post for pre's gradient, pre for post's), in reverse order."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    pre, post = ulysses[2]
+    fw, bw = [], []
+
+    def keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def layer(x):
+        return post(torch.tanh(pre(x)))
+
+    torch._dynamo.reset()
+    with fake_mode():
+        x = torch.empty(2, 5, 24, 128, dtype=BF16, requires_grad=True)
+        y = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(x)
+        assert tuple(y.shape) == (2, 5, 24, 128)
+        y.sum().backward()
+        assert tuple(x.grad.shape) == (2, 5, 24, 128)
+    fwd = [str(n.target) for n in fw[0].graph.nodes if n.op == "call_function"]
+    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+    assert fwd.index("tsgen.ulysses_pre_a2a.default") < fwd.index("tsgen.ulysses_post_a2a.default"), fwd
+    assert bwd.index("tsgen.ulysses_pre_a2a.default") < bwd.index("tsgen.ulysses_post_a2a.default"), bwd
+
+
 # -- signatures of every shipped collective --------------------------------------------------------
 
 def _manifests():
@@ -303,14 +426,22 @@ def _manifests():
 @pytest.mark.parametrize("path", _manifests(), ids=lambda p: p.stem)
 def test_signature_matches_semantics(path):
     """Every shipped module either loads as a torch op, with the chunk counts its family's semantics
-    state (the torch layout), or is refused with a TsgenTorchError, never anything else."""
+    state (the torch layout) or the tensors its family names (each filling its buffer exactly),
+    or is refused with a TsgenTorchError, never anything else."""
     from tsgen.ops import get_family
 
     manifest = Manifest.load(path)
     for w in manifest.world_sizes:
         try:
-            sig = OpSignature.of(manifest, w, 0)
+            sig = signature_of(manifest, w, 0)
         except TsgenTorchError:
+            continue
+        if isinstance(sig, ShapedSignature):
+            for t in sig.ins + sig.outs:
+                numel = 1
+                for n in t.shape(5):
+                    numel *= n
+                assert numel == t.buffer.elems(5, w), (path.stem, w, t.name)
             continue
         sem = get_family(manifest.op).semantics
         assert (sig.in_units, sig.out_units) == (sem.n_in(w), sem.n_out(w)), (path.stem, w)

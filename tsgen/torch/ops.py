@@ -40,7 +40,7 @@ from ..runtime.placement import mps_active, ranks_per_gpu, residency_problem, sh
 from ..runtime.world import (_host_launcher, arg_values, launcher_cargs, module_files, multimem_refusal,
                              prepare_ranks)
 from . import heap as heap_mod
-from .signature import TORCH_DTYPES, OpSignature, TsgenArgumentError, TsgenTorchError
+from .signature import TORCH_DTYPES, TsgenArgumentError, TsgenTorchError, signature_of
 
 _LIB: Any = None  # the torch.library.Library fragment that holds every tsgen op (kept alive)
 _DEFINED: dict[str, str] = {}  # module name -> spec sha256 of the module that defined tsgen::<name>
@@ -67,34 +67,44 @@ def _library() -> Any:
     return _LIB
 
 
-def _define(name: str) -> None:
-    """Register tsgen::<name>: schema, the real kernel (any device: it names a wrong one itself),
-    the fake kernel, and the autograd formula (the adjoint op, see pair)."""
+def _metas(tensors: tuple) -> list[tuple]:
+    return [(t.shape, _dtype_name(t.dtype), t.is_contiguous()) for t in tensors]
+
+
+def _define(name: str, schema: str) -> None:
+    """Register tsgen::<name>: schema (the signature's: its tensors, then the group's name), the real
+    kernel (any device: it names a wrong one itself), the fake kernel, and the autograd formula
+    (the adjoint op, see pair)."""
     if name in _DEFINED:
         return
     lib = _library()
     qual = f"tsgen::{name}"
-    lib.define(f"{name}(Tensor x, str group_name) -> Tensor")
+    lib.define(schema)
 
-    def real(x: torch.Tensor, group_name: str) -> torch.Tensor:
-        return _lookup(name, group_name)._forward(x)
+    def real(*args: Any) -> Any:
+        return _lookup(name, args[-1])._forward(*args[:-1])
 
-    def fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
-        sig = _lookup(name, group_name).signature
-        sig.count(x.shape, _dtype_name(x.dtype), x.is_contiguous())
-        return x.new_empty(sig.out_shape(x.shape))
+    def fake(*args: Any) -> Any:
+        sig = _lookup(name, args[-1]).signature
+        tensors = args[:-1]
+        sig.check(_metas(tensors))
+        outs = [tensors[0].new_empty(shape, dtype=getattr(torch, TORCH_DTYPES[b.dtype]))
+                for shape, b in zip(sig.out_shapes([t.shape for t in tensors]), sig.outputs)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.group_name = inputs[1]
+        ctx.group_name = inputs[-1]
 
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         op = _lookup(name, ctx.group_name)
         if op.adjoint is None:
-            raise TsgenTorchError(
-                f"{qual} on rank {op.rank}: no adjoint op for its backward; load the "
-                f"{'reduce_scatter' if op.signature.op == 'allgather' else 'allgather'} spec on the same group and "
-                "call tsgen.torch.pair(op, adjoint)")
-        return getattr(torch.ops.tsgen, op.adjoint.name)(grad.contiguous(), ctx.group_name), None
+            from .signature import ADJOINT_KINDS
+
+            want = ADJOINT_KINDS.get(op.signature.op)
+            how = (f"load the {want} spec on the same group and call tsgen.torch.pair(op, adjoint)" if want else
+                   f"{op.signature.op} has no adjoint op in tsgen.torch")
+            raise TsgenTorchError(f"{qual} on rank {op.rank}: no adjoint op for its backward; {how}")
+        return getattr(torch.ops.tsgen, op.adjoint.name)(grads[0].contiguous(), ctx.group_name), None
 
     torch.library.impl(qual, "default", real, lib=lib)
     torch.library.register_fake(qual, fake, lib=lib)
@@ -150,7 +160,7 @@ class TorchOp:
     """One generated module on one process group, as seen from this rank. Call it with a tensor;
     `empty(shape)` gives an input in the symmetric heap (no copy in); `close()` frees the heaps."""
 
-    def __init__(self, manifest: Manifest, source: Path, group: Any, signature: OpSignature,
+    def __init__(self, manifest: Manifest, source: Path, group: Any, signature: Any,
                  arch: str | None, heap: str | None):
         self.manifest, self.source, self.group = manifest, Path(source), group
         self.signature = signature
@@ -173,8 +183,8 @@ class TorchOp:
         return (f"<tsgen.torch op {self.signature.qualname} rank {self.rank}/{self.world} group {self.group_name!r} "
                 f"{'trace only' if self.trace_only else f'cuda:{self.device}'}>")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(torch.ops.tsgen, self.name)(x, self.group_name)
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        return getattr(torch.ops.tsgen, self.name)(*tensors, self.group_name)
 
     @property
     def where(self) -> str:
@@ -264,14 +274,20 @@ class TorchOp:
         return state
 
     # -- calls ----------------------------------------------------------------------------
-    def _check(self, x: Any, arg: str = "x") -> int:
-        if not isinstance(x, torch.Tensor):
-            raise TsgenArgumentError(f"{self.signature.where(arg)}: got {type(x).__name__}, not a torch.Tensor")
-        count = self.signature.count(x.shape, _dtype_name(x.dtype), x.is_contiguous(), arg)
+    def _check(self, tensors: tuple) -> int:
+        sig = self.signature
+        if len(tensors) != len(sig.arg_names):
+            raise TsgenArgumentError(f"{sig.qualname} on rank {self.rank}: {len(tensors)} tensors, but it takes "
+                                     f"{len(sig.arg_names)} ({', '.join(sig.arg_names)})")
+        for arg, x in zip(sig.arg_names, tensors):
+            if not isinstance(x, torch.Tensor):
+                raise TsgenArgumentError(f"{sig.where(arg)}: got {type(x).__name__}, not a torch.Tensor")
+        count = sig.check(_metas(tensors))
         want = "a CUDA device" if self.device is None else f"cuda:{self.device}"
-        if x.device.type != "cuda" or (self.device is not None and x.device.index != self.device):
-            raise TsgenArgumentError(f"{self.signature.where(arg)}: on {x.device}, but this rank's op runs on {want} "
-                                     "(torch.cuda.set_device before tsgen.torch.load picks it)")
+        for arg, x in zip(sig.arg_names, tensors):
+            if x.device.type != "cuda" or (self.device is not None and x.device.index != self.device):
+                raise TsgenArgumentError(f"{sig.where(arg)}: on {x.device}, but this rank's op runs on {want} "
+                                         "(torch.cuda.set_device before tsgen.torch.load picks it)")
         return count
 
     def _need_gpu(self) -> None:
@@ -280,17 +296,21 @@ class TorchOp:
                                   f"{dist.get_backend(self.group)!r}, CUDA available: {torch.cuda.is_available()}): it "
                                   "traces (fake kernels) but does not run")
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        count = self._check(x)
+    def _forward(self, *tensors: torch.Tensor) -> Any:
+        count = self._check(tensors)
         self._need_gpu()
         sig = self.signature
-        out = torch.empty(sig.out_shape(x.shape), dtype=x.dtype, device=x.device)
+        x = tensors[0]
+        outs = [torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[b.dtype]), device=x.device)
+                for shape, b in zip(sig.out_shapes([t.shape for t in tensors]), sig.outputs)]
+        result = outs[0] if len(outs) == 1 else tuple(outs)
         if count == 0:
-            return out
+            return result
         state = self._heap(count)
-        src = state.view(sig.input.name)
-        if x.data_ptr() != src.data_ptr():  # not op.empty()'s tensor: one copy in
-            src.copy_(x.reshape(-1))
+        for b, t in zip(sig.inputs, tensors):
+            src = state.view(b.name)
+            if t.data_ptr() != src.data_ptr():  # not op.empty()'s tensor: one copy in
+                src[:t.numel()].copy_(t.reshape(-1))
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream()
             err = self._launcher(*state.cargs, ctypes.c_void_p(stream.cuda_stream))
@@ -298,20 +318,26 @@ class TorchOp:
             raise TsgenTorchError(f"{self.where}: {self.kernel.launcher} failed with cudaError {err} "
                                   f"(count {count}); a kernel that trapped before leaves this error: "
                                   "tsgen.torch.synchronize() names it")
-        out.view(-1).copy_(state.view(sig.output.name))
-        return out
+        for b, out in zip(sig.outputs, outs):
+            out.view(-1).copy_(state.view(b.name)[:out.numel()])
+        return result
 
     def empty(self, *shape: Any) -> torch.Tensor:
         """An input tensor of `shape` that lives in this op's symmetric heap: the op reads it where it
         is (no copy in). A collective the first time a shape is used (it makes the heap). Valid until
-        close(); the op's next call with this shape reads whatever it holds then."""
-        shape = self.signature.input_shape_for(shape)
-        count = self.signature.count(shape, TORCH_DTYPES[self.signature.dtype], True, "shape")
+        close(); the op's next call with this shape reads whatever it holds then. The op's first
+        input (x)."""
+        sig = self.signature
+        shape = sig.input_shape_for(shape)
+        dtype = TORCH_DTYPES[sig.input.dtype]
+        count = sig.count_of(sig.arg_names[0], shape, dtype, True)
         self._need_gpu()
+        numel = 1
+        for n in shape:
+            numel *= n
         if count == 0:
-            return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[self.signature.dtype]),
-                               device=f"cuda:{self.device}")
-        return self._heap(count).view(self.signature.input.name).view(shape)
+            return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{self.device}")
+        return self._heap(count).view(sig.input.name)[:numel].view(shape)
 
     def close(self) -> None:
         """Free this op's heaps (collective for CUDA IPC heaps) and unregister it; tensors from
@@ -353,7 +379,7 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
         raise TsgenTorchError(f"this process (global rank {dist.get_rank()}) is not a member of the group it "
                               "loads the op on")
     manifest, src = _resolve(spec_or_manifest, source)
-    signature = OpSignature.of(manifest, world, rank)
+    signature = signature_of(manifest, world, rank)
     refusal = multimem_refusal(manifest, os.environ, False)
     if refusal:
         raise TsgenTorchError(f"{signature.qualname} on rank {rank}: {refusal}")
@@ -374,7 +400,7 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
                               f"{_DEFINED[manifest.name][:12]}) defined the op in this process; one module name is one "
                               "op: give the spec another name")
     op = TorchOp(manifest, src, group, signature, arch, heap)
-    _define(manifest.name)
+    _define(manifest.name, signature.schema())
     _DEFINED[manifest.name] = manifest.spec_sha256
     _OPS[key] = op
     return op
@@ -382,7 +408,9 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
 
 def pair(op: TorchOp, adjoint: TorchOp) -> None:
     """Make each op the other's backward: allgather's gradient is the reduce-scatter of its output's
-    gradient, and the other way round. Both on the same group, same dtype, mirrored shapes."""
+    gradient, and the other way round; Ulysses' pre all-to-all's gradient is the post all-to-all of
+    its output's gradient (a permutation's adjoint is its inverse), and the other way round. Both on
+    the same group, same dtype, mirrored shapes."""
     if op.group_name != adjoint.group_name:
         raise TsgenTorchError(f"{op.signature.qualname} is on group {op.group_name!r}, "
                               f"{adjoint.signature.qualname} on {adjoint.group_name!r}: an adjoint runs on the same group")
