@@ -23,7 +23,7 @@ if not dist.is_available():  # pragma: no cover - builds without distributed
 
 import tsgen.torch as tt  # noqa: E402
 from tsgen.manifest import Manifest  # noqa: E402
-from tsgen.torch.signature import OpSignature, ShapedSignature, TsgenArgumentError, TsgenTorchError, signature_of  # noqa: E402
+from tsgen.torch.signature import ShapedSignature, TsgenArgumentError, TsgenTorchError, signature_of  # noqa: E402
 
 BF16 = torch.bfloat16
 

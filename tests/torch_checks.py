@@ -5,6 +5,9 @@ tests/test_torch_gpu.py where there are 2 GPUs and torch):
     torchrun --nproc-per-node 2 tests/torch_checks.py --probe    # a peer that never arrives, gloo group
 
 Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's detail):
+  ulysses_*: Ulysses pre / post all-to-alls (and the packed GQA pre) against the twins
+    (all_to_all_single + permutes), bit for bit; their gradients against the twins' autograd;
+    pre -> post in a CUDA graph, 100 replays;
   allgather / reduce_scatter against torch.distributed's all_gather_into_tensor /
     reduce_scatter_tensor (NCCL) on random data: integer-valued (every sum exact: bit-equal) and
     normal (close), shapes with odd sizes, the heap's output buffer poisoned before every call;
@@ -82,10 +85,13 @@ def data(shape, gen, integer: bool) -> torch.Tensor:
 
 
 def poison(op, x: torch.Tensor, byte: int) -> None:
-    """Fill the heap's output buffer for x's size with `byte` (a missing write then shows; a fresh heap
-    would otherwise hold zeros). Makes the heap first if needed: a collective, as the call is."""
-    count = op.signature.count(x.shape, op.signature.dtype)
-    op._heap(count).view(op.signature.output.name).view(torch.uint8).fill_(byte)
+    """Fill the heap's output buffers for an input like x with `byte` (a missing write then shows; a
+    fresh heap would otherwise hold zeros). Makes the heap first if needed: a collective, as the call is."""
+    sig = op.signature
+    count = sig.check([(x.shape, str(x.dtype).removeprefix("torch."), True)])
+    state = op._heap(count)
+    for b in sig.outputs:
+        state.view(b.name).view(torch.uint8).fill_(byte)
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, str]:
@@ -269,8 +275,117 @@ def main_checks() -> None:
 
     errors()
     tt.close_all()
+    check_ulysses(gen)
+    tt.close_all()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def check_ulysses(gen) -> None:
+    """Ulysses' pre and post all-to-alls (bshd) and the packed GQA pre (bhsd, three outputs) against
+    the torch-only twins (all_to_all_single + permutes): permutations, so bit for bit on random bits;
+    their gradients (pre's backward runs post and the other way round) against the twins' autograd;
+    pre -> post captured in a CUDA graph and replayed 100 times."""
+    pre = tt.load(ROOT / "specs" / "ulysses_pre_a2a.yaml")
+    post = tt.load(ROOT / "specs" / "ulysses_post_a2a.yaml")
+    tt.pair(pre, post)
+    w, rank = dist.get_world_size(), dist.get_rank()
+    b, _, h, d = (n for _, n in pre.signature.ins[0].dims)
+
+    def shard(tokens):  # random 16-bit patterns (no NaN: bf16 NaNs compare unequal through .float())
+        return data((b, tokens, h, d), gen, False)
+
+    @checked("ulysses_vs_twin")
+    def forward():
+        notes, ok = [], True
+        for tokens in (1001, 1, 4096):
+            x = shard(tokens)
+            poison(pre, x, 0xFF)
+            y = pre(x)
+            want_y = twins.ulysses_pre(x)
+            poison(post, y, 0x7F)
+            z = post(y)
+            wrong_y = int((bits(y) != bits(want_y)).sum().item()) if y.shape == want_y.shape else -1
+            wrong_z = int((bits(z) != bits(twins.ulysses_post(y))).sum().item())
+            back = bool(torch.equal(bits(z), bits(x)))
+            ok &= wrong_y == 0 and wrong_z == 0 and back
+            notes.append(f"S/P {tokens}: pre {wrong_y} wrong of {y.numel()}, post {wrong_z} wrong, post(pre(x)) == x "
+                         f"{back}")
+        return ok, "; ".join(notes)
+
+    forward()
+
+    @checked("ulysses_grad")
+    def grad():
+        notes, ok = [], True
+        for op, twin, x in ((pre, twins.ulysses_pre, shard(777)), (post, twins.ulysses_post, None)):
+            if x is None:
+                x = data((b, 777 * w, h // w, d), gen, False)
+            xa = x.clone().requires_grad_(True)
+            ya = op(xa)
+            dy = data(tuple(ya.shape), gen, False)
+            ya.backward(dy)
+            xb = x.clone().requires_grad_(True)
+            twin(xb).backward(dy)
+            wrong = int((bits(xa.grad) != bits(xb.grad)).sum().item())
+            ok &= wrong == 0
+            notes.append(f"{op.signature.qualname}: {wrong} of {x.numel()} gradient elements differ from the twin's")
+        return ok, "; ".join(notes)
+
+    grad()
+
+    @checked("ulysses_graph_100_replays")
+    def graph():
+        static_x = shard(1024)
+        for _ in range(2):  # warm-up: the heaps exist before capture
+            post(pre(static_x))
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = pre(static_x)
+            z = post(y)
+        wrong_y = wrong_z = 0
+        for _ in range(100):
+            static_x.copy_(shard(1024))
+            g.replay()
+            wrong_y += int((bits(y) != bits(twins.ulysses_pre(static_x))).sum().item())
+            wrong_z += int((bits(z) != bits(static_x)).sum().item())
+        torch.cuda.synchronize()
+        return wrong_y == 0 and wrong_z == 0, f"100 replays: {wrong_y} wrong pre, {wrong_z} wrong post elements"
+
+    graph()
+
+    @checked("ulysses_gqa_vs_twin")
+    def gqa():
+        if w not in (2, 4, 8):
+            return True, f"skipped: specs/ulysses_pre_a2a_gqa.yaml is compiled for 2, 4, 8 ranks, not {w}"
+        op = tt.load(ROOT / "specs" / "ulysses_pre_a2a_gqa.yaml")
+        dims = dict(op.signature.ins[0].dims)
+        heads, kv = op.signature.outs[0].dims[1][1] * w, op.signature.outs[1].dims[1][1]
+        x = data((dims["batch"], 555, dims["heads + 2 kv_heads"], dims["head_dim"]), gen, False)
+        poison(op, x, 0xFF)
+        q, k, v = op(x)
+        # the twin: every rank's shard gathered, then the heads this rank receives (KV heads replicated)
+        full = torch.cat([t for t in twins.all_gather(x.transpose(0, 1).contiguous()).view(
+            w, 555, dims["batch"], -1, dims["head_dim"]).transpose(1, 2)], dim=1)  # [B, S, heads + 2 kv, D]
+        kv_heads = (dims["heads + 2 kv_heads"] - heads) // 2
+        k0 = rank * kv_heads // w
+        want = [full[:, :, rank * (heads // w):(rank + 1) * (heads // w)],
+                full[:, :, heads + k0:heads + k0 + kv], full[:, :, heads + kv_heads + k0:heads + kv_heads + k0 + kv]]
+        notes, ok = [], True
+        for name, got, ref in zip("qkv", (q, k, v), want):
+            ref = ref.transpose(1, 2)  # bhsd
+            same = got.shape == ref.shape and bool(torch.equal(bits(got), bits(ref.contiguous())))
+            ok &= same
+            notes.append(f"{name} {tuple(got.shape)} {'equal' if same else 'DIFFERENT'}")
+        op.close()
+        return ok, "; ".join(notes)
+
+    gqa()
 
 
 def probe() -> None:

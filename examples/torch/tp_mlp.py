@@ -21,13 +21,10 @@ when a check fails.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -35,7 +32,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 import tsgen.torch as tt  # noqa: E402
+from common import compare, finish, init, print_times, report, step, time_step  # noqa: E402
 from twins import AllGather, ReduceScatter  # noqa: E402
+
+NAMES = ("y", "dx", "dW1", "dW2")
 
 
 class TPMLP(torch.nn.Module):
@@ -52,51 +52,6 @@ class TPMLP(torch.nn.Module):
         return self.scatter(h @ self.w2)
 
 
-def step(block, x, dy):
-    """One forward + backward; returns (y, dx, dW1, dW2)."""
-    block.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_(True)
-    y = block(x)
-    y.backward(dy)
-    return y.detach(), x.grad, block.w1.grad, block.w2.grad
-
-
-def time_step(block, x, dy, iters: int, warmup: int = 3) -> float:
-    """Milliseconds per forward + backward step (CUDA events around `iters` steps, ranks lined up first)."""
-    for _ in range(warmup):
-        step(block, x, dy)
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step(block, x, dy)
-    end.record()
-    tt.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def compare(name: str, got, want, rank: int) -> tuple[bool, str]:
-    """bf16 results of the same math with differently ordered sums: close, not equal."""
-    names = ("y", "dx", "dW1", "dW2")
-    worst, ok = [], True
-    for n, a, b in zip(names, got, want):
-        scale = b.float().abs().max().item() or 1.0
-        diff = (a.float() - b.float()).abs().max().item()
-        worst.append(f"{n} {diff / scale:.1e}")
-        ok &= bool(torch.isfinite(a).all().item()) and diff <= 2e-2 * scale
-    return ok, f"rank {rank}: max |diff| / max |twin|: " + ", ".join(worst)
-
-
-def report(name: str, ok: bool, detail: str) -> bool:
-    results = [None] * dist.get_world_size()
-    dist.all_gather_object(results, (ok, detail))
-    all_ok = all(r[0] for r in results)
-    if dist.get_rank() == 0:
-        print(f"CHECK {name} {'PASS' if all_ok else 'FAIL'} " + "; ".join(r[1] for r in results), flush=True)
-    return all_ok
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192, help="S: sequence length over all ranks")
@@ -106,10 +61,7 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="also the tsgen block under torch.compile(fullgraph=True)")
     args = ap.parse_args()
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=120))
-    rank, w = dist.get_rank(), dist.get_world_size()
+    rank, w, dev = init()
     S, H, F = args.tokens, args.hidden, args.ffn
     if S % w or F % w:
         raise SystemExit(f"--tokens {S} and --ffn {F} must be multiples of the world size {w}")
@@ -119,7 +71,7 @@ def main() -> int:
     tt.pair(ag, rs)
 
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    dev, bf16 = torch.device("cuda", local), torch.bfloat16
+    bf16 = torch.bfloat16
     w1 = (torch.randn(H, F // w, generator=g, device=dev) / H ** 0.5).to(bf16)
     w2 = (torch.randn(F // w, H, generator=g, device=dev) / (F ** 0.5)).to(bf16)
     x = torch.randn(S // w, H, generator=g, device=dev).to(bf16)
@@ -131,7 +83,7 @@ def main() -> int:
     want = step(twin_block, x, dy)
     got = step(tsgen_block, x, dy)
     tt.synchronize()
-    ok &= report("tp_mlp_eager_fwd_bwd", *compare("eager", got, want, rank))
+    ok &= report("tp_mlp_eager_fwd_bwd", *compare(NAMES, got, want, rank))
 
     times = {"twin (NCCL) eager": time_step(twin_block, x, dy, args.iters),
              "tsgen eager": time_step(tsgen_block, x, dy, args.iters)}
@@ -140,17 +92,10 @@ def main() -> int:
         compiled.forward = torch.compile(compiled.forward, fullgraph=True)
         got_c = step(compiled, x, dy)
         tt.synchronize()
-        ok &= report("tp_mlp_compiled_fwd_bwd", *compare("compiled", got_c, want, rank))
+        ok &= report("tp_mlp_compiled_fwd_bwd", *compare(NAMES, got_c, want, rank))
         times["tsgen compiled"] = time_step(compiled, x, dy, args.iters)
-    if rank == 0:
-        base = times["twin (NCCL) eager"]
-        for name, ms in times.items():
-            print(f"TIME tp_mlp S={S} H={H} F={F} W={w} {name}: {ms:.3f} ms/step ({base / ms:.2f}x the twin)",
-                  flush=True)
-    tt.close_all()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    print_times(f"tp_mlp S={S} H={H} F={F} W={w}", times, "twin (NCCL) eager")
+    return finish(ok)
 
 
 if __name__ == "__main__":
