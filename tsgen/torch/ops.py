@@ -39,6 +39,7 @@ from ..runtime.ipc import join_problem
 from ..runtime.placement import mps_active, ranks_per_gpu, residency_problem, share_from_env
 from ..runtime.world import (_host_launcher, arg_values, launcher_cargs, module_files, multimem_refusal,
                              prepare_ranks)
+from . import grads as grads_mod
 from . import heap as heap_mod
 from .signature import TORCH_DTYPES, TsgenArgumentError, TsgenTorchError, signature_of
 
@@ -94,17 +95,26 @@ def _define(name: str, schema: str) -> None:
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.group_name = inputs[-1]
+        f = grads_mod.formula(_lookup(name, ctx.group_name).signature.op)
+        if f is not None:
+            outs = output if isinstance(output, tuple) else (output,)
+            ctx.save_for_backward(*f.save(inputs[:-1], outs))
+            if f.nondiff:
+                ctx.mark_non_differentiable(*(outs[i] for i in f.nondiff))
 
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         op = _lookup(name, ctx.group_name)
-        if op.adjoint is None:
+        f = grads_mod.formula(op.signature.op)
+        if op.adjoint is None or f is None:
             from .signature import ADJOINT_KINDS
 
             want = ADJOINT_KINDS.get(op.signature.op)
             how = (f"load the {want} spec on the same group and call tsgen.torch.pair(op, adjoint)" if want else
                    f"{op.signature.op} has no adjoint op in tsgen.torch")
             raise TsgenTorchError(f"{qual} on rank {op.rank}: no adjoint op for its backward; {how}")
-        return getattr(torch.ops.tsgen, op.adjoint.name)(grads[0].contiguous(), ctx.group_name), None
+        adjoint = getattr(torch.ops.tsgen, op.adjoint.name)
+        needs = tuple(ctx.needs_input_grad[:-1])
+        return (*f.backward(lambda *t: adjoint(*t, ctx.group_name), ctx.saved_tensors, grads, needs), None)
 
     torch.library.impl(qual, "default", real, lib=lib)
     torch.library.register_fake(qual, fake, lib=lib)
@@ -320,6 +330,8 @@ class TorchOp:
                                   "tsgen.torch.synchronize() names it")
         for b, out in zip(sig.outputs, outs):
             out.view(-1).copy_(state.view(b.name)[:out.numel()])
+        for o, dim, i in sig.own_blocks():  # this rank's block is the input the kernel read it from
+            outs[o].narrow(dim, self.rank * count, count).copy_(tensors[i])
         return result
 
     def empty(self, *shape: Any) -> torch.Tensor:

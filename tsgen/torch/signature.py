@@ -15,7 +15,8 @@ and all_to_all_single (W, W). Which rank's chunk lands where is the op family's 
 `ShapedSignature`, families whose tensors have shapes of their own (Ulysses: [batch, S/P, heads,
 head_dim] in, [batch, S, heads/P, head_dim] out): the family's `torch_tensors(constants, world)`
 hook names each data buffer's dimensions, every one fixed at compile time but one, a multiple of
-the run-time count. Such an op takes and returns exactly those shapes.
+the run-time count (or all fixed: a GEMM's B). Such an op takes and returns exactly those shapes
+(allgather_gemm: A [M/P, K], B [K, N/P] in; C [M, N/P] and the gathered A [M, K] out).
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float3
 # allgather's gradient is the reduce-scatter (sum) of the output gradient, and the other way round;
 # Ulysses' pre and post all-to-alls are permutations of the elements, each the other's inverse, so
 # each is the other's adjoint (a permutation's adjoint is its inverse).
+# The fused GEMMs: allgather_gemm's input gradient dA = reduce_scatter(dC . B^T) is a gemm_reduce_scatter
+# with the transposed weight, gemm_reduce_scatter's dA = allgather(dC) . B^T an allgather_gemm (the
+# weight gradients are local GEMMs, tsgen/torch/grads.py).
 ADJOINT_KINDS = {"allgather": "reduce_scatter", "reduce_scatter": "allgather",
-                 "ulysses_pre_a2a": "ulysses_post_a2a", "ulysses_post_a2a": "ulysses_pre_a2a"}
+                 "ulysses_pre_a2a": "ulysses_post_a2a", "ulysses_post_a2a": "ulysses_pre_a2a",
+                 "allgather_gemm": "gemm_reduce_scatter", "gemm_reduce_scatter": "allgather_gemm"}
 
 
 class TsgenTorchError(RuntimeSetupError):
@@ -149,6 +154,12 @@ class _Signature:
                                          f"argument {self.arg_names[0]} means {count}")
         return count
 
+    def own_blocks(self) -> list[tuple[int, int, int]]:
+        """(output index, dimension, input index) of each output whose block of this rank (count
+        along that dimension, at rank x count) the kernel does not write: the caller copies that
+        input there (TensorLayout.own_from)."""
+        return []
+
     def input_shape_for(self, shape: Sequence[Any]) -> tuple:
         """`shape` as given to op.empty (a tuple, or the sizes as separate arguments)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -158,10 +169,10 @@ class _Signature:
     def adjoint_problem(self, other: "_Signature") -> str | None:
         """Why `other` cannot be this op's adjoint (run by its backward), or None."""
         want = ADJOINT_KINDS.get(self.op)
-        if want is None or len(self.inputs) != 1 or len(self.outputs) != 1:
+        if want is None or (len(self.inputs) == 1 and len(self.outputs) != 1):
             return (f"{self.qualname} ({self.op}) has no adjoint op in tsgen.torch (adjoints: "
                     + ", ".join(f"{a} <-> {b}" for a, b in ADJOINT_KINDS.items() if a < b)
-                    + "; one tensor in and one out)")
+                    + "; one tensor in and one out, or a GEMM's A and B in)")
         if other.op != want:
             return f"{self.qualname} ({self.op}) needs a {want} op as its adjoint, not {other.qualname} ({other.op})"
         if other.dtype != self.dtype:
@@ -281,6 +292,9 @@ class TensorLayout:
     buffer: Buffer
     dims: tuple[tuple[str, int], ...]
     count_dim: int | None
+    # an output whose block of this rank (count rows at rank x count along count_dim) the kernel
+    # leaves to the caller: it is the input of this name (allgather_gemm's gathered A)
+    own_from: str | None = None
 
     @property
     def name(self) -> str:
@@ -348,6 +362,8 @@ class ShapedSignature(_Signature):
             roles = ", ".join(f"{b.name} ({b.role})" for b in data)
             raise TsgenTorchError(f"{where}: {manifest.spec} has {roles}; in-place buffers are not supported yet")
         tensors = get_family(manifest.op).torch_tensors(dict(manifest.constants), world)
+        # a scratch buffer the family names is returned too (after the outputs, in buffer order)
+        outs = [b for b in manifest.buffers if b.role == "output" or (b.role == "scratch" and b.name in tensors)]
         layouts = []
         for b in ins + outs:
             if b.name not in tensors:
@@ -355,8 +371,12 @@ class ShapedSignature(_Signature):
             problem = _dtype_problem(where, b)
             if problem:
                 raise TsgenTorchError(problem)
-            dims, count_dim = tensors[b.name]
-            t = TensorLayout(b, tuple((str(n), int(v)) for n, v in dims), count_dim)
+            dims, count_dim, *own = tensors[b.name]
+            t = TensorLayout(b, tuple((str(n), int(v)) for n, v in dims), count_dim, own[0] if own else None)
+            if t.own_from is not None and (t.own_from not in [i.name for i in ins] or count_dim is None
+                                           or t.dims[count_dim][1] != world):
+                raise TsgenTorchError(f"{where}: tensor {t.described()} of buffer {b.name} takes its own rows from "
+                                      f"{t.own_from}, which is not an input of its rows")
             for count in (1, 7):  # the tensor fits its buffer at every count
                 numel = 1
                 for n in t.shape(count):
@@ -369,6 +389,10 @@ class ShapedSignature(_Signature):
             raise TsgenTorchError(f"{where}: no input of {manifest.spec} has a dimension the run-time count sizes")
         return cls(manifest.name, manifest.op, manifest.spec, world, rank, tuple(layouts[:len(ins)]),
                    tuple(layouts[len(ins):]))
+
+    def own_blocks(self) -> list[tuple[int, int, int]]:
+        names = [t.name for t in self.ins]
+        return [(o, t.count_dim, names.index(t.own_from)) for o, t in enumerate(self.outs) if t.own_from is not None]
 
     def layout_of(self, arg: str) -> TensorLayout:
         return self.ins[self.arg_names.index(arg)]
@@ -409,6 +433,15 @@ class ShapedSignature(_Signature):
         return [o.shape(count) for o in self.outs]
 
     def _mirror_problem(self, other: "_Signature") -> str | None:
+        if len(self.ins) == 2:  # a GEMM's (A, B): the adjoint's B is this op's B transposed
+            mine, theirs = self.ins[1], getattr(other, "ins", ())[1:2]
+            want = [n for _, n in reversed(mine.dims)]
+            if not theirs or [n for _, n in theirs[0].dims] != want:
+                got = theirs[0].described() if theirs else "none"
+                return (f"{other.qualname}'s weight b is {got} at world size {self.world}; the adjoint of "
+                        f"{self.qualname} (b {mine.described()}) needs b^T, {want[0]} x {want[1]}: compile the two "
+                        "specs for mirrored shapes")
+            return None
         mine = (self.ins[0].dims, self.outs[0].dims)
         theirs = (getattr(other, "outs", (None,))[0], getattr(other, "ins", (None,))[0])
         if theirs[0] is None or (theirs[0].dims, theirs[1].dims) != mine:
