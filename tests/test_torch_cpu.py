@@ -508,6 +508,40 @@ def test_fused_compile_backward(fused):
     assert sum("mm" in t for t in bwd) >= 2, bwd  # the two local weight-gradient GEMMs
 
 
+def _example_fused():
+    """The fused GEMM specs examples/torch/tp_mlp.py loads at each world size, rendered: {W: (ag, rs) CachedModule}."""
+    import sys
+
+    from tsgen.harness import render_to_cache
+    from tsgen.spec import load_spec
+
+    sys.path.insert(0, str(ROOT / "examples" / "torch"))
+    try:
+        import tp_mlp
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "torch"))
+    return {w: tuple(render_to_cache(load_spec(p)) for p in pair) for w, pair in tp_mlp.FUSED_SPECS.items()}
+
+
+def test_example_fused_specs_are_adjoints():
+    """The TP MLP example's AG-GEMM / GEMM-RS pair at each world size is compiled for mirrored shapes."""
+    for w, (ag, rs) in _example_fused().items():
+        a, r = signature_of(ag.manifest, w, 0), signature_of(rs.manifest, w, 0)
+        assert a.adjoint_problem(r) is None and r.adjoint_problem(a) is None, w
+
+
+@pytest.mark.compile
+def test_example_fused_specs_compile():
+    """...and each compiles as the shared library tsgen.torch loads (sm_90a, the GPU's arch on Hopper)."""
+    from tsgen.toolchain import compile_source
+
+    for w, pair in _example_fused().items():
+        if w == 4:
+            continue  # the shipped specs: `tsgen build specs --compile` compiles them
+        for module in pair:
+            assert compile_source(module.source, arch="sm_90a", mode="shared").output.exists()
+
+
 # -- signatures of every shipped collective --------------------------------------------------------
 
 def _manifests():

@@ -5,6 +5,9 @@ tests/test_torch_gpu.py where there are 2 GPUs and torch):
     torchrun --nproc-per-node 2 tests/torch_checks.py --probe    # a peer that never arrives, gloo group
 
 Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's detail):
+  fused_*: allgather_gemm / gemm_reduce_scatter (the specs examples/torch/tp_mlp.py loads) against
+    NCCL + cuBLAS, the gathered A bit for bit, their gradients against the twins' autograd,
+    AG-GEMM -> GEMM-RS in a CUDA graph, 20 replays against eager calls;
   ulysses_*: Ulysses pre / post all-to-alls (and the packed GQA pre) against the twins
     (all_to_all_single + permutes), bit for bit; their gradients against the twins' autograd;
     pre -> post in a CUDA graph, 100 replays;
@@ -84,11 +87,13 @@ def data(shape, gen, integer: bool) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device="cuda").to(BF16)
 
 
-def poison(op, x: torch.Tensor, byte: int) -> None:
-    """Fill the heap's output buffers for an input like x with `byte` (a missing write then shows; a
-    fresh heap would otherwise hold zeros). Makes the heap first if needed: a collective, as the call is."""
+def poison(op, x, byte: int) -> None:
+    """Fill the heap's output buffers for inputs like x (a tensor, or a tuple of the op's tensors) with
+    `byte` (a missing write then shows; a fresh heap would otherwise hold zeros). Makes the heap first
+    if needed: a collective, as the call is."""
     sig = op.signature
-    count = sig.check([(x.shape, str(x.dtype).removeprefix("torch."), True)])
+    count = sig.check([(t.shape, str(t.dtype).removeprefix("torch."), True)
+                       for t in (x if isinstance(x, tuple) else (x,))])
     state = op._heap(count)
     for b in sig.outputs:
         state.view(b.name).view(torch.uint8).fill_(byte)
@@ -277,6 +282,8 @@ def main_checks() -> None:
     tt.close_all()
     check_ulysses(gen)
     tt.close_all()
+    check_fused(gen)
+    tt.close_all()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -386,6 +393,93 @@ def check_ulysses(gen) -> None:
         return ok, "; ".join(notes)
 
     gqa()
+
+
+def check_fused(gen) -> None:
+    """allgather_gemm and gemm_reduce_scatter (the pair examples/torch/tp_mlp.py loads for this world
+    size: compiled for mirrored shapes) against torch: C against allgather(A) @ B and
+    reduce_scatter(A @ B) with NCCL and cuBLAS (close: other summation orders), the gathered A
+    bit for bit; their gradients (each other's op plus local GEMMs) against the twins' autograd;
+    AG-GEMM -> GEMM-RS captured in a CUDA graph and replayed 20 times with new data."""
+    import tp_mlp
+
+    w = dist.get_world_size()
+    if w not in tp_mlp.FUSED_SPECS:
+        report("fused", True, f"skipped: no fused GEMM specs for {w} ranks in examples/torch/tp_mlp.py")
+        return
+    ag, rs, h, f = tp_mlp.load_fused(w)
+    rows = 1000  # per rank: not whole 128-row tiles
+
+    def close(got, want, what):
+        if got.shape != want.shape:
+            return False, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        scale = want.float().abs().max().item() or 1.0
+        diff = (got.float() - want.float()).abs().max().item()
+        return diff <= 2e-2 * scale and bool(torch.isfinite(got).all().item()), f"{what}: max |diff| / max {diff / scale:.1e}"
+
+    def operands():
+        a = data((rows, h), gen, False)
+        w1 = (data((h, f // w), gen, False) / h ** 0.5).to(BF16)
+        a2 = data((rows * w, f // w), gen, False)
+        w2 = (data((f // w, h), gen, False) / (f ** 0.5)).to(BF16)
+        return a, w1, a2, w2
+
+    @checked("fused_vs_torch")
+    def forward():
+        a, w1, a2, w2 = operands()
+        poison(ag, (a, w1), 0xFF)
+        poison(rs, (a2, w2), 0x7F)
+        c, a_full = ag(a, w1)
+        gathered = twins.all_gather(a)
+        same = bool(torch.equal(a_full.view(torch.int16), gathered.view(torch.int16)))
+        ok1, n1 = close(c, gathered @ w1, "allgather_gemm C")
+        ok2, n2 = close(rs(a2, w2), twins.reduce_scatter(a2 @ w2), "gemm_reduce_scatter C")
+        return ok1 and ok2 and same, f"{n1}; gathered A bit-equal: {same}; {n2}"
+
+    forward()
+
+    @checked("fused_grad")
+    def grad():
+        a, w1, a2, w2 = operands()
+        notes, ok = [], True
+        cases = ((lambda x, b: ag(x, b)[0], lambda x, b: twins.AllGather.apply(x) @ b, a, w1, "allgather_gemm"),
+                 (lambda x, b: rs(x, b), lambda x, b: twins.ReduceScatter.apply(x @ b), a2, w2, "gemm_reduce_scatter"))
+        for mine, twin, x, b, name in cases:
+            xa, ba = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
+            ya = mine(xa, ba)
+            dy = data(tuple(ya.shape), gen, False)
+            ya.backward(dy)
+            xb, bb = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
+            twin(xb, bb).backward(dy)
+            for what, got, want in (("dA", xa.grad, xb.grad), ("dB", ba.grad, bb.grad)):
+                good, note = close(got, want, f"{name} {what}")
+                ok &= good
+                notes.append(note)
+        return ok, "; ".join(notes)
+
+    grad()
+
+    @checked("fused_graph_20_replays")
+    def graph():
+        a, w1, _, w2 = operands()
+        for _ in range(2):  # warm-up: the heaps exist before capture
+            rs(ag(a, w1)[0], w2)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = rs(ag(a, w1)[0], w2)
+        worst, ok = 0.0, True
+        for _ in range(20):
+            a.copy_(data((rows, h), gen, False))
+            g.replay()
+            want = rs(ag(a, w1)[0], w2)  # eager, the same kernels: the replay must give the same bits
+            wrong = int((y.view(torch.int16) != want.view(torch.int16)).sum().item())
+            ok &= wrong == 0
+            worst = max(worst, wrong)
+        torch.cuda.synchronize()
+        return ok, f"20 replays: at most {worst} elements differ from the eager call"
+
+    graph()
 
 
 def probe() -> None:

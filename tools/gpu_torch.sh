@@ -10,13 +10,15 @@
 #      integer data), all_reduce / all_to_all / broadcast against NCCL, op.empty zero copy, CUDA graph
 #      capture + 100 replays, gradients against the torch-only twins, CUDA IPC heaps, argument errors;
 #      Ulysses pre / post (and packed GQA pre) against all_to_all_single + permutes, bit for bit, their
-#      gradients against the twins' autograd, pre -> post in a CUDA graph, 100 replays
+#      gradients against the twins' autograd, pre -> post in a CUDA graph, 100 replays; allgather_gemm /
+#      gemm_reduce_scatter against NCCL + cuBLAS, their gradients, AG-GEMM -> GEMM-RS in a CUDA graph
 #   2. tests/torch_checks.py --probe: a peer that never arrives -> the timeout diagnosis as an error
-#   3. examples/torch/tp_mlp.py --compile: TP MLP forward + backward against its NCCL twin, eager and
-#      torch.compile(fullgraph=True), step times of both
+#   3. examples/torch/tp_mlp.py --compile: TP MLP forward + backward against its NCCL twin: AG-GEMM ->
+#      GEMM-RS eager and torch.compile(fullgraph=True), allgather / reduce_scatter + torch GEMMs; step times
 #   4. examples/torch/ulysses_attention.py: Ulysses attention layer (torch SDPA inside) forward +
 #      backward against its all_to_all_single twin, step times of both
-# Environment: TP_ARGS, ULYSSES_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc).
+# Environment: TP_ARGS, ULYSSES_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
+# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses; default all; environment and compile always run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh
@@ -41,14 +43,17 @@ from tsgen.toolchain import compile_source
 def one(spec):
     m = render_to_cache(load_spec(spec))
     return compile_source(m.source, mode='shared').output
-with ThreadPoolExecutor(8) as pool:
-    specs = ['allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast', 'ulysses_pre_a2a',
-             'ulysses_post_a2a', 'ulysses_pre_a2a_gqa']
-    print(*pool.map(one, [f'specs/{s}.yaml' for s in specs]), sep='\n')"
-step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py
-step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torch_checks.py --probe
-step "tp_mlp eager + compiled vs NCCL twin" 200 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
-step "ulysses_attention vs all_to_all_single twin" 120 $RUN examples/torch/ulysses_attention.py ${ULYSSES_ARGS:-}
+specs = [f'specs/{s}.yaml' for s in ('allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast',
+                                     'ulysses_pre_a2a', 'ulysses_post_a2a', 'ulysses_pre_a2a_gqa', 'allgather_gemm',
+                                     'gemm_reduce_scatter')]
+specs += [f'examples/torch/specs/{s}.yaml' for s in ('tp_mlp_ag_gemm', 'tp_mlp_gemm_rs')]
+with ThreadPoolExecutor(12) as pool:
+    print(*pool.map(one, specs), sep='\n')"
+want() { [ -z "${TORCH_STEPS:-}" ] || [[ " $TORCH_STEPS " == *" $1 "* ]]; }
+want checks && step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py
+want probe && step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torch_checks.py --probe
+want tp_mlp && step "tp_mlp fused + collectives vs NCCL twin" 200 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
+want ulysses && step "ulysses_attention vs all_to_all_single twin" 120 $RUN examples/torch/ulysses_attention.py ${ULYSSES_ARGS:-}
 
 {
   echo "| check | result | detail |"

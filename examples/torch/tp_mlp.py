@@ -1,21 +1,27 @@
-"""A tensor-parallel MLP block (sequence parallel in and out) on tsgen ops, checked against its
-torch-only twin. Run it under torchrun, one process per GPU:
+"""A tensor-parallel MLP block (sequence parallel in and out) on tsgen's fused GEMMs, checked against
+its torch-only twin. Run it under torchrun, one process per GPU:
 
-    torchrun --nproc-per-node 2 examples/torch/tp_mlp.py [--tokens 8192 --hidden 4096 --ffn 16384]
-             [--compile] [--iters 20]
+    torchrun --nproc-per-node 2 examples/torch/tp_mlp.py [--tokens 8192] [--compile] [--iters 20]
 
-Each rank holds tokens/W rows of the input and 1/W of both weights (W1 by columns, W2 by rows):
+Each rank holds S/W rows of the input and 1/W of both weights (W1 by columns, W2 by rows):
 
-    x (S/W, H) --allgather--> (S, H) @ W1_r (H, F/W) --gelu--> @ W2_r (F/W, H) --reduce_scatter--> (S/W, H)
+    x (S/W, H) --AG-GEMM: allgather(x) @ W1_r--> (S, F/W) --gelu--> --GEMM-RS: reduce_scatter(. @ W2_r)--> (S/W, H)
 
-The tsgen block uses tsgen.torch's allgather and reduce_scatter (paired: each is the other's
-backward); the twin uses torch.distributed's all_gather_into_tensor / reduce_scatter_tensor (NCCL)
-in autograd Functions of the same shape. Both start from the same weights and input; the script
-checks the output and every gradient (input, W1, W2) of the tsgen block against the twin's, then
-times a forward + backward step of each (CUDA events, the same stream, after warm-up) and prints
-both. With --compile it also runs the tsgen block under torch.compile(fullgraph=True) and checks
-and times that. Lines starting CHECK / TIME are what tools/gpu_torch.sh collects; exit code 1
-when a check fails.
+The tsgen block runs allgather_gemm and gemm_reduce_scatter (the gather / reduce-scatter fused
+into the GEMM), paired: each is the other's backward (AG-GEMM's dX is a GEMM-RS of dY with W1^T,
+GEMM-RS's dA an AG-GEMM of dY with W2^T; the weight gradients are local torch GEMMs,
+tsgen/torch/grads.py). A GEMM spec fixes H and F/W at compile time, and the pair must be compiled
+for mirrored shapes: at W = 2 the block uses examples/torch/specs/tp_mlp_{ag_gemm,gemm_rs}.yaml
+(H 4096, F 16384), at W = 4 the shipped specs/allgather_gemm.yaml and gemm_reduce_scatter.yaml
+(H 8192, F 8192); S is free (a multiple of W, here and for the kernels' row tiles any size).
+A second tsgen variant runs tsgen's allgather and reduce_scatter around torch GEMMs (unfused). The
+twin uses torch.distributed's all_gather_into_tensor / reduce_scatter_tensor (NCCL) in autograd
+Functions of the same shape, with torch GEMMs. All start from the same weights and input; the
+script checks the output and every gradient (x, W1, W2) of each tsgen variant against the twin's,
+then times a forward + backward step of each (CUDA events, the same stream, after warm-up) and
+prints them. With --compile it also runs the fused block under torch.compile(fullgraph=True) and
+checks and times that. Lines starting CHECK / TIME are what tools/gpu_torch.sh collects; exit code
+1 when a check fails.
 """
 
 from __future__ import annotations
@@ -36,6 +42,20 @@ from common import compare, finish, init, print_times, report, step, time_step  
 from twins import AllGather, ReduceScatter  # noqa: E402
 
 NAMES = ("y", "dx", "dW1", "dW2")
+# the fused GEMM specs by world size: (allgather_gemm, gemm_reduce_scatter), compiled for mirrored shapes
+FUSED_SPECS = {2: (HERE / "specs" / "tp_mlp_ag_gemm.yaml", HERE / "specs" / "tp_mlp_gemm_rs.yaml"),
+               4: (ROOT / "specs" / "allgather_gemm.yaml", ROOT / "specs" / "gemm_reduce_scatter.yaml")}
+
+
+def load_fused(world: int) -> tuple:
+    """This rank's paired (allgather_gemm, gemm_reduce_scatter) ops and the (H, F) they were compiled for."""
+    if world not in FUSED_SPECS:
+        raise SystemExit(f"no fused GEMM specs for {world} ranks (FUSED_SPECS has {sorted(FUSED_SPECS)}): write an "
+                         "allgather_gemm spec with k = H, n = F/W and a gemm_reduce_scatter spec with k = F, n = H")
+    ag, rs = (tt.load(p) for p in FUSED_SPECS[world])
+    tt.pair(ag, rs)
+    (_, h), (_, f_local) = ag.signature.ins[1].dims  # B = W1_r: [K = H, N/P = F/W]
+    return ag, rs, h, f_local * world
 
 
 class TPMLP(torch.nn.Module):
@@ -52,20 +72,26 @@ class TPMLP(torch.nn.Module):
         return self.scatter(h @ self.w2)
 
 
+class FusedTPMLP(TPMLP):
+    """AG-GEMM -> gelu -> GEMM-RS: the same block with the communication inside the GEMMs."""
+
+    def forward(self, x):
+        h, _ = self.gather(x, self.w1)  # (C, the gathered x): the second output is for the backward
+        return self.scatter(torch.nn.functional.gelu(h, approximate="tanh"), self.w2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192, help="S: sequence length over all ranks")
-    ap.add_argument("--hidden", type=int, default=4096, help="H")
-    ap.add_argument("--ffn", type=int, default=16384, help="F: the MLP's inner size over all ranks")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--compile", action="store_true", help="also the tsgen block under torch.compile(fullgraph=True)")
+    ap.add_argument("--compile", action="store_true", help="also the fused block under torch.compile(fullgraph=True)")
     args = ap.parse_args()
 
     rank, w, dev = init()
-    S, H, F = args.tokens, args.hidden, args.ffn
-    if S % w or F % w:
-        raise SystemExit(f"--tokens {S} and --ffn {F} must be multiples of the world size {w}")
-
+    S = args.tokens
+    if S % w:
+        raise SystemExit(f"--tokens {S} must be a multiple of the world size {w}")
+    ag_gemm, gemm_rs, H, F = load_fused(w)
     ag = tt.load(ROOT / "specs" / "allgather.yaml")
     rs = tt.load(ROOT / "specs" / "reduce_scatter.yaml")
     tt.pair(ag, rs)
@@ -77,24 +103,27 @@ def main() -> int:
     x = torch.randn(S // w, H, generator=g, device=dev).to(bf16)
     dy = torch.randn(S // w, H, generator=g, device=dev).to(bf16)
 
-    tsgen_block = TPMLP(ag, rs, w1, w2)
-    twin_block = TPMLP(AllGather.apply, ReduceScatter.apply, w1, w2)
-    ok = True
-    want = step(twin_block, x, dy)
-    got = step(tsgen_block, x, dy)
-    tt.synchronize()
-    ok &= report("tp_mlp_eager_fwd_bwd", *compare(NAMES, got, want, rank))
-
-    times = {"twin (NCCL) eager": time_step(twin_block, x, dy, args.iters),
-             "tsgen eager": time_step(tsgen_block, x, dy, args.iters)}
+    twin = "twin (NCCL + torch GEMMs)"
+    blocks = {twin: TPMLP(AllGather.apply, ReduceScatter.apply, w1, w2),
+              "tsgen AG-GEMM / GEMM-RS eager": FusedTPMLP(ag_gemm, gemm_rs, w1, w2),
+              "tsgen allgather / reduce_scatter + torch GEMMs": TPMLP(ag, rs, w1, w2)}
     if args.compile:
-        compiled = TPMLP(ag, rs, w1, w2)
+        compiled = FusedTPMLP(ag_gemm, gemm_rs, w1, w2)
         compiled.forward = torch.compile(compiled.forward, fullgraph=True)
-        got_c = step(compiled, x, dy)
+        blocks["tsgen AG-GEMM / GEMM-RS compiled"] = compiled
+    checks = {"tsgen AG-GEMM / GEMM-RS eager": "tp_mlp_fused_fwd_bwd",
+              "tsgen allgather / reduce_scatter + torch GEMMs": "tp_mlp_collectives_fwd_bwd",
+              "tsgen AG-GEMM / GEMM-RS compiled": "tp_mlp_fused_compiled_fwd_bwd"}
+    want = step(blocks[twin], x, dy)
+    ok = True
+    for name, block in blocks.items():
+        if name == twin:
+            continue
+        got = step(block, x, dy)
         tt.synchronize()
-        ok &= report("tp_mlp_compiled_fwd_bwd", *compare(NAMES, got_c, want, rank))
-        times["tsgen compiled"] = time_step(compiled, x, dy, args.iters)
-    print_times(f"tp_mlp S={S} H={H} F={F} W={w}", times, "twin (NCCL) eager")
+        ok &= report(checks[name], *compare(NAMES, got, want, rank))
+    times = {name: time_step(block, x, dy, args.iters) for name, block in blocks.items()}
+    print_times(f"tp_mlp S={S} H={H} F={F} W={w}", times, twin)
     return finish(ok)
 
 
