@@ -23,7 +23,8 @@ if not dist.is_available():  # pragma: no cover - builds without distributed
 
 import tsgen.torch as tt  # noqa: E402
 from tsgen.manifest import Manifest  # noqa: E402
-from tsgen.torch.signature import ShapedSignature, TsgenArgumentError, TsgenTorchError, signature_of  # noqa: E402
+from tsgen.torch.signature import (ShapedSignature, TsgenArgumentError, TsgenTorchError, entries_of,  # noqa: E402
+                                   signature_of)
 
 BF16 = torch.bfloat16
 
@@ -243,7 +244,9 @@ def test_not_a_member(groups):
     ("allgather_multimem", r"NVLink multicast"),
     ("allgather_nvshmem", r"NVSHMEM transport"),
     ("simple_shift", r"op kind simple_shift \(primitive\) is not a tsgen.torch op yet.*allgather"),
-    ("moe", r"op kind moe \(\w+\) is not a tsgen.torch op yet"),
+    ("gemm_bf16", r"op kind gemm \(\w+\) is not a tsgen.torch op yet"),
+    ("moe_fp8", r"specs/moe_fp8.yaml is not a tsgen.torch op: the fp8 payload quantizes the rows"),
+    ("moe_ll", r"specs/moe_ll.yaml is not a tsgen.torch op: the low-latency mode's rows"),
 ])
 def test_unsupported_modules(groups, name, match):
     with pytest.raises(TsgenTorchError, match=match):
@@ -542,6 +545,113 @@ def test_example_fused_specs_compile():
             assert compile_source(module.source, arch="sm_90a", mode="shared").output.exists()
 
 
+# -- MoE: dispatch and combine, two ops on one heap ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe(groups):
+    """specs/moe.yaml (64 experts, top-8, hidden 2048, capacity 256, receive 2048 rows) at W 2."""
+    return tt.load(GEN / "moe.json", groups[2])
+
+
+def test_moe_ops_and_fake_shapes(moe):
+    """load gives both ops (paired: unweighted combine); dispatch returns the receive buffers (fixed
+    size: their first recv_counts[0] rows are this call's), combine a row per token."""
+    assert isinstance(moe, tt.ModuleOps) and moe["dispatch"] is moe.dispatch
+    assert moe.dispatch.adjoint is moe.combine and moe.combine.adjoint is moe.dispatch
+    assert str(torch.ops.tsgen.moe_dispatch.default._schema) == ("tsgen::moe_dispatch(Tensor x, Tensor topk_idx, "
+                                                                 "Tensor topk_weights, str group_name) -> (Tensor, Tensor, Tensor, Tensor)")
+    assert str(torch.ops.tsgen.moe_combine.default._schema) == \
+        "tsgen::moe_combine(Tensor y, Tensor topk_idx, str group_name) -> Tensor"
+    with fake_mode():
+        idx = torch.empty(100, 8, dtype=torch.int32, device="cuda")
+        rx, ri, rw, rc = moe.dispatch(torch.empty(100, 2048, dtype=BF16, device="cuda"), idx,
+                                      torch.empty(100, 8, device="cuda"))
+        assert [(tuple(t.shape), t.dtype) for t in (rx, ri, rw, rc)] == [
+            ((2048, 2048), BF16), ((2048, 8), torch.int32), ((2048, 8), torch.float32), ((2 + 8 + 64,), torch.int32)]
+        out = moe.combine(rx, idx)
+        assert tuple(out.shape) == (100, 2048) and out.dtype == BF16
+
+
+@pytest.mark.parametrize("args, match", [
+    (((300, 2048), torch.int32), r"tsgen::moe_dispatch on rank 0: argument x: 300 tokens, but specs/moe.yaml was "
+                                 r"compiled for at most 256 \(params.capacity\)"),
+    (((100, 2048), torch.int64), r"argument topk_idx: dtype int64, but specs/moe.yaml was compiled for int32"),
+    (((100, 1024), torch.int32), r"argument x: dimension 1 \(hidden\) is 1024 .*compiled for hidden 2048"),
+])
+def test_moe_errors(moe, args, match):
+    (shape, idx_dtype) = args
+    with fake_mode():
+        x = torch.empty(shape, dtype=BF16, device="cuda")
+        idx = torch.empty(shape[0], 8, dtype=idx_dtype, device="cuda")
+        with pytest.raises(TsgenArgumentError, match=match):
+            moe.dispatch(x, idx, torch.empty(shape[0], 8, device="cuda"))
+
+
+def test_moe_combine_checks_y(moe):
+    with fake_mode():
+        with pytest.raises(TsgenArgumentError, match=r"tsgen::moe_combine on rank 0: argument y: dimension 0 \(recv\) "
+                                                     r"is 100 .*compiled for recv 2048"):
+            moe.combine(torch.empty(100, 2048, dtype=BF16, device="cuda"),
+                        torch.empty(100, 8, dtype=torch.int32, device="cuda"))
+
+
+def test_moe_call_order(moe):
+    """dispatch, combine, dispatch, ...: on one heap an op out of turn raises, naming the order."""
+    from types import SimpleNamespace
+
+    moe.dispatch._check_order(SimpleNamespace(last=None))
+    moe.combine._check_order(SimpleNamespace(last="dispatch"))
+    moe.dispatch._check_order(SimpleNamespace(last="combine"))
+    with pytest.raises(TsgenTorchError, match=r"tsgen::moe_combine on rank 0: called out of turn \(none was called "
+                                              r"yet with this many tokens\); specs/moe.yaml's ops run in the order "
+                                              r"dispatch -> combine -> dispatch"):
+        moe.combine._check_order(SimpleNamespace(last=None))
+    with pytest.raises(TsgenTorchError, match=r"moe_dispatch on rank 0: called out of turn \(the last was dispatch"):
+        moe.dispatch._check_order(SimpleNamespace(last="dispatch"))
+
+
+def test_moe_weighted_not_paired(groups):
+    data = json.loads((GEN / "moe.json").read_text())
+    data["constants"]["WEIGHTED"] = 1
+    sig_d = signature_of(Manifest.from_json(json.dumps(data)), 2, 0, "dispatch")
+    sig_c = signature_of(Manifest.from_json(json.dumps(data)), 2, 0, "combine")
+    assert "combines weighted" in sig_d.adjoint_problem(sig_c)
+    with pytest.raises(TsgenTorchError, match=r"specs/moe.yaml is 2 ops \(dispatch, combine\); name one"):
+        signature_of(Manifest.from_json(json.dumps(data)), 2, 0)
+
+
+def test_moe_compile_backward(moe):
+    """An MoE layer (dispatch -> a per-row expert -> combine) under torch.compile(fullgraph=True) +
+    AOTAutograd: the backward runs combine's adjoint (a dispatch of the output's gradient) before
+    dispatch's (a combine), keeping the kernels' call order."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    fw, bw = [], []
+
+    def keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def layer(x, idx, weights, w):
+        rx, _, rw, _ = moe.dispatch(x, idx, weights)
+        return moe.combine(torch.tanh(rx @ w), idx)
+
+    torch._dynamo.reset()
+    with fake_mode():
+        x = torch.empty(64, 2048, dtype=BF16, requires_grad=True)
+        w = torch.empty(2048, 2048, dtype=BF16, requires_grad=True)
+        idx, weights = torch.empty(64, 8, dtype=torch.int32), torch.empty(64, 8)
+        y = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(
+            x, idx, weights, w)
+        y.sum().backward()
+        assert tuple(x.grad.shape) == (64, 2048) and tuple(w.grad.shape) == (2048, 2048)
+    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+    assert bwd.index("tsgen.moe_dispatch.default") < bwd.index("tsgen.moe_combine.default"), bwd
+
+
 # -- signatures of every shipped collective --------------------------------------------------------
 
 def _manifests():
@@ -550,28 +660,33 @@ def _manifests():
 
 @pytest.mark.parametrize("path", _manifests(), ids=lambda p: p.stem)
 def test_signature_matches_semantics(path):
-    """Every shipped module either loads as a torch op, with the chunk counts its family's semantics
-    state (the torch layout) or the tensors its family names (each filling its buffer exactly),
-    or is refused with a TsgenTorchError, never anything else."""
+    """Every shipped module either loads as a torch op (or ops, one per entry), with the chunk counts
+    its family's semantics state (the torch layout) or the tensors its family names (each filling
+    its buffer exactly; a fixed-shape one may be its buffer's first elements), or is refused with a
+    TsgenTorchError, never anything else."""
     from tsgen.ops import get_family
 
     manifest = Manifest.load(path)
     for w in manifest.world_sizes:
         try:
-            sig = signature_of(manifest, w, 0)
+            entries = entries_of(manifest, w)
+            sigs = [signature_of(manifest, w, 0, e) for e in (entries["entries"] if entries else [None])]
         except TsgenTorchError:
             continue
-        if isinstance(sig, ShapedSignature):
+        for sig in sigs:
+            if not isinstance(sig, ShapedSignature):
+                sem = get_family(manifest.op).semantics
+                assert (sig.in_units, sig.out_units) == (sem.n_in(w), sem.n_out(w)), (path.stem, w)
+                continue
             for t in sig.ins + sig.outs:
+                if t.how == "arg":
+                    continue  # a pointer argument, in no buffer
                 numel = 1
                 for n in t.shape(5):
                     numel *= n
-                # a fixed-shape tensor may be its buffer's first elements (gemm_reduce_scatter's B: K/P of K rows)
+                # gemm_reduce_scatter's B is the first K/P of K rows; MoE's receive buffers are whole
                 fits = numel <= t.buffer.elems(5, w) if t.count_dim is None else numel == t.buffer.elems(5, w)
                 assert fits, (path.stem, w, t.name)
-            continue
-        sem = get_family(manifest.op).semantics
-        assert (sig.in_units, sig.out_units) == (sem.n_in(w), sem.n_out(w)), (path.stem, w)
 
 
 def test_timeout_diagnosis_becomes_an_error(groups, monkeypatch, capfd):

@@ -13,15 +13,25 @@ keeps, and the gradient formula, by op kind. The adjoint comes from `tsgen.torch
                                    dB = A^T . allgather(dC)       local, from the gathered dC the
                                                                   adjoint returns
 
+  moe dispatch <-> combine         (normal mode, unweighted combine) dispatch copies each token's
+                                   row to each of its destination ranks, combine sums the rows a
+                                   token's destinations hand back: dx = combine(d recv_x) and
+                                   dy = the rows dispatch(d out) delivers, with the same routing
+                                   (same order of rows: dispatch's order is fixed by the routing)
+
 What is not differentiable: allgather_gemm's second output (the gathered A, returned for the
-weight gradient) carries no gradient; use C. B^T is a transposed copy of the weight at every
-backward (K x N elements, local). Pure torch; no tsgen runtime here.
+weight gradient) carries no gradient; use C. MoE's routing is not: topk_idx (integers),
+topk_weights (they travel with the rows as recv_w, which carries no gradient: a gate that learns
+needs its weights applied where a gradient reaches them), recv_idx, recv_counts. B^T is a
+transposed copy of the weight at every backward (K x N elements, local). No tsgen runtime here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,17 @@ def _gemm_reduce_scatter(adjoint: Callable[..., Any], saved: tuple, grads: tuple
     return (da if needs[0] else None), db
 
 
+def _moe_dispatch(adjoint: Callable[..., Any], saved: tuple, grads: tuple, needs: tuple) -> tuple:
+    (topk_idx,) = saved
+    return (adjoint(grads[0].contiguous(), topk_idx) if needs[0] else None), None, None
+
+
+def _moe_combine(adjoint: Callable[..., Any], saved: tuple, grads: tuple, needs: tuple) -> tuple:
+    (topk_idx,) = saved
+    weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)  # rows only: any weights
+    return adjoint(grads[0].contiguous(), topk_idx, weights)[0], None
+
+
 FORMULAS: dict[str, Formula] = {
     "allgather": Formula(_nothing, _through_adjoint),
     "reduce_scatter": Formula(_nothing, _through_adjoint),
@@ -65,6 +86,9 @@ FORMULAS: dict[str, Formula] = {
     # keeps B and the gathered A (output 1, no gradient of its own)
     "allgather_gemm": Formula(lambda i, o: (i[1], o[1]), _allgather_gemm, nondiff=(1,)),
     "gemm_reduce_scatter": Formula(lambda i, o: (i[0], i[1]), _gemm_reduce_scatter),
+    # both keep topk_idx (the adjoint runs with the same routing)
+    "moe_dispatch": Formula(lambda i, o: (i[1],), _moe_dispatch, nondiff=(1, 2, 3)),
+    "moe_combine": Formula(lambda i, o: (i[1],), _moe_combine),
 }
 
 

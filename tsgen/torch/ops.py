@@ -38,10 +38,10 @@ from ..printed import device_output
 from ..runtime.ipc import join_problem
 from ..runtime.placement import mps_active, ranks_per_gpu, residency_problem, share_from_env
 from ..runtime.world import (_host_launcher, arg_values, launcher_cargs, module_files, multimem_refusal,
-                             prepare_ranks)
+                             own_symbol, prepare_ranks)
 from . import grads as grads_mod
 from . import heap as heap_mod
-from .signature import TORCH_DTYPES, TsgenArgumentError, TsgenTorchError, signature_of
+from .signature import TORCH_DTYPES, TsgenArgumentError, TsgenTorchError, entries_of, signature_of
 
 _LIB: Any = None  # the torch.library.Library fragment that holds every tsgen op (kept alive)
 _DEFINED: dict[str, str] = {}  # module name -> spec sha256 of the module that defined tsgen::<name>
@@ -158,6 +158,7 @@ class _HeapState:
     slots: dict[str, Slot]
     cargs: list[Any]  # the launcher's arguments but the stream
     views: dict[str, torch.Tensor] = field(default_factory=dict)  # made once per slot: calls reuse them
+    last: str | None = None  # the entry called last on this heap (modules of several ops, signature.order)
 
     def view(self, slot: str) -> torch.Tensor:
         if slot not in self.views:
@@ -171,17 +172,18 @@ class TorchOp:
     `empty(shape)` gives an input in the symmetric heap (no copy in); `close()` frees the heaps."""
 
     def __init__(self, manifest: Manifest, source: Path, group: Any, signature: Any,
-                 arch: str | None, heap: str | None):
+                 arch: str | None, heap: str | None, shares: "TorchOp | None" = None):
         self.manifest, self.source, self.group = manifest, Path(source), group
         self.signature = signature
-        self.name = manifest.name
+        self.name = signature.module  # the module's name, or module_entry for one op of several
         self.group_name = group.group_name
         self.rank, self.world = signature.rank, signature.world
         self.kernel = manifest.kernel(self.world)
         self.adjoint: TorchOp | None = None
         self.heap_mode = heap_mod.heap_mode(heap)
         self.heap_kind: str | None = None  # what the heaps came from: symm_mem or ipc (after the first)
-        self._heaps: dict[int, _HeapState] = {}
+        # the heaps, by count; an entry of a module of several ops shares its first op's
+        self._heaps: dict[int, _HeapState] = shares._heaps if shares is not None else {}
         self._launcher: Any = None
         self.device: int | None = None
         # a group of torch's fake backend (tracing on a machine without GPUs) or no CUDA: trace only
@@ -214,6 +216,10 @@ class TorchOp:
         try:
             binary = compile_source(self.source, arch=arch or _arch(dev), mode="shared").output
             self._launcher, prepare = _host_launcher(binary, self.kernel)
+            entry = self.signature.entry if hasattr(self.signature, "entry") else None
+            if entry is not None:  # one entry of several: <kernel>_<entry>_launch, the same arguments (+ pointers)
+                self._launcher = own_symbol(ctypes.CDLL(str(binary)), binary, f"{self.kernel.name}_{entry}_launch")
+                self._launcher.restype = ctypes.c_int
         except (TsgenError, OSError, AttributeError) as e:
             problem = f"{self.where}: loading {self.source.name}: {e}"
         bus = _bus_id(dev) or f"cuda:{dev} {torch.cuda.get_device_properties(dev).uuid}"
@@ -317,22 +323,46 @@ class TorchOp:
         if count == 0:
             return result
         state = self._heap(count)
-        for b, t in zip(sig.inputs, tensors):
+        self._check_order(state)
+        pointers = []
+        for i, (b, t) in enumerate(zip(sig.inputs, tensors)):
+            how = sig.ins[i].how if hasattr(sig, "ins") else "in"
+            if how == "arg":  # read where it is, by the kernel on this GPU
+                pointers.append(ctypes.c_void_p(t.data_ptr()))
+                continue
+            if how == "shape":
+                continue
             src = state.view(b.name)
             if t.data_ptr() != src.data_ptr():  # not op.empty()'s tensor: one copy in
                 src[:t.numel()].copy_(t.reshape(-1))
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream()
-            err = self._launcher(*state.cargs, ctypes.c_void_p(stream.cuda_stream))
+            err = self._launcher(*state.cargs, *pointers, ctypes.c_void_p(stream.cuda_stream))
         if err != 0:
             raise TsgenTorchError(f"{self.where}: {self.kernel.launcher} failed with cudaError {err} "
                                   f"(count {count}); a kernel that trapped before leaves this error: "
                                   "tsgen.torch.synchronize() names it")
+        state.last = getattr(sig, "entry", None)
         for b, out in zip(sig.outputs, outs):
             out.view(-1).copy_(state.view(b.name)[:out.numel()])
         for o, dim, i in sig.own_blocks():  # this rank's block is the input the kernel read it from
             outs[o].narrow(dim, self.rank * count, count).copy_(tensors[i])
         return result
+
+    def _check_order(self, state: _HeapState) -> None:
+        """The ops of one module (MoE's dispatch and combine) run in their cyclic order on a heap: the
+        kernels' protocol (each reads what the previous left in the heap, and a dispatch may rewrite
+        the receive buffers only after the combine that read them)."""
+        order = getattr(self.signature, "order", ())
+        if not order:
+            return
+        me = order.index(self.signature.entry)
+        want = order[me - 1]
+        if state.last != want and not (state.last is None and me == 0):
+            did = f"the last was {state.last}" if state.last else "none was called yet"
+            raise TsgenTorchError(f"{self.where}: called out of turn ({did} with this many tokens); "
+                                  f"{self.manifest.spec}'s ops run in the order {' -> '.join(order)} -> "
+                                  f"{order[0]} ... on the same tokens")
 
     def empty(self, *shape: Any) -> torch.Tensor:
         """An input tensor of `shape` that lives in this op's symmetric heap: the op reads it where it
@@ -370,8 +400,10 @@ class TorchOp:
 
 
 def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: str | None = None,
-         heap: str | None = None) -> TorchOp:
-    """This rank's op for a generated module on `group` (default: the default process group).
+         heap: str | None = None) -> "TorchOp | ModuleOps":
+    """This rank's op for a generated module on `group` (default: the default process group); for a
+    module of several ops (MoE: dispatch and combine on one heap) a ModuleOps of them, paired where
+    they are each other's adjoint.
 
     `spec_or_manifest`: a spec file (.yaml; rendered into the compile cache), a manifest
     (NAME.json, its NAME.cu beside it unless `source`), or a tsgen.manifest.Manifest with `source`.
@@ -391,7 +423,22 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
         raise TsgenTorchError(f"this process (global rank {dist.get_rank()}) is not a member of the group it "
                               "loads the op on")
     manifest, src = _resolve(spec_or_manifest, source)
-    signature = signature_of(manifest, world, rank)
+    entries = entries_of(manifest, world, rank) if world in manifest.world_sizes else None
+    if entries is None:
+        return _load_one(manifest, src, group, signature_of(manifest, world, rank), arch, heap)
+    ops: dict[str, TorchOp] = {}
+    for entry in entries["entries"]:
+        first = next(iter(ops.values()), None)
+        ops[entry] = _load_one(manifest, src, group, signature_of(manifest, world, rank, entry), arch, heap, first)
+    if entries["adjoint"] and len(ops) == 2:
+        pair(*ops.values())
+    return ModuleOps(manifest.name, ops)
+
+
+def _load_one(manifest: Manifest, src: Path, group: Any, signature: Any, arch: str | None, heap: str | None,
+              shares: TorchOp | None = None) -> TorchOp:
+    """One op (load's body): its refusals, the same op again when loaded before, else a new one."""
+    rank = signature.rank
     refusal = multimem_refusal(manifest, os.environ, False)
     if refusal:
         raise TsgenTorchError(f"{signature.qualname} on rank {rank}: {refusal}")
@@ -399,7 +446,8 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
         raise TsgenTorchError(f"{signature.qualname} on rank {rank}: built for the NVSHMEM transport (device libraries "
                               f"{', '.join(manifest.device_libs)}), which tsgen.torch does not load yet; use the p2p "
                               "variant of the spec")
-    key = (manifest.name, group.group_name)
+    name = signature.module
+    key = (name, group.group_name)
     if key in _OPS:
         op = _OPS[key]
         if op.manifest.spec_sha256 != manifest.spec_sha256:
@@ -407,15 +455,35 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
                                   f"spec ({op.manifest.spec}, sha256 {op.manifest.spec_sha256[:12]}); close() it "
                                   "first, or give the new spec another name")
         return op
-    if _DEFINED.get(manifest.name, manifest.spec_sha256) != manifest.spec_sha256:
+    if _DEFINED.get(name, manifest.spec_sha256) != manifest.spec_sha256:
         raise TsgenTorchError(f"{signature.qualname}: another spec of this name (sha256 "
-                              f"{_DEFINED[manifest.name][:12]}) defined the op in this process; one module name is one "
+                              f"{_DEFINED[name][:12]}) defined the op in this process; one module name is one "
                               "op: give the spec another name")
-    op = TorchOp(manifest, src, group, signature, arch, heap)
-    _define(manifest.name, signature.schema())
-    _DEFINED[manifest.name] = manifest.spec_sha256
+    op = TorchOp(manifest, src, group, signature, arch, heap, shares)
+    _define(name, signature.schema())
+    _DEFINED[name] = manifest.spec_sha256
     _OPS[key] = op
     return op
+
+
+class ModuleOps:
+    """A module of several torch ops on one heap (MoE: `.dispatch`, `.combine`), as load returns it;
+    each op is a TorchOp, also reachable as ops["dispatch"]. close() frees their heap."""
+
+    def __init__(self, module: str, ops: dict[str, TorchOp]):
+        self.module, self.ops = module, ops
+        for entry, op in ops.items():
+            setattr(self, entry, op)
+
+    def __getitem__(self, entry: str) -> TorchOp:
+        return self.ops[entry]
+
+    def __repr__(self) -> str:
+        return f"<tsgen.torch module {self.module}: {', '.join(map(repr, self.ops.values()))}>"
+
+    def close(self) -> None:
+        for op in self.ops.values():
+            op.close()
 
 
 def pair(op: TorchOp, adjoint: TorchOp) -> None:

@@ -40,7 +40,10 @@ TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float3
 # weight gradients are local GEMMs, tsgen/torch/grads.py).
 ADJOINT_KINDS = {"allgather": "reduce_scatter", "reduce_scatter": "allgather",
                  "ulysses_pre_a2a": "ulysses_post_a2a", "ulysses_post_a2a": "ulysses_pre_a2a",
-                 "allgather_gemm": "gemm_reduce_scatter", "gemm_reduce_scatter": "allgather_gemm"}
+                 "allgather_gemm": "gemm_reduce_scatter", "gemm_reduce_scatter": "allgather_gemm",
+                 # MoE: dispatch copies each token to its destination ranks, (unweighted) combine sums
+                 # the rows back per token: each is the other's adjoint (same routing, same module)
+                 "moe_dispatch": "moe_combine", "moe_combine": "moe_dispatch"}
 
 
 class TsgenTorchError(RuntimeSetupError):
@@ -52,7 +55,8 @@ class TsgenArgumentError(TsgenTorchError, ValueError):
 
 
 def _runs_as_torch_op(family: Any) -> bool:
-    return getattr(family, "semantics", None) is not None or hasattr(family, "torch_tensors")
+    return (getattr(family, "semantics", None) is not None or hasattr(family, "torch_tensors")
+            or hasattr(family, "torch_entries"))
 
 
 def kind_problem(op: str) -> str | None:
@@ -106,13 +110,33 @@ def _dtype_problem(where: str, b: Buffer) -> str | None:
     return None
 
 
-def signature_of(manifest: Manifest, world: int, rank: int) -> "OpSignature | ShapedSignature":
-    """The signature of `manifest` for a group of `world` ranks, seen from `rank`: a ShapedSignature
-    where the family says which tensors its buffers are (`torch_tensors`), else an OpSignature."""
+def entries_of(manifest: Manifest, world: int, rank: int = 0) -> dict | None:
+    """The family's torch entries of a module (`torch_entries`: several ops on one heap, MoE's dispatch
+    and combine), or None where the module is one op; TsgenTorchError where the family refuses it."""
     from ..ops import get_family
 
-    if kind_problem(manifest.op) is None and hasattr(get_family(manifest.op), "torch_tensors"):
-        return ShapedSignature.of(manifest, world, rank)
+    if kind_problem(manifest.op) is not None:
+        return None
+    family = get_family(manifest.op)
+    if not hasattr(family, "torch_entries"):
+        return None
+    got = family.torch_entries(dict(manifest.constants), world, {b.name for b in manifest.buffers})
+    if isinstance(got, str):
+        raise TsgenTorchError(f"tsgen::{manifest.name} on rank {rank}: {manifest.spec} is not a tsgen.torch op: {got}")
+    return got
+
+
+def signature_of(manifest: Manifest, world: int, rank: int, entry: str | None = None
+                 ) -> "OpSignature | ShapedSignature":
+    """The signature of `manifest` (of its `entry`, for a module of several ops) for a group of
+    `world` ranks, seen from `rank`: a ShapedSignature where the family says which tensors its
+    buffers are (`torch_tensors`, `torch_entries`), else an OpSignature."""
+    from ..ops import get_family
+
+    if kind_problem(manifest.op) is None:
+        family = get_family(manifest.op)
+        if hasattr(family, "torch_tensors") or hasattr(family, "torch_entries"):
+            return ShapedSignature.of(manifest, world, rank, entry)
     return OpSignature.of(manifest, world, rank)
 
 
@@ -295,6 +319,9 @@ class TensorLayout:
     # an output whose block of this rank (count rows at rank x count along count_dim) the kernel
     # leaves to the caller: it is the input of this name (allgather_gemm's gathered A)
     own_from: str | None = None
+    # an input: "in" (copied into its buffer), "shape" (only checked) or "arg" (passed by pointer,
+    # after the buffers: `buffer` then describes it, in no heap); an output: "out"
+    how: str = "in"
 
     @property
     def name(self) -> str:
@@ -320,6 +347,10 @@ class ShapedSignature(_Signature):
     rank: int
     ins: tuple[TensorLayout, ...]
     outs: tuple[TensorLayout, ...]
+    entry: str | None = None  # one op of a module of several (MoE's dispatch, combine)
+    order: tuple[str, ...] = ()  # the entries' cyclic call order
+    pairable: bool = True  # whether the entries are each other's adjoint
+    max_count: tuple[int, str] | None = None  # the most count per rank, and the spec field that sets it
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -347,16 +378,20 @@ class ShapedSignature(_Signature):
         return self.ins[0].buffer.dtype
 
     @classmethod
-    def of(cls, manifest: Manifest, world: int, rank: int) -> "ShapedSignature":
-        """The signature from the family's `torch_tensors(constants, world)`; TsgenTorchError for a
-        group size the spec was not compiled for, an in-place buffer, or a layout that does not fit
-        its buffer (a family bug, caught here rather than as a wrong result)."""
+    def of(cls, manifest: Manifest, world: int, rank: int, entry: str | None = None) -> "ShapedSignature":
+        """The signature from the family's `torch_tensors(constants, world)` (or of `entry` of its
+        `torch_entries`); TsgenTorchError for a group size the spec was not compiled for, an in-place
+        buffer, or a layout that does not fit its buffer (a family bug, caught here rather than as a
+        wrong result)."""
         from ..ops import get_family
 
         where = f"tsgen::{manifest.name} on rank {rank}"
         problem = _compiled_problem(manifest, world, rank)
         if problem:
             raise TsgenTorchError(problem)
+        entries = entries_of(manifest, world, rank)
+        if entries is not None:
+            return cls._of_entry(manifest, world, rank, entries, entry)
         data, ins, outs = _data_buffers(manifest)
         if len(ins) + len(outs) != len(data):
             roles = ", ".join(f"{b.name} ({b.role})" for b in data)
@@ -372,7 +407,8 @@ class ShapedSignature(_Signature):
             if problem:
                 raise TsgenTorchError(problem)
             dims, count_dim, *own = tensors[b.name]
-            t = TensorLayout(b, tuple((str(n), int(v)) for n, v in dims), count_dim, own[0] if own else None)
+            t = TensorLayout(b, tuple((str(n), int(v)) for n, v in dims), count_dim, own[0] if own else None,
+                             "out" if b in outs else "in")
             if t.own_from is not None and (t.own_from not in [i.name for i in ins] or count_dim is None
                                            or t.dims[count_dim][1] != world):
                 raise TsgenTorchError(f"{where}: tensor {t.described()} of buffer {b.name} takes its own rows from "
@@ -393,6 +429,37 @@ class ShapedSignature(_Signature):
     def own_blocks(self) -> list[tuple[int, int, int]]:
         names = [t.name for t in self.ins]
         return [(o, t.count_dim, names.index(t.own_from)) for o, t in enumerate(self.outs) if t.own_from is not None]
+
+    @classmethod
+    def _of_entry(cls, manifest: Manifest, world: int, rank: int, entries: dict, entry: str | None
+                  ) -> "ShapedSignature":
+        where = f"tsgen::{manifest.name} on rank {rank}"
+        if entry not in entries["entries"]:
+            raise TsgenTorchError(f"{where}: {manifest.spec} is {len(entries['entries'])} ops "
+                                  f"({', '.join(entries['entries'])}); name one (tsgen.torch.load gives them all)")
+        buffers = {b.name: b for b in manifest.buffers}
+        ins, outs = [], []
+        for name, (dims, count_dim, how) in entries["entries"][entry].items():
+            dims = tuple((str(n), int(v)) for n, v in dims)
+            if how.startswith("arg:"):  # a pointer argument: no buffer; its elements and dtype described here
+                numel = 1
+                for _, v in dims:
+                    numel *= v
+                b = Buffer(name, how[4:], "input", per_count=0, fixed=numel)
+                how = "arg"
+            elif name in buffers:
+                b = buffers[name]
+            else:
+                raise TsgenTorchError(f"{where}: entry {entry} names tensor {name}, which is no buffer of {manifest.spec}")
+            problem = _dtype_problem(where, b)
+            if problem:
+                raise TsgenTorchError(problem)
+            t = TensorLayout(b, dims, count_dim, how=how)
+            (outs if how == "out" else ins).append(t)
+        cap = entries.get("max_count")
+        return cls(f"{manifest.name}_{entry}", f"{manifest.op}_{entry}", manifest.spec, world, rank, tuple(ins),
+                   tuple(outs), entry, tuple(entries["order"]), bool(entries["adjoint"]),
+                   (int(cap[0]), str(cap[1])) if cap else None)
 
     def layout_of(self, arg: str) -> TensorLayout:
         return self.ins[self.arg_names.index(arg)]
@@ -425,6 +492,15 @@ class ShapedSignature(_Signature):
                                      f"{tuple(shape)}), not a multiple of {n} (the group size)")
         return got // n
 
+    def check(self, args: Sequence[tuple[Sequence[Any], str, bool]]) -> Any:
+        count = super().check(args)
+        if self.max_count is not None and count is not None and count > self.max_count[0]:
+            t = next(t for t in self.ins if t.count_dim is not None)
+            name = t.dims[t.count_dim][0]
+            raise TsgenArgumentError(f"{self.where(t.name if len(self.ins) > 1 else 'x')}: {count} {name}, but "
+                                     f"{self.spec} was compiled for at most {self.max_count[0]} ({self.max_count[1]})")
+        return count
+
     def out_shapes(self, shapes: Sequence[Sequence[Any]]) -> list[tuple]:
         """The outputs' shapes for inputs of these shapes (already checked)."""
         t = next(t for t in self.ins if t.count_dim is not None)
@@ -433,6 +509,13 @@ class ShapedSignature(_Signature):
         return [o.shape(count) for o in self.outs]
 
     def _mirror_problem(self, other: "_Signature") -> str | None:
+        if self.entry is not None:  # two ops of one module (MoE dispatch and combine)
+            if getattr(other, "spec", None) != self.spec or getattr(other, "entry", None) is None:
+                return f"{other.qualname} is not another op of {self.spec}: {self.qualname}'s adjoint is its own module's"
+            if not self.pairable:
+                return (f"{self.qualname}: {self.spec} combines weighted (rows scaled by the routing weights), so "
+                        "dispatch and combine are not each other's adjoint; use an unweighted spec")
+            return None
         if len(self.ins) == 2:  # a GEMM's (A, B): the adjoint's B is this op's B transposed
             mine, theirs = self.ins[1], getattr(other, "ins", ())[1:2]
             want = [n for _, n in reversed(mine.dims)]
