@@ -8,6 +8,8 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   fused_*: allgather_gemm / gemm_reduce_scatter (the specs examples/torch/tp_mlp.py loads) against
     NCCL + cuBLAS, the gathered A bit for bit, their gradients against the twins' autograd,
     AG-GEMM -> GEMM-RS in a CUDA graph, 20 replays against eager calls;
+  moe_*: MoE dispatch / combine against all_to_all_single with the routing's splits + index_add,
+    bit for bit on integer rows; the input gradient; dispatch -> combine in a CUDA graph, 20 replays;
   ulysses_*: Ulysses pre / post all-to-alls (and the packed GQA pre) against the twins
     (all_to_all_single + permutes), bit for bit; their gradients against the twins' autograd;
     pre -> post in a CUDA graph, 100 replays;
@@ -40,6 +42,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -284,6 +287,8 @@ def main_checks() -> None:
     tt.close_all()
     check_fused(gen)
     tt.close_all()
+    check_moe(gen)
+    tt.close_all()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -480,6 +485,86 @@ def check_fused(gen) -> None:
         return ok, f"20 replays: at most {worst} elements differ from the eager call"
 
     graph()
+
+
+def check_moe(gen) -> None:
+    """MoE dispatch and combine (specs/moe.yaml, normal mode, unweighted) against the torch-only twin
+    (all_to_all_single with the routing's splits, index_add; examples/torch/twins.py MoeRoute) on
+    integer-valued rows (every sum exact): the rows received, their local expert ids and weights and
+    the combined result bit for bit; gradients (combine's backward a dispatch, dispatch's a combine)
+    bit for bit; dispatch -> 2 x rows -> combine in a CUDA graph, 20 replays with new rows."""
+    from tsgen.ops.moe import routing
+
+    w, rank = dist.get_world_size(), dist.get_rank()
+    moe = tt.load(ROOT / "specs" / "moe.yaml")
+    c = moe.dispatch.manifest.constants
+    experts, topk, hidden, tokens = c["EXPERTS"], c["TOPK"], c["HIDDEN"], 201
+    idx = torch.from_numpy(routing("random", w, experts, topk, tokens, np.random.default_rng([3, rank]), rank))
+    idx = idx.reshape(tokens, topk).cuda()
+    weights = torch.rand(tokens, topk, generator=gen, device="cuda")
+
+    def bits16(t):
+        return t.contiguous().view(torch.int16)
+
+    @checked("moe_vs_twin")
+    def forward():
+        x = data((tokens, hidden), gen, True)
+        poison(moe.dispatch, (x, idx, weights), 0xFF)
+        rx, ridx, rw, counts = moe.dispatch(x, idx, weights)
+        route = twins.MoeRoute(idx, weights, experts)
+        want = route.dispatch(x)
+        n = int(counts[0])
+        notes = [f"{n} rows received (twin {want.shape[0]}), flags {int(counts[1])}"]
+        ok = n == want.shape[0] and int(counts[1]) == 0
+        if ok:
+            same = {"recv_x": torch.equal(bits16(rx[:n]), bits16(want)), "recv_idx": torch.equal(ridx[:n], route.recv_idx),
+                    "recv_w": torch.equal(rw[:n], route.recv_w)}
+            out = moe.combine(rx * 2, idx)
+            same["out"] = torch.equal(bits16(out), bits16(route.combine(want * 2)))
+            ok = all(same.values())
+            notes.append(", ".join(f"{k} {'equal' if v else 'DIFFERENT'}" for k, v in same.items()))
+        else:
+            moe.combine(rx, idx)  # keep the call order (dispatch, combine) for the checks after this one
+        return ok, "; ".join(notes)
+
+    forward()
+
+    @checked("moe_grad")
+    def grad():
+        x = data((tokens, hidden), gen, True)
+        dout = data((tokens, hidden), gen, True)
+        xa = x.clone().requires_grad_(True)
+        rx = moe.dispatch(xa, idx, weights)[0]
+        moe.combine(rx * 2, idx).backward(dout)
+        xb = x.clone().requires_grad_(True)
+        route = twins.MoeRoute(idx, weights, experts)
+        route.combine(route.dispatch(xb) * 2).backward(dout)
+        wrong = int((bits16(xa.grad) != bits16(xb.grad)).sum().item())
+        return wrong == 0, f"dx: {wrong} of {x.numel()} differ from the twin's (combine's backward a tsgen dispatch, " \
+                           "dispatch's a tsgen combine)"
+
+    grad()
+
+    @checked("moe_graph_20_replays")
+    def graph():
+        static_x = data((tokens, hidden), gen, True)
+        for _ in range(2):  # warm-up: the heap exists before capture
+            moe.combine(moe.dispatch(static_x, idx, weights)[0] * 2, idx)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = moe.combine(moe.dispatch(static_x, idx, weights)[0] * 2, idx)
+        route = twins.MoeRoute(idx, weights, experts)
+        wrong = 0
+        for _ in range(20):
+            static_x.copy_(data((tokens, hidden), gen, True))
+            g.replay()
+            wrong += int((bits16(out) != bits16(route.combine(route.dispatch(static_x) * 2))).sum().item())
+        torch.cuda.synchronize()
+        return wrong == 0, f"20 replays: {wrong} wrong elements"
+
+    graph()
+    moe.close()
 
 
 def probe() -> None:
