@@ -47,19 +47,47 @@ def groups():
 @pytest.fixture(scope="module")
 def ops(groups):
     """allgather and reduce_scatter at W 2 and W 4, paired (each the other's backward)."""
-    out = {}
-    for w in (2, 4):
-        ag = tt.load(GEN / "allgather.json", groups[w])
-        rs = tt.load(GEN / "reduce_scatter.json", groups[w])
-        tt.pair(ag, rs)
-        out[w] = (ag, rs)
-    return out
+    return paired(groups, "allgather", "reduce_scatter")
 
 
 def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def aot_graphs(make):
+    """torch.compile(fullgraph=True) with AOTAutograd of `fn` on `args`, where (fn, args) = make() is
+    called under FakeTensorMode (CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build);
+    the output summed and backpropagated. Returns (args, output, the call targets of the forward
+    graph, of the backward graph)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    fw, bw = [], []
+
+    def keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    with fake_mode():
+        fn, args = make()
+        y = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(*args)
+        y.sum().backward()
+    return args, y, *([str(n.target) for n in g[0].graph.nodes if n.op == "call_function"] for g in (fw, bw))
+
+
+def paired(groups, a: str, b: str, worlds=(2, 4)) -> dict:
+    """Modules a and b (shipped manifests) loaded at each world size and paired: {W: (a op, b op)}."""
+    out = {}
+    for w in worlds:
+        ops = tt.load(GEN / f"{a}.json", groups[w]), tt.load(GEN / f"{b}.json", groups[w])
+        tt.pair(*ops)
+        out[w] = ops
+    return out
 
 
 # -- fake kernels: shapes and dtypes --------------------------------------------------------
@@ -148,27 +176,15 @@ def test_compile_fullgraph_forward(ops):
 def test_compile_fullgraph_backward(ops):
     """With AOTAutograd the backward graph runs each op's adjoint: allgather's gradient is a
     reduce_scatter, reduce_scatter's an allgather."""
-    from torch._dynamo.backends.common import aot_autograd
-    from functorch.compile import make_boxed_func
-
     ag, rs = ops[2]
-    fw, bw = [], []
+    block = []
 
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
+    def make():
+        block.append(Block(ag, rs))
+        return block[0], (torch.empty(4, 16, dtype=BF16, requires_grad=True),)
 
-    torch._dynamo.reset()
-    with fake_mode():  # CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build
-        block = Block(ag, rs)
-        x = torch.empty(4, 16, dtype=BF16, requires_grad=True)
-        y = torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(x)
-        y.sum().backward()
-        assert tuple(x.grad.shape) == (4, 16) and tuple(block.w.grad.shape) == (16, 16)
-    fwd = [str(n.target) for n in fw[0].graph.nodes if n.op == "call_function"]
-    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+    (x,), _, fwd, bwd = aot_graphs(make)
+    assert tuple(x.grad.shape) == (4, 16) and tuple(block[0].w.grad.shape) == (16, 16)
     assert fwd.index("tsgen.allgather.default") < fwd.index("tsgen.reduce_scatter.default"), fwd
     assert bwd.index("tsgen.allgather.default") < bwd.index("tsgen.reduce_scatter.default"), bwd
 
@@ -302,13 +318,7 @@ def test_heap_mode_checked(groups):
 @pytest.fixture(scope="module")
 def ulysses(groups):
     """ulysses_pre_a2a and ulysses_post_a2a (bshd, batch 2, 24 heads of 128) at W 2 and 4, paired."""
-    out = {}
-    for w in (2, 4):
-        pre = tt.load(GEN / "ulysses_pre_a2a.json", groups[w])
-        post = tt.load(GEN / "ulysses_post_a2a.json", groups[w])
-        tt.pair(pre, post)
-        out[w] = (pre, post)
-    return out
+    return paired(groups, "ulysses_pre_a2a", "ulysses_post_a2a")
 
 
 @pytest.mark.parametrize("w", [2, 4])
@@ -392,30 +402,13 @@ def test_ulysses_pair_checks(ulysses, ops, groups):
 def test_ulysses_compile_backward(ulysses):
     """torch.compile(fullgraph=True) of pre -> (local work) -> post: the backward graph runs each op's
     adjoint (post for pre's gradient, pre for post's), in reverse order."""
-    from torch._dynamo.backends.common import aot_autograd
-    from functorch.compile import make_boxed_func
-
     pre, post = ulysses[2]
-    fw, bw = [], []
 
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
+    def make():
+        return (lambda x: post(torch.tanh(pre(x)))), (torch.empty(2, 5, 24, 128, dtype=BF16, requires_grad=True),)
 
-    def layer(x):
-        return post(torch.tanh(pre(x)))
-
-    torch._dynamo.reset()
-    with fake_mode():
-        x = torch.empty(2, 5, 24, 128, dtype=BF16, requires_grad=True)
-        y = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(x)
-        assert tuple(y.shape) == (2, 5, 24, 128)
-        y.sum().backward()
-        assert tuple(x.grad.shape) == (2, 5, 24, 128)
-    fwd = [str(n.target) for n in fw[0].graph.nodes if n.op == "call_function"]
-    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+    (x,), y, fwd, bwd = aot_graphs(make)
+    assert tuple(y.shape) == (2, 5, 24, 128) and tuple(x.grad.shape) == (2, 5, 24, 128)
     assert fwd.index("tsgen.ulysses_pre_a2a.default") < fwd.index("tsgen.ulysses_post_a2a.default"), fwd
     assert bwd.index("tsgen.ulysses_pre_a2a.default") < bwd.index("tsgen.ulysses_post_a2a.default"), bwd
 
@@ -426,10 +419,7 @@ def test_ulysses_compile_backward(ulysses):
 def fused(groups):
     """specs/allgather_gemm.yaml (K 8192, N/P 2048) and gemm_reduce_scatter.yaml (K 8192, N 8192) at W 4,
     where they are each other's adjoint (K/P = 2048 = N/P of the other, N = K); paired."""
-    ag = tt.load(GEN / "allgather_gemm.json", groups[4])
-    rs = tt.load(GEN / "gemm_reduce_scatter.json", groups[4])
-    tt.pair(ag, rs)
-    return ag, rs
+    return paired(groups, "allgather_gemm", "gemm_reduce_scatter", (4,))[4]
 
 
 def test_fused_fake_shapes(fused):
@@ -478,34 +468,17 @@ def test_fused_compile_backward(fused):
     """A TP MLP (AG-GEMM -> gelu -> GEMM-RS) under torch.compile(fullgraph=True) + AOTAutograd: the
     backward runs gemm_reduce_scatter's adjoint (an allgather_gemm of dY) and allgather_gemm's (a
     gemm_reduce_scatter), plus the local weight-gradient GEMMs; every gradient has its parameter's shape."""
-    from torch._dynamo.backends.common import aot_autograd
-    from functorch.compile import make_boxed_func
-
     ag, rs = fused
-    fw, bw = [], []
 
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    torch._dynamo.reset()
-    with fake_mode():
-        w1 = torch.nn.Parameter(torch.empty(8192, 2048, dtype=BF16))
-        w2 = torch.nn.Parameter(torch.empty(2048, 8192, dtype=BF16))
-
-        def mlp(x):
-            return rs(torch.nn.functional.gelu(ag(x, w1)[0]), w2)
-
+    def make():
+        w1 = torch.empty(8192, 2048, dtype=BF16, requires_grad=True)
+        w2 = torch.empty(2048, 8192, dtype=BF16, requires_grad=True)
         x = torch.empty(64, 8192, dtype=BF16, requires_grad=True)
-        y = torch.compile(mlp, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(x)
-        assert tuple(y.shape) == (64, 8192)
-        y.sum().backward()
-        assert tuple(x.grad.shape) == (64, 8192)
-        assert tuple(w1.grad.shape) == (8192, 2048) and tuple(w2.grad.shape) == (2048, 8192)
-    fwd = [str(n.target) for n in fw[0].graph.nodes if n.op == "call_function"]
-    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+        return (lambda x, w1, w2: rs(torch.nn.functional.gelu(ag(x, w1)[0]), w2)), (x, w1, w2)
+
+    (x, w1, w2), y, fwd, bwd = aot_graphs(make)
+    assert tuple(y.shape) == (64, 8192) and tuple(x.grad.shape) == (64, 8192)
+    assert tuple(w1.grad.shape) == (8192, 2048) and tuple(w2.grad.shape) == (2048, 8192)
     assert fwd.index("tsgen.allgather_gemm.default") < fwd.index("tsgen.gemm_reduce_scatter.default"), fwd
     assert bwd.index("tsgen.allgather_gemm.default") < bwd.index("tsgen.gemm_reduce_scatter.default"), bwd
     assert sum("mm" in t for t in bwd) >= 2, bwd  # the two local weight-gradient GEMMs
@@ -624,31 +597,19 @@ def test_moe_compile_backward(moe):
     """An MoE layer (dispatch -> a per-row expert -> combine) under torch.compile(fullgraph=True) +
     AOTAutograd: the backward runs combine's adjoint (a dispatch of the output's gradient) before
     dispatch's (a combine), keeping the kernels' call order."""
-    from torch._dynamo.backends.common import aot_autograd
-    from functorch.compile import make_boxed_func
-
-    fw, bw = [], []
-
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
 
     def layer(x, idx, weights, w):
         rx, _, rw, _ = moe.dispatch(x, idx, weights)
         return moe.combine(torch.tanh(rx @ w), idx)
 
-    torch._dynamo.reset()
-    with fake_mode():
+    def make():
         x = torch.empty(64, 2048, dtype=BF16, requires_grad=True)
         w = torch.empty(2048, 2048, dtype=BF16, requires_grad=True)
-        idx, weights = torch.empty(64, 8, dtype=torch.int32), torch.empty(64, 8)
-        y = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(
-            x, idx, weights, w)
-        y.sum().backward()
-        assert tuple(x.grad.shape) == (64, 2048) and tuple(w.grad.shape) == (2048, 2048)
-    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+        return layer, (x, torch.empty(64, 8, dtype=torch.int32), torch.empty(64, 8), w)
+
+    (x, _, _, w), _, fwd, bwd = aot_graphs(make)
+    assert tuple(x.grad.shape) == (64, 2048) and tuple(w.grad.shape) == (2048, 2048)
+    assert fwd.index("tsgen.moe_dispatch.default") < fwd.index("tsgen.moe_combine.default"), fwd
     assert bwd.index("tsgen.moe_dispatch.default") < bwd.index("tsgen.moe_combine.default"), bwd
 
 

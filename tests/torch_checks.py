@@ -114,6 +114,32 @@ def compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, s
     return bool(ok), f"max diff {diff:.3g}"
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A 16-bit tensor's bits (compared as integers: equal means bit for bit, NaN included)."""
+    return t.view(torch.int16)
+
+
+def replayed(call, refill, wrong, replays: int) -> list[int]:
+    """`call()` (tsgen ops on static inputs, returning their outputs) run twice (the heaps exist before
+    capture: a heap's first call is a collective), captured in one torch.cuda.CUDAGraph, then
+    `replays` times: refill() the static inputs, replay, count wrong(outputs) (a tuple of wrong
+    elements). The totals."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = call()
+    totals = None
+    for _ in range(replays):
+        refill()
+        g.replay()
+        got = wrong(outs)
+        totals = list(got) if totals is None else [a + b for a, b in zip(totals, got)]
+    torch.cuda.synchronize()
+    return totals
+
+
 def check_collective(op, ref, name: str, gen) -> None:
     w = dist.get_world_size()
 
@@ -217,21 +243,16 @@ def main_checks() -> None:
     def graph():
         n, h = 4096, 256
         static_x = data((n, h), gen, True)
-        for _ in range(2):  # warm-up: the heaps exist before capture (their first call is a collective)
-            rs(ag(static_x))
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+
+        def call():
             y = ag(static_x)
-            z = rs(y)
-        wrong_y = wrong_z = 0
-        for i in range(100):
-            static_x.copy_(data((n, h), gen, True))
-            g.replay()
-            # allgather then reduce_scatter of the gathered rows: rank r gets W times its own rows
-            wrong_y += int((y != twins.all_gather(static_x)).sum().item())
-            wrong_z += int((z != static_x * w).sum().item())
-        torch.cuda.synchronize()
+            return y, rs(y)
+
+        def wrong(outs):  # allgather then reduce_scatter of the gathered rows: rank r gets W times its own rows
+            y, z = outs
+            return int((y != twins.all_gather(static_x)).sum().item()), int((z != static_x * w).sum().item())
+
+        wrong_y, wrong_z = replayed(call, lambda: static_x.copy_(data((n, h), gen, True)), wrong, 100)
         return wrong_y == 0 and wrong_z == 0, f"100 replays: {wrong_y} wrong allgather, {wrong_z} wrong reduce_scatter elements"
 
     graph()
@@ -293,10 +314,6 @@ def main_checks() -> None:
     dist.destroy_process_group()
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
-
-
 def check_ulysses(gen) -> None:
     """Ulysses' pre and post all-to-alls (bshd) and the packed GQA pre (bhsd, three outputs) against
     the torch-only twins (all_to_all_single + permutes): permutations, so bit for bit on random bits;
@@ -353,20 +370,17 @@ def check_ulysses(gen) -> None:
     @checked("ulysses_graph_100_replays")
     def graph():
         static_x = shard(1024)
-        for _ in range(2):  # warm-up: the heaps exist before capture
-            post(pre(static_x))
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+
+        def call():
             y = pre(static_x)
-            z = post(y)
-        wrong_y = wrong_z = 0
-        for _ in range(100):
-            static_x.copy_(shard(1024))
-            g.replay()
-            wrong_y += int((bits(y) != bits(twins.ulysses_pre(static_x))).sum().item())
-            wrong_z += int((bits(z) != bits(static_x)).sum().item())
-        torch.cuda.synchronize()
+            return y, post(y)
+
+        def wrong(outs):
+            y, z = outs
+            return (int((bits(y) != bits(twins.ulysses_pre(static_x))).sum().item()),
+                    int((bits(z) != bits(static_x)).sum().item()))
+
+        wrong_y, wrong_z = replayed(call, lambda: static_x.copy_(shard(1024)), wrong, 100)
         return wrong_y == 0 and wrong_z == 0, f"100 replays: {wrong_y} wrong pre, {wrong_z} wrong post elements"
 
     graph()
@@ -436,7 +450,7 @@ def check_fused(gen) -> None:
         poison(rs, (a2, w2), 0x7F)
         c, a_full = ag(a, w1)
         gathered = twins.all_gather(a)
-        same = bool(torch.equal(a_full.view(torch.int16), gathered.view(torch.int16)))
+        same = bool(torch.equal(bits(a_full), bits(gathered)))
         ok1, n1 = close(c, gathered @ w1, "allgather_gemm C")
         ok2, n2 = close(rs(a2, w2), twins.reduce_scatter(a2 @ w2), "gemm_reduce_scatter C")
         return ok1 and ok2 and same, f"{n1}; gathered A bit-equal: {same}; {n2}"
@@ -467,22 +481,15 @@ def check_fused(gen) -> None:
     @checked("fused_graph_20_replays")
     def graph():
         a, w1, _, w2 = operands()
-        for _ in range(2):  # warm-up: the heaps exist before capture
-            rs(ag(a, w1)[0], w2)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = rs(ag(a, w1)[0], w2)
-        worst, ok = 0.0, True
-        for _ in range(20):
-            a.copy_(data((rows, h), gen, False))
-            g.replay()
-            want = rs(ag(a, w1)[0], w2)  # eager, the same kernels: the replay must give the same bits
-            wrong = int((y.view(torch.int16) != want.view(torch.int16)).sum().item())
-            ok &= wrong == 0
-            worst = max(worst, wrong)
-        torch.cuda.synchronize()
-        return ok, f"20 replays: at most {worst} elements differ from the eager call"
+
+        def call():
+            return rs(ag(a, w1)[0], w2)
+
+        def wrong(y):  # against an eager call of the same kernels: the replay must give the same bits
+            return (int((bits(y) != bits(call())).sum().item()),)
+
+        (total,) = replayed(call, lambda: a.copy_(data((rows, h), gen, False)), wrong, 20)
+        return total == 0, f"20 replays: {total} elements differ from the eager calls"
 
     graph()
 
@@ -503,9 +510,6 @@ def check_moe(gen) -> None:
     idx = idx.reshape(tokens, topk).cuda()
     weights = torch.rand(tokens, topk, generator=gen, device="cuda")
 
-    def bits16(t):
-        return t.contiguous().view(torch.int16)
-
     @checked("moe_vs_twin")
     def forward():
         x = data((tokens, hidden), gen, True)
@@ -517,10 +521,10 @@ def check_moe(gen) -> None:
         notes = [f"{n} rows received (twin {want.shape[0]}), flags {int(counts[1])}"]
         ok = n == want.shape[0] and int(counts[1]) == 0
         if ok:
-            same = {"recv_x": torch.equal(bits16(rx[:n]), bits16(want)), "recv_idx": torch.equal(ridx[:n], route.recv_idx),
+            same = {"recv_x": torch.equal(bits(rx[:n]), bits(want)), "recv_idx": torch.equal(ridx[:n], route.recv_idx),
                     "recv_w": torch.equal(rw[:n], route.recv_w)}
             out = moe.combine(rx * 2, idx)
-            same["out"] = torch.equal(bits16(out), bits16(route.combine(want * 2)))
+            same["out"] = torch.equal(bits(out), bits(route.combine(want * 2)))
             ok = all(same.values())
             notes.append(", ".join(f"{k} {'equal' if v else 'DIFFERENT'}" for k, v in same.items()))
         else:
@@ -539,7 +543,7 @@ def check_moe(gen) -> None:
         xb = x.clone().requires_grad_(True)
         route = twins.MoeRoute(idx, weights, experts)
         route.combine(route.dispatch(xb) * 2).backward(dout)
-        wrong = int((bits16(xa.grad) != bits16(xb.grad)).sum().item())
+        wrong = int((bits(xa.grad) != bits(xb.grad)).sum().item())
         return wrong == 0, f"dx: {wrong} of {x.numel()} differ from the twin's (combine's backward a tsgen dispatch, " \
                            "dispatch's a tsgen combine)"
 
@@ -548,20 +552,14 @@ def check_moe(gen) -> None:
     @checked("moe_graph_20_replays")
     def graph():
         static_x = data((tokens, hidden), gen, True)
-        for _ in range(2):  # warm-up: the heap exists before capture
-            moe.combine(moe.dispatch(static_x, idx, weights)[0] * 2, idx)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = moe.combine(moe.dispatch(static_x, idx, weights)[0] * 2, idx)
         route = twins.MoeRoute(idx, weights, experts)
-        wrong = 0
-        for _ in range(20):
-            static_x.copy_(data((tokens, hidden), gen, True))
-            g.replay()
-            wrong += int((bits16(out) != bits16(route.combine(route.dispatch(static_x) * 2))).sum().item())
-        torch.cuda.synchronize()
-        return wrong == 0, f"20 replays: {wrong} wrong elements"
+
+        def wrong(out):
+            return (int((bits(out) != bits(route.combine(route.dispatch(static_x) * 2))).sum().item()),)
+
+        (total,) = replayed(lambda: moe.combine(moe.dispatch(static_x, idx, weights)[0] * 2, idx),
+                            lambda: static_x.copy_(data((tokens, hidden), gen, True)), wrong, 20)
+        return total == 0, f"20 replays: {total} wrong elements"
 
     graph()
     moe.close()

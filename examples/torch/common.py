@@ -1,16 +1,22 @@
 """What the examples share: the process group under torchrun, one forward + backward step, its
 time, the comparison of a tsgen model's outputs and gradients with its torch-only twin's, and the
-CHECK lines tools/gpu_torch.sh collects."""
+CHECK lines tools/gpu_torch.sh collects. Each example puts its own folder on sys.path and imports
+this first; this puts the checkout on it, so the examples run from a checkout uninstalled."""
 
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import tsgen.torch as tt
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tsgen importable from it uninstalled too
+sys.path.insert(0, str(ROOT))
+
+import tsgen.torch as tt  # noqa: E402
 
 
 def init() -> tuple[int, int, torch.device]:

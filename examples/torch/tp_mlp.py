@@ -33,12 +33,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
 
-import tsgen.torch as tt  # noqa: E402
-from common import compare, finish, init, print_times, report, step, time_step  # noqa: E402
+from common import ROOT, compare, finish, init, print_times, report, step, time_step, tt  # noqa: E402
 from twins import AllGather, ReduceScatter  # noqa: E402
 
 NAMES = ("y", "dx", "dW1", "dW2")

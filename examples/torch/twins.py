@@ -24,26 +24,22 @@ def reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-class AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group=None):
+def with_adjoint(name: str, forward, adjoint) -> type:
+    """An autograd Function `name` whose apply(x, group=None) is forward(x, group) and whose backward
+    is adjoint(grad, group)."""
+
+    def fwd(ctx, x, group=None):
         ctx.group = group
-        return all_gather(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return adjoint(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group), None
+AllGather = with_adjoint("AllGather", all_gather, reduce_scatter)
+ReduceScatter = with_adjoint("ReduceScatter", reduce_scatter, all_gather)
 
 
 # -- Ulysses: all_to_all_single and the permutes around it (their backward: torch autograd) ------
@@ -56,18 +52,9 @@ def all_to_all(x: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-class AllToAll(torch.autograd.Function):
-    """all_to_all_single with equal chunks; its adjoint is itself (what rank r sent rank j as chunk j
-    comes back to r as chunk j of the gradient's all-to-all)."""
-
-    @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all(grad, ctx.group), None
+# all_to_all_single with equal chunks is its own adjoint (what rank r sent rank j as chunk j comes
+# back to r as chunk j of the gradient's all-to-all)
+AllToAll = with_adjoint("AllToAll", all_to_all, all_to_all)
 
 
 def ulysses_pre(x: torch.Tensor, layout: str = "bshd", group=None) -> torch.Tensor:

@@ -32,12 +32,9 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
 
-import tsgen.torch as tt  # noqa: E402
-from common import compare, finish, init, print_times, report, step, time_step  # noqa: E402
+from common import ROOT, compare, finish, init, print_times, report, step, time_step, tt  # noqa: E402
 from twins import ulysses_post, ulysses_pre  # noqa: E402
 
 NAMES = ("y", "dx", "dWqkv", "dWo")
