@@ -23,7 +23,8 @@ if not dist.is_available():  # pragma: no cover - builds without distributed
 
 import tsgen.torch as tt  # noqa: E402
 from tsgen.manifest import Manifest  # noqa: E402
-from tsgen.torch.signature import OpSignature, TsgenArgumentError, TsgenTorchError  # noqa: E402
+from tsgen.torch.signature import (ShapedSignature, TsgenArgumentError, TsgenTorchError, entries_of,  # noqa: E402
+                                   signature_of)
 
 BF16 = torch.bfloat16
 
@@ -46,19 +47,47 @@ def groups():
 @pytest.fixture(scope="module")
 def ops(groups):
     """allgather and reduce_scatter at W 2 and W 4, paired (each the other's backward)."""
-    out = {}
-    for w in (2, 4):
-        ag = tt.load(GEN / "allgather.json", groups[w])
-        rs = tt.load(GEN / "reduce_scatter.json", groups[w])
-        tt.pair(ag, rs)
-        out[w] = (ag, rs)
-    return out
+    return paired(groups, "allgather", "reduce_scatter")
 
 
 def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def aot_graphs(make):
+    """torch.compile(fullgraph=True) with AOTAutograd of `fn` on `args`, where (fn, args) = make() is
+    called under FakeTensorMode (CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build);
+    the output summed and backpropagated. Returns (args, output, the call targets of the forward
+    graph, of the backward graph)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    fw, bw = [], []
+
+    def keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    with fake_mode():
+        fn, args = make()
+        y = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(*args)
+        y.sum().backward()
+    return args, y, *([str(n.target) for n in g[0].graph.nodes if n.op == "call_function"] for g in (fw, bw))
+
+
+def paired(groups, a: str, b: str, worlds=(2, 4)) -> dict:
+    """Modules a and b (shipped manifests) loaded at each world size and paired: {W: (a op, b op)}."""
+    out = {}
+    for w in worlds:
+        ops = tt.load(GEN / f"{a}.json", groups[w]), tt.load(GEN / f"{b}.json", groups[w])
+        tt.pair(*ops)
+        out[w] = ops
+    return out
 
 
 # -- fake kernels: shapes and dtypes --------------------------------------------------------
@@ -147,27 +176,15 @@ def test_compile_fullgraph_forward(ops):
 def test_compile_fullgraph_backward(ops):
     """With AOTAutograd the backward graph runs each op's adjoint: allgather's gradient is a
     reduce_scatter, reduce_scatter's an allgather."""
-    from torch._dynamo.backends.common import aot_autograd
-    from functorch.compile import make_boxed_func
-
     ag, rs = ops[2]
-    fw, bw = [], []
+    block = []
 
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
+    def make():
+        block.append(Block(ag, rs))
+        return block[0], (torch.empty(4, 16, dtype=BF16, requires_grad=True),)
 
-    torch._dynamo.reset()
-    with fake_mode():  # CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build
-        block = Block(ag, rs)
-        x = torch.empty(4, 16, dtype=BF16, requires_grad=True)
-        y = torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(x)
-        y.sum().backward()
-        assert tuple(x.grad.shape) == (4, 16) and tuple(block.w.grad.shape) == (16, 16)
-    fwd = [str(n.target) for n in fw[0].graph.nodes if n.op == "call_function"]
-    bwd = [str(n.target) for n in bw[0].graph.nodes if n.op == "call_function"]
+    (x,), _, fwd, bwd = aot_graphs(make)
+    assert tuple(x.grad.shape) == (4, 16) and tuple(block[0].w.grad.shape) == (16, 16)
     assert fwd.index("tsgen.allgather.default") < fwd.index("tsgen.reduce_scatter.default"), fwd
     assert bwd.index("tsgen.allgather.default") < bwd.index("tsgen.reduce_scatter.default"), bwd
 
@@ -243,7 +260,9 @@ def test_not_a_member(groups):
     ("allgather_multimem", r"NVLink multicast"),
     ("allgather_nvshmem", r"NVSHMEM transport"),
     ("simple_shift", r"op kind simple_shift \(primitive\) is not a tsgen.torch op yet.*allgather"),
-    ("allgather_gemm", r"op kind allgather_gemm \(fused\) is not a tsgen.torch op yet"),
+    ("gemm_bf16", r"op kind gemm \(\w+\) is not a tsgen.torch op yet"),
+    ("moe_fp8", r"specs/moe_fp8.yaml is not a tsgen.torch op: the fp8 payload quantizes the rows"),
+    ("moe_ll", r"specs/moe_ll.yaml is not a tsgen.torch op: the low-latency mode's rows"),
 ])
 def test_unsupported_modules(groups, name, match):
     with pytest.raises(TsgenTorchError, match=match):
@@ -294,6 +313,306 @@ def test_heap_mode_checked(groups):
         heap_mode("nccl", {})
 
 
+# -- Ulysses: tensors with shapes of their own --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ulysses(groups):
+    """ulysses_pre_a2a and ulysses_post_a2a (bshd, batch 2, 24 heads of 128) at W 2 and 4, paired."""
+    return paired(groups, "ulysses_pre_a2a", "ulysses_post_a2a")
+
+
+@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("tokens", [1, 1001])
+def test_ulysses_fake_shapes(ulysses, w, tokens):
+    """pre: [batch, S/P, heads, head_dim] -> [batch, S, heads/P, head_dim]; post the inverse."""
+    pre, post = ulysses[w]
+    with fake_mode():
+        x = torch.empty(2, tokens, 24, 128, dtype=BF16, device="cuda")
+        y = pre(x)
+        assert tuple(y.shape) == (2, w * tokens, 24 // w, 128) and y.dtype == BF16
+        z = post(y)
+        assert tuple(z.shape) == (2, tokens, 24, 128) and z.dtype == BF16
+    assert str(torch.ops.tsgen.ulysses_pre_a2a.default._schema) == \
+        "tsgen::ulysses_pre_a2a(Tensor x, str group_name) -> Tensor"
+
+
+@pytest.mark.parametrize("w, q_heads", [(2, 8), (4, 4)])
+def test_ulysses_gqa_three_outputs(groups, w, q_heads):
+    """Packed QKV (16 query, 2 KV heads, bhsd): one tensor in, q, k and v out; with P > 2 a KV head
+    is replicated (one per rank)."""
+    op = tt.load(GEN / "ulysses_pre_a2a_gqa.json", groups[w])
+    assert str(torch.ops.tsgen.ulysses_pre_a2a_gqa.default._schema).endswith("-> (Tensor, Tensor, Tensor)")
+    with fake_mode():
+        q, k, v = op(torch.empty(1, 9, 20, 128, dtype=BF16, device="cuda"))
+    assert tuple(q.shape) == (1, q_heads, 9 * w, 128)
+    assert tuple(k.shape) == tuple(v.shape) == (1, 2 // w or 1, 9 * w, 128)
+    with pytest.raises(TsgenTorchError, match=r"ulysses_pre_a2a_gqa \(ulysses_pre_a2a\) has no adjoint op.*one "
+                                              r"tensor in and one out"):
+        tt.pair(op, tt.load(GEN / "ulysses_post_a2a.json", groups[w]))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: torch.empty(2, 8, 16, 128, dtype=BF16, device="cuda"),
+     r"tsgen::ulysses_pre_a2a on rank 0: argument x: dimension 2 \(heads\) is 16 \(shape \(2, 8, 16, 128\)\), but "
+     r"specs/ulysses_pre_a2a.yaml was compiled for heads 24: tsgen::ulysses_pre_a2a takes \[batch 2, S/P, heads 24, "
+     r"head_dim 128\] at world size 2"),
+    (lambda: torch.empty(8, 24, 128, dtype=BF16, device="cuda"),
+     r"argument x: 3 dimensions \(shape \(8, 24, 128\)\), but tsgen::ulysses_pre_a2a takes \[batch 2, S/P"),
+    (lambda: torch.empty(2, 8, 24, 128, dtype=torch.float16, device="cuda"),
+     r"argument x: dtype float16, but specs/ulysses_pre_a2a.yaml was compiled for bfloat16"),
+    (lambda: torch.empty(2, 24, 8, 128, dtype=BF16, device="cuda").transpose(1, 2),
+     r"argument x: not contiguous"),
+])
+def test_ulysses_errors(ulysses, make, match):
+    pre, _ = ulysses[2]
+    with fake_mode():
+        x = make()
+        with pytest.raises(TsgenArgumentError, match=match):
+            pre(x)
+
+
+def test_ulysses_post_sequence_not_divisible(ulysses):
+    _, post = ulysses[4]
+    with fake_mode():
+        with pytest.raises(TsgenArgumentError, match=r"tsgen::ulysses_post_a2a on rank 0: argument x: dimension 1 "
+                                                     r"\(S\) is 10 .*not a multiple of 4 \(the group size\)"):
+            post(torch.empty(2, 10, 6, 128, dtype=BF16, device="cuda"))
+        with pytest.raises(TsgenArgumentError, match=r"dimension 2 \(heads/P\) is 12 .*compiled for heads/P 6"):
+            post(torch.empty(2, 8, 12, 128, dtype=BF16, device="cuda"))
+
+
+def test_ulysses_pair_checks(ulysses, ops, groups):
+    pre2, post2 = ulysses[2]
+    ag2, _ = ops[2]
+    with pytest.raises(TsgenTorchError, match=r"needs a ulysses_post_a2a op as its adjoint, not tsgen::allgather"):
+        tt.pair(pre2, ag2)
+    with pytest.raises(TsgenTorchError, match=r"needs a ulysses_pre_a2a op as its adjoint, not tsgen::ulysses_post"):
+        tt.pair(post2, post2)
+    # the same kinds compiled for other shapes are not adjoints: a bhsd pre does not invert a bshd post
+    pre_sig = pre2.signature
+    data = json.loads((GEN / "ulysses_pre_a2a.json").read_text())
+    data["constants"]["BHSD"] = 1
+    other = signature_of(Manifest.from_json(json.dumps(data)), 2, 0)
+    post_sig = post2.signature
+    assert pre_sig.adjoint_problem(post_sig) is None and post_sig.adjoint_problem(pre_sig) is None
+    assert "does not map [batch 2, heads/P 12, S, head_dim 128] back to [batch 2, S/P, heads 24, head_dim 128]" in \
+        other.adjoint_problem(post_sig)
+
+
+def test_ulysses_compile_backward(ulysses):
+    """torch.compile(fullgraph=True) of pre -> (local work) -> post: the backward graph runs each op's
+    adjoint (post for pre's gradient, pre for post's), in reverse order."""
+    pre, post = ulysses[2]
+
+    def make():
+        return (lambda x: post(torch.tanh(pre(x)))), (torch.empty(2, 5, 24, 128, dtype=BF16, requires_grad=True),)
+
+    (x,), y, fwd, bwd = aot_graphs(make)
+    assert tuple(y.shape) == (2, 5, 24, 128) and tuple(x.grad.shape) == (2, 5, 24, 128)
+    assert fwd.index("tsgen.ulysses_pre_a2a.default") < fwd.index("tsgen.ulysses_post_a2a.default"), fwd
+    assert bwd.index("tsgen.ulysses_pre_a2a.default") < bwd.index("tsgen.ulysses_post_a2a.default"), bwd
+
+
+# -- the fused GEMMs: allgather_gemm and gemm_reduce_scatter ------------------------------------------
+
+@pytest.fixture(scope="module")
+def fused(groups):
+    """specs/allgather_gemm.yaml (K 8192, N/P 2048) and gemm_reduce_scatter.yaml (K 8192, N 8192) at W 4,
+    where they are each other's adjoint (K/P = 2048 = N/P of the other, N = K); paired."""
+    return paired(groups, "allgather_gemm", "gemm_reduce_scatter", (4,))[4]
+
+
+def test_fused_fake_shapes(fused):
+    """allgather_gemm: A [M/P, K], B [K, N/P] -> C [M, N/P] and the gathered A [M, K];
+    gemm_reduce_scatter: A [M, K/P], B [K/P, N] -> C [M/P, N]."""
+    ag, rs = fused
+    assert str(torch.ops.tsgen.allgather_gemm.default._schema) == \
+        "tsgen::allgather_gemm(Tensor a, Tensor b, str group_name) -> (Tensor, Tensor)"
+    assert str(torch.ops.tsgen.gemm_reduce_scatter.default._schema) == \
+        "tsgen::gemm_reduce_scatter(Tensor a, Tensor b, str group_name) -> Tensor"
+    with fake_mode():
+        c, a_full = ag(torch.empty(129, 8192, dtype=BF16, device="cuda"), torch.empty(8192, 2048, dtype=BF16, device="cuda"))
+        assert tuple(c.shape) == (4 * 129, 2048) and tuple(a_full.shape) == (4 * 129, 8192) and c.dtype == BF16
+        y = rs(c, torch.empty(2048, 8192, dtype=BF16, device="cuda"))
+        assert tuple(y.shape) == (129, 8192)
+
+
+@pytest.mark.parametrize("which, a, b, match", [
+    ("ag", (8, 4096), (8192, 2048), r"tsgen::allgather_gemm on rank 0: argument a: dimension 1 \(K\) is 4096 \(shape "
+     r"\(8, 4096\)\), but specs/allgather_gemm.yaml was compiled for K 8192: tsgen::allgather_gemm takes \[M/P, K "
+     r"8192\] at world size 4"),
+    ("ag", (8, 8192), (8192, 1024), r"argument b: dimension 1 \(N/P\) is 1024 .*takes \[K 8192, N/P 2048\]"),
+    ("rs", (10, 2048), (2048, 8192), r"tsgen::gemm_reduce_scatter on rank 0: argument a: dimension 0 \(M\) is 10 .*not "
+     r"a multiple of 4 \(the group size\)"),
+    ("rs", (8, 4096), (2048, 8192), r"argument a: dimension 1 \(K/P\) is 4096 .*compiled for K/P 2048"),
+])
+def test_fused_errors(fused, which, a, b, match):
+    ag, rs = fused
+    op = ag if which == "ag" else rs
+    with fake_mode():
+        with pytest.raises(TsgenArgumentError, match=match):
+            op(torch.empty(a, dtype=BF16, device="cuda"), torch.empty(b, dtype=BF16, device="cuda"))
+
+
+def test_fused_pair_needs_mirrored_shapes(groups):
+    """At W 2 the shipped gemm_reduce_scatter (K/P = 4096) is not allgather_gemm's (N/P 2048) adjoint."""
+    ag = tt.load(GEN / "allgather_gemm.json", groups[2])
+    rs = tt.load(GEN / "gemm_reduce_scatter.json", groups[2])
+    with pytest.raises(TsgenTorchError, match=r"tsgen::gemm_reduce_scatter's weight b is \[K/P 4096, N 8192\] at world "
+                                              r"size 2; the adjoint of tsgen::allgather_gemm \(b \[K 8192, N/P 2048\]\) "
+                                              r"needs b\^T, 2048 x 8192"):
+        tt.pair(ag, rs)
+
+
+def test_fused_compile_backward(fused):
+    """A TP MLP (AG-GEMM -> gelu -> GEMM-RS) under torch.compile(fullgraph=True) + AOTAutograd: the
+    backward runs gemm_reduce_scatter's adjoint (an allgather_gemm of dY) and allgather_gemm's (a
+    gemm_reduce_scatter), plus the local weight-gradient GEMMs; every gradient has its parameter's shape."""
+    ag, rs = fused
+
+    def make():
+        w1 = torch.empty(8192, 2048, dtype=BF16, requires_grad=True)
+        w2 = torch.empty(2048, 8192, dtype=BF16, requires_grad=True)
+        x = torch.empty(64, 8192, dtype=BF16, requires_grad=True)
+        return (lambda x, w1, w2: rs(torch.nn.functional.gelu(ag(x, w1)[0]), w2)), (x, w1, w2)
+
+    (x, w1, w2), y, fwd, bwd = aot_graphs(make)
+    assert tuple(y.shape) == (64, 8192) and tuple(x.grad.shape) == (64, 8192)
+    assert tuple(w1.grad.shape) == (8192, 2048) and tuple(w2.grad.shape) == (2048, 8192)
+    assert fwd.index("tsgen.allgather_gemm.default") < fwd.index("tsgen.gemm_reduce_scatter.default"), fwd
+    assert bwd.index("tsgen.allgather_gemm.default") < bwd.index("tsgen.gemm_reduce_scatter.default"), bwd
+    assert sum("mm" in t for t in bwd) >= 2, bwd  # the two local weight-gradient GEMMs
+
+
+def _example_fused():
+    """The fused GEMM specs examples/torch/tp_mlp.py loads at each world size, rendered: {W: (ag, rs) CachedModule}."""
+    import sys
+
+    from tsgen.harness import render_to_cache
+    from tsgen.spec import load_spec
+
+    sys.path.insert(0, str(ROOT / "examples" / "torch"))
+    try:
+        import tp_mlp
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "torch"))
+    return {w: tuple(render_to_cache(load_spec(p)) for p in pair) for w, pair in tp_mlp.FUSED_SPECS.items()}
+
+
+def test_example_fused_specs_are_adjoints():
+    """The TP MLP example's AG-GEMM / GEMM-RS pair at each world size is compiled for mirrored shapes."""
+    for w, (ag, rs) in _example_fused().items():
+        a, r = signature_of(ag.manifest, w, 0), signature_of(rs.manifest, w, 0)
+        assert a.adjoint_problem(r) is None and r.adjoint_problem(a) is None, w
+
+
+@pytest.mark.compile
+def test_example_fused_specs_compile():
+    """...and each compiles as the shared library tsgen.torch loads (sm_90a, the GPU's arch on Hopper)."""
+    from tsgen.toolchain import compile_source
+
+    for w, pair in _example_fused().items():
+        if w == 4:
+            continue  # the shipped specs: `tsgen build specs --compile` compiles them
+        for module in pair:
+            assert compile_source(module.source, arch="sm_90a", mode="shared").output.exists()
+
+
+# -- MoE: dispatch and combine, two ops on one heap ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe(groups):
+    """specs/moe.yaml (64 experts, top-8, hidden 2048, capacity 256, receive 2048 rows) at W 2."""
+    return tt.load(GEN / "moe.json", groups[2])
+
+
+def test_moe_ops_and_fake_shapes(moe):
+    """load gives both ops (paired: unweighted combine); dispatch returns the receive buffers (fixed
+    size: their first recv_counts[0] rows are this call's), combine a row per token."""
+    assert isinstance(moe, tt.ModuleOps) and moe["dispatch"] is moe.dispatch
+    assert moe.dispatch.adjoint is moe.combine and moe.combine.adjoint is moe.dispatch
+    assert str(torch.ops.tsgen.moe_dispatch.default._schema) == ("tsgen::moe_dispatch(Tensor x, Tensor topk_idx, "
+                                                                 "Tensor topk_weights, str group_name) -> (Tensor, Tensor, Tensor, Tensor)")
+    assert str(torch.ops.tsgen.moe_combine.default._schema) == \
+        "tsgen::moe_combine(Tensor y, Tensor topk_idx, str group_name) -> Tensor"
+    with fake_mode():
+        idx = torch.empty(100, 8, dtype=torch.int32, device="cuda")
+        rx, ri, rw, rc = moe.dispatch(torch.empty(100, 2048, dtype=BF16, device="cuda"), idx,
+                                      torch.empty(100, 8, device="cuda"))
+        assert [(tuple(t.shape), t.dtype) for t in (rx, ri, rw, rc)] == [
+            ((2048, 2048), BF16), ((2048, 8), torch.int32), ((2048, 8), torch.float32), ((2 + 8 + 64,), torch.int32)]
+        out = moe.combine(rx, idx)
+        assert tuple(out.shape) == (100, 2048) and out.dtype == BF16
+
+
+@pytest.mark.parametrize("args, match", [
+    (((300, 2048), torch.int32), r"tsgen::moe_dispatch on rank 0: argument x: 300 tokens, but specs/moe.yaml was "
+                                 r"compiled for at most 256 \(params.capacity\)"),
+    (((100, 2048), torch.int64), r"argument topk_idx: dtype int64, but specs/moe.yaml was compiled for int32"),
+    (((100, 1024), torch.int32), r"argument x: dimension 1 \(hidden\) is 1024 .*compiled for hidden 2048"),
+])
+def test_moe_errors(moe, args, match):
+    (shape, idx_dtype) = args
+    with fake_mode():
+        x = torch.empty(shape, dtype=BF16, device="cuda")
+        idx = torch.empty(shape[0], 8, dtype=idx_dtype, device="cuda")
+        with pytest.raises(TsgenArgumentError, match=match):
+            moe.dispatch(x, idx, torch.empty(shape[0], 8, device="cuda"))
+
+
+def test_moe_combine_checks_y(moe):
+    with fake_mode():
+        with pytest.raises(TsgenArgumentError, match=r"tsgen::moe_combine on rank 0: argument y: dimension 0 \(recv\) "
+                                                     r"is 100 .*compiled for recv 2048"):
+            moe.combine(torch.empty(100, 2048, dtype=BF16, device="cuda"),
+                        torch.empty(100, 8, dtype=torch.int32, device="cuda"))
+
+
+def test_moe_call_order(moe):
+    """dispatch, combine, dispatch, ...: on one heap an op out of turn raises, naming the order."""
+    from types import SimpleNamespace
+
+    moe.dispatch._check_order(SimpleNamespace(last=None))
+    moe.combine._check_order(SimpleNamespace(last="dispatch"))
+    moe.dispatch._check_order(SimpleNamespace(last="combine"))
+    with pytest.raises(TsgenTorchError, match=r"tsgen::moe_combine on rank 0: called out of turn \(none was called "
+                                              r"yet with this many tokens\); specs/moe.yaml's ops run in the order "
+                                              r"dispatch -> combine -> dispatch"):
+        moe.combine._check_order(SimpleNamespace(last=None))
+    with pytest.raises(TsgenTorchError, match=r"moe_dispatch on rank 0: called out of turn \(the last was dispatch"):
+        moe.dispatch._check_order(SimpleNamespace(last="dispatch"))
+
+
+def test_moe_weighted_not_paired(groups):
+    data = json.loads((GEN / "moe.json").read_text())
+    data["constants"]["WEIGHTED"] = 1
+    sig_d = signature_of(Manifest.from_json(json.dumps(data)), 2, 0, "dispatch")
+    sig_c = signature_of(Manifest.from_json(json.dumps(data)), 2, 0, "combine")
+    assert "combines weighted" in sig_d.adjoint_problem(sig_c)
+    with pytest.raises(TsgenTorchError, match=r"specs/moe.yaml is 2 ops \(dispatch, combine\); name one"):
+        signature_of(Manifest.from_json(json.dumps(data)), 2, 0)
+
+
+def test_moe_compile_backward(moe):
+    """An MoE layer (dispatch -> a per-row expert -> combine) under torch.compile(fullgraph=True) +
+    AOTAutograd: the backward runs combine's adjoint (a dispatch of the output's gradient) before
+    dispatch's (a combine), keeping the kernels' call order."""
+
+    def layer(x, idx, weights, w):
+        rx, _, rw, _ = moe.dispatch(x, idx, weights)
+        return moe.combine(torch.tanh(rx @ w), idx)
+
+    def make():
+        x = torch.empty(64, 2048, dtype=BF16, requires_grad=True)
+        w = torch.empty(2048, 2048, dtype=BF16, requires_grad=True)
+        return layer, (x, torch.empty(64, 8, dtype=torch.int32), torch.empty(64, 8), w)
+
+    (x, _, _, w), _, fwd, bwd = aot_graphs(make)
+    assert tuple(x.grad.shape) == (64, 2048) and tuple(w.grad.shape) == (2048, 2048)
+    assert fwd.index("tsgen.moe_dispatch.default") < fwd.index("tsgen.moe_combine.default"), fwd
+    assert bwd.index("tsgen.moe_dispatch.default") < bwd.index("tsgen.moe_combine.default"), bwd
+
+
 # -- signatures of every shipped collective --------------------------------------------------------
 
 def _manifests():
@@ -302,18 +621,33 @@ def _manifests():
 
 @pytest.mark.parametrize("path", _manifests(), ids=lambda p: p.stem)
 def test_signature_matches_semantics(path):
-    """Every shipped module either loads as a torch op, with the chunk counts its family's semantics
-    state (the torch layout), or is refused with a TsgenTorchError, never anything else."""
+    """Every shipped module either loads as a torch op (or ops, one per entry), with the chunk counts
+    its family's semantics state (the torch layout) or the tensors its family names (each filling
+    its buffer exactly; a fixed-shape one may be its buffer's first elements), or is refused with a
+    TsgenTorchError, never anything else."""
     from tsgen.ops import get_family
 
     manifest = Manifest.load(path)
     for w in manifest.world_sizes:
         try:
-            sig = OpSignature.of(manifest, w, 0)
+            entries = entries_of(manifest, w)
+            sigs = [signature_of(manifest, w, 0, e) for e in (entries["entries"] if entries else [None])]
         except TsgenTorchError:
             continue
-        sem = get_family(manifest.op).semantics
-        assert (sig.in_units, sig.out_units) == (sem.n_in(w), sem.n_out(w)), (path.stem, w)
+        for sig in sigs:
+            if not isinstance(sig, ShapedSignature):
+                sem = get_family(manifest.op).semantics
+                assert (sig.in_units, sig.out_units) == (sem.n_in(w), sem.n_out(w)), (path.stem, w)
+                continue
+            for t in sig.ins + sig.outs:
+                if t.how == "arg":
+                    continue  # a pointer argument, in no buffer
+                numel = 1
+                for n in t.shape(5):
+                    numel *= n
+                # gemm_reduce_scatter's B is the first K/P of K rows; MoE's receive buffers are whole
+                fits = numel <= t.buffer.elems(5, w) if t.count_dim is None else numel == t.buffer.elems(5, w)
+                assert fits, (path.stem, w, t.name)
 
 
 def test_timeout_diagnosis_becomes_an_error(groups, monkeypatch, capfd):

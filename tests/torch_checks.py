@@ -5,6 +5,14 @@ tests/test_torch_gpu.py where there are 2 GPUs and torch):
     torchrun --nproc-per-node 2 tests/torch_checks.py --probe    # a peer that never arrives, gloo group
 
 Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's detail):
+  fused_*: allgather_gemm / gemm_reduce_scatter (the specs examples/torch/tp_mlp.py loads) against
+    NCCL + cuBLAS, the gathered A bit for bit, their gradients against the twins' autograd,
+    AG-GEMM -> GEMM-RS in a CUDA graph, 20 replays against eager calls;
+  moe_*: MoE dispatch / combine against all_to_all_single with the routing's splits + index_add,
+    bit for bit on integer rows; the input gradient; dispatch -> combine in a CUDA graph, 20 replays;
+  ulysses_*: Ulysses pre / post all-to-alls (and the packed GQA pre) against the twins
+    (all_to_all_single + permutes), bit for bit; their gradients against the twins' autograd;
+    pre -> post in a CUDA graph, 100 replays;
   allgather / reduce_scatter against torch.distributed's all_gather_into_tensor /
     reduce_scatter_tensor (NCCL) on random data: integer-valued (every sum exact: bit-equal) and
     normal (close), shapes with odd sizes, the heap's output buffer poisoned before every call;
@@ -34,6 +42,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -81,11 +90,16 @@ def data(shape, gen, integer: bool) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device="cuda").to(BF16)
 
 
-def poison(op, x: torch.Tensor, byte: int) -> None:
-    """Fill the heap's output buffer for x's size with `byte` (a missing write then shows; a fresh heap
-    would otherwise hold zeros). Makes the heap first if needed: a collective, as the call is."""
-    count = op.signature.count(x.shape, op.signature.dtype)
-    op._heap(count).view(op.signature.output.name).view(torch.uint8).fill_(byte)
+def poison(op, x, byte: int) -> None:
+    """Fill the heap's output buffers for inputs like x (a tensor, or a tuple of the op's tensors) with
+    `byte` (a missing write then shows; a fresh heap would otherwise hold zeros). Makes the heap first
+    if needed: a collective, as the call is."""
+    sig = op.signature
+    count = sig.check([(t.shape, str(t.dtype).removeprefix("torch."), True)
+                       for t in (x if isinstance(x, tuple) else (x,))])
+    state = op._heap(count)
+    for b in sig.outputs:
+        state.view(b.name).view(torch.uint8).fill_(byte)
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, str]:
@@ -98,6 +112,32 @@ def compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, s
     diff = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
     ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     return bool(ok), f"max diff {diff:.3g}"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A 16-bit tensor's bits (compared as integers: equal means bit for bit, NaN included)."""
+    return t.view(torch.int16)
+
+
+def replayed(call, refill, wrong, replays: int) -> list[int]:
+    """`call()` (tsgen ops on static inputs, returning their outputs) run twice (the heaps exist before
+    capture: a heap's first call is a collective), captured in one torch.cuda.CUDAGraph, then
+    `replays` times: refill() the static inputs, replay, count wrong(outputs) (a tuple of wrong
+    elements). The totals."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = call()
+    totals = None
+    for _ in range(replays):
+        refill()
+        g.replay()
+        got = wrong(outs)
+        totals = list(got) if totals is None else [a + b for a, b in zip(totals, got)]
+    torch.cuda.synchronize()
+    return totals
 
 
 def check_collective(op, ref, name: str, gen) -> None:
@@ -203,21 +243,16 @@ def main_checks() -> None:
     def graph():
         n, h = 4096, 256
         static_x = data((n, h), gen, True)
-        for _ in range(2):  # warm-up: the heaps exist before capture (their first call is a collective)
-            rs(ag(static_x))
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+
+        def call():
             y = ag(static_x)
-            z = rs(y)
-        wrong_y = wrong_z = 0
-        for i in range(100):
-            static_x.copy_(data((n, h), gen, True))
-            g.replay()
-            # allgather then reduce_scatter of the gathered rows: rank r gets W times its own rows
-            wrong_y += int((y != twins.all_gather(static_x)).sum().item())
-            wrong_z += int((z != static_x * w).sum().item())
-        torch.cuda.synchronize()
+            return y, rs(y)
+
+        def wrong(outs):  # allgather then reduce_scatter of the gathered rows: rank r gets W times its own rows
+            y, z = outs
+            return int((y != twins.all_gather(static_x)).sum().item()), int((z != static_x * w).sum().item())
+
+        wrong_y, wrong_z = replayed(call, lambda: static_x.copy_(data((n, h), gen, True)), wrong, 100)
         return wrong_y == 0 and wrong_z == 0, f"100 replays: {wrong_y} wrong allgather, {wrong_z} wrong reduce_scatter elements"
 
     graph()
@@ -269,8 +304,265 @@ def main_checks() -> None:
 
     errors()
     tt.close_all()
+    check_ulysses(gen)
+    tt.close_all()
+    check_fused(gen)
+    tt.close_all()
+    check_moe(gen)
+    tt.close_all()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def check_ulysses(gen) -> None:
+    """Ulysses' pre and post all-to-alls (bshd) and the packed GQA pre (bhsd, three outputs) against
+    the torch-only twins (all_to_all_single + permutes): permutations, so bit for bit on random bits;
+    their gradients (pre's backward runs post and the other way round) against the twins' autograd;
+    pre -> post captured in a CUDA graph and replayed 100 times."""
+    pre = tt.load(ROOT / "specs" / "ulysses_pre_a2a.yaml")
+    post = tt.load(ROOT / "specs" / "ulysses_post_a2a.yaml")
+    tt.pair(pre, post)
+    w, rank = dist.get_world_size(), dist.get_rank()
+    b, _, h, d = (n for _, n in pre.signature.ins[0].dims)
+
+    def shard(tokens):  # random 16-bit patterns (no NaN: bf16 NaNs compare unequal through .float())
+        return data((b, tokens, h, d), gen, False)
+
+    @checked("ulysses_vs_twin")
+    def forward():
+        notes, ok = [], True
+        for tokens in (1001, 1, 4096):
+            x = shard(tokens)
+            poison(pre, x, 0xFF)
+            y = pre(x)
+            want_y = twins.ulysses_pre(x)
+            poison(post, y, 0x7F)
+            z = post(y)
+            wrong_y = int((bits(y) != bits(want_y)).sum().item()) if y.shape == want_y.shape else -1
+            wrong_z = int((bits(z) != bits(twins.ulysses_post(y))).sum().item())
+            back = bool(torch.equal(bits(z), bits(x)))
+            ok &= wrong_y == 0 and wrong_z == 0 and back
+            notes.append(f"S/P {tokens}: pre {wrong_y} wrong of {y.numel()}, post {wrong_z} wrong, post(pre(x)) == x "
+                         f"{back}")
+        return ok, "; ".join(notes)
+
+    forward()
+
+    @checked("ulysses_grad")
+    def grad():
+        notes, ok = [], True
+        for op, twin, x in ((pre, twins.ulysses_pre, shard(777)), (post, twins.ulysses_post, None)):
+            if x is None:
+                x = data((b, 777 * w, h // w, d), gen, False)
+            xa = x.clone().requires_grad_(True)
+            ya = op(xa)
+            dy = data(tuple(ya.shape), gen, False)
+            ya.backward(dy)
+            xb = x.clone().requires_grad_(True)
+            twin(xb).backward(dy)
+            wrong = int((bits(xa.grad) != bits(xb.grad)).sum().item())
+            ok &= wrong == 0
+            notes.append(f"{op.signature.qualname}: {wrong} of {x.numel()} gradient elements differ from the twin's")
+        return ok, "; ".join(notes)
+
+    grad()
+
+    @checked("ulysses_graph_100_replays")
+    def graph():
+        static_x = shard(1024)
+
+        def call():
+            y = pre(static_x)
+            return y, post(y)
+
+        def wrong(outs):
+            y, z = outs
+            return (int((bits(y) != bits(twins.ulysses_pre(static_x))).sum().item()),
+                    int((bits(z) != bits(static_x)).sum().item()))
+
+        wrong_y, wrong_z = replayed(call, lambda: static_x.copy_(shard(1024)), wrong, 100)
+        return wrong_y == 0 and wrong_z == 0, f"100 replays: {wrong_y} wrong pre, {wrong_z} wrong post elements"
+
+    graph()
+
+    @checked("ulysses_gqa_vs_twin")
+    def gqa():
+        if w not in (2, 4, 8):
+            return True, f"skipped: specs/ulysses_pre_a2a_gqa.yaml is compiled for 2, 4, 8 ranks, not {w}"
+        op = tt.load(ROOT / "specs" / "ulysses_pre_a2a_gqa.yaml")
+        dims = dict(op.signature.ins[0].dims)
+        heads, kv = op.signature.outs[0].dims[1][1] * w, op.signature.outs[1].dims[1][1]
+        x = data((dims["batch"], 555, dims["heads + 2 kv_heads"], dims["head_dim"]), gen, False)
+        poison(op, x, 0xFF)
+        q, k, v = op(x)
+        # the twin: every rank's shard gathered, then the heads this rank receives (KV heads replicated)
+        full = torch.cat([t for t in twins.all_gather(x.transpose(0, 1).contiguous()).view(
+            w, 555, dims["batch"], -1, dims["head_dim"]).transpose(1, 2)], dim=1)  # [B, S, heads + 2 kv, D]
+        kv_heads = (dims["heads + 2 kv_heads"] - heads) // 2
+        k0 = rank * kv_heads // w
+        want = [full[:, :, rank * (heads // w):(rank + 1) * (heads // w)],
+                full[:, :, heads + k0:heads + k0 + kv], full[:, :, heads + kv_heads + k0:heads + kv_heads + k0 + kv]]
+        notes, ok = [], True
+        for name, got, ref in zip("qkv", (q, k, v), want):
+            ref = ref.transpose(1, 2)  # bhsd
+            same = got.shape == ref.shape and bool(torch.equal(bits(got), bits(ref.contiguous())))
+            ok &= same
+            notes.append(f"{name} {tuple(got.shape)} {'equal' if same else 'DIFFERENT'}")
+        op.close()
+        return ok, "; ".join(notes)
+
+    gqa()
+
+
+def check_fused(gen) -> None:
+    """allgather_gemm and gemm_reduce_scatter (the pair examples/torch/tp_mlp.py loads for this world
+    size: compiled for mirrored shapes) against torch: C against allgather(A) @ B and
+    reduce_scatter(A @ B) with NCCL and cuBLAS (close: other summation orders), the gathered A
+    bit for bit; their gradients (each other's op plus local GEMMs) against the twins' autograd;
+    AG-GEMM -> GEMM-RS captured in a CUDA graph and replayed 20 times with new data."""
+    import tp_mlp
+
+    w = dist.get_world_size()
+    if w not in tp_mlp.FUSED_SPECS:
+        report("fused", True, f"skipped: no fused GEMM specs for {w} ranks in examples/torch/tp_mlp.py")
+        return
+    ag, rs, h, f = tp_mlp.load_fused(w)
+    rows = 1000  # per rank: not whole 128-row tiles
+
+    def close(got, want, what):
+        if got.shape != want.shape:
+            return False, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        scale = want.float().abs().max().item() or 1.0
+        diff = (got.float() - want.float()).abs().max().item()
+        return diff <= 2e-2 * scale and bool(torch.isfinite(got).all().item()), f"{what}: max |diff| / max {diff / scale:.1e}"
+
+    def operands():
+        a = data((rows, h), gen, False)
+        w1 = (data((h, f // w), gen, False) / h ** 0.5).to(BF16)
+        a2 = data((rows * w, f // w), gen, False)
+        w2 = (data((f // w, h), gen, False) / (f ** 0.5)).to(BF16)
+        return a, w1, a2, w2
+
+    @checked("fused_vs_torch")
+    def forward():
+        a, w1, a2, w2 = operands()
+        poison(ag, (a, w1), 0xFF)
+        poison(rs, (a2, w2), 0x7F)
+        c, a_full = ag(a, w1)
+        gathered = twins.all_gather(a)
+        same = bool(torch.equal(bits(a_full), bits(gathered)))
+        ok1, n1 = close(c, gathered @ w1, "allgather_gemm C")
+        ok2, n2 = close(rs(a2, w2), twins.reduce_scatter(a2 @ w2), "gemm_reduce_scatter C")
+        return ok1 and ok2 and same, f"{n1}; gathered A bit-equal: {same}; {n2}"
+
+    forward()
+
+    @checked("fused_grad")
+    def grad():
+        a, w1, a2, w2 = operands()
+        notes, ok = [], True
+        cases = ((lambda x, b: ag(x, b)[0], lambda x, b: twins.AllGather.apply(x) @ b, a, w1, "allgather_gemm"),
+                 (lambda x, b: rs(x, b), lambda x, b: twins.ReduceScatter.apply(x @ b), a2, w2, "gemm_reduce_scatter"))
+        for mine, twin, x, b, name in cases:
+            xa, ba = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
+            ya = mine(xa, ba)
+            dy = data(tuple(ya.shape), gen, False)
+            ya.backward(dy)
+            xb, bb = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
+            twin(xb, bb).backward(dy)
+            for what, got, want in (("dA", xa.grad, xb.grad), ("dB", ba.grad, bb.grad)):
+                good, note = close(got, want, f"{name} {what}")
+                ok &= good
+                notes.append(note)
+        return ok, "; ".join(notes)
+
+    grad()
+
+    @checked("fused_graph_20_replays")
+    def graph():
+        a, w1, _, w2 = operands()
+
+        def call():
+            return rs(ag(a, w1)[0], w2)
+
+        def wrong(y):  # against an eager call of the same kernels: the replay must give the same bits
+            return (int((bits(y) != bits(call())).sum().item()),)
+
+        (total,) = replayed(call, lambda: a.copy_(data((rows, h), gen, False)), wrong, 20)
+        return total == 0, f"20 replays: {total} elements differ from the eager calls"
+
+    graph()
+
+
+def check_moe(gen) -> None:
+    """MoE dispatch and combine (specs/moe.yaml, normal mode, unweighted) against the torch-only twin
+    (all_to_all_single with the routing's splits, index_add; examples/torch/twins.py MoeRoute) on
+    integer-valued rows (every sum exact): the rows received, their local expert ids and weights and
+    the combined result bit for bit; gradients (combine's backward a dispatch, dispatch's a combine)
+    bit for bit; dispatch -> 2 x rows -> combine in a CUDA graph, 20 replays with new rows."""
+    from tsgen.ops.moe import routing
+
+    w, rank = dist.get_world_size(), dist.get_rank()
+    moe = tt.load(ROOT / "specs" / "moe.yaml")
+    c = moe.dispatch.manifest.constants
+    experts, topk, hidden, tokens = c["EXPERTS"], c["TOPK"], c["HIDDEN"], 201
+    idx = torch.from_numpy(routing("random", w, experts, topk, tokens, np.random.default_rng([3, rank]), rank))
+    idx = idx.reshape(tokens, topk).cuda()
+    weights = torch.rand(tokens, topk, generator=gen, device="cuda")
+
+    @checked("moe_vs_twin")
+    def forward():
+        x = data((tokens, hidden), gen, True)
+        poison(moe.dispatch, (x, idx, weights), 0xFF)
+        rx, ridx, rw, counts = moe.dispatch(x, idx, weights)
+        route = twins.MoeRoute(idx, weights, experts)
+        want = route.dispatch(x)
+        n = int(counts[0])
+        notes = [f"{n} rows received (twin {want.shape[0]}), flags {int(counts[1])}"]
+        ok = n == want.shape[0] and int(counts[1]) == 0
+        if ok:
+            same = {"recv_x": torch.equal(bits(rx[:n]), bits(want)), "recv_idx": torch.equal(ridx[:n], route.recv_idx),
+                    "recv_w": torch.equal(rw[:n], route.recv_w)}
+            out = moe.combine(rx * 2, idx)
+            same["out"] = torch.equal(bits(out), bits(route.combine(want * 2)))
+            ok = all(same.values())
+            notes.append(", ".join(f"{k} {'equal' if v else 'DIFFERENT'}" for k, v in same.items()))
+        else:
+            moe.combine(rx, idx)  # keep the call order (dispatch, combine) for the checks after this one
+        return ok, "; ".join(notes)
+
+    forward()
+
+    @checked("moe_grad")
+    def grad():
+        x = data((tokens, hidden), gen, True)
+        dout = data((tokens, hidden), gen, True)
+        xa = x.clone().requires_grad_(True)
+        rx = moe.dispatch(xa, idx, weights)[0]
+        moe.combine(rx * 2, idx).backward(dout)
+        xb = x.clone().requires_grad_(True)
+        route = twins.MoeRoute(idx, weights, experts)
+        route.combine(route.dispatch(xb) * 2).backward(dout)
+        wrong = int((bits(xa.grad) != bits(xb.grad)).sum().item())
+        return wrong == 0, f"dx: {wrong} of {x.numel()} differ from the twin's (combine's backward a tsgen dispatch, " \
+                           "dispatch's a tsgen combine)"
+
+    grad()
+
+    @checked("moe_graph_20_replays")
+    def graph():
+        static_x = data((tokens, hidden), gen, True)
+        route = twins.MoeRoute(idx, weights, experts)
+
+        def wrong(out):
+            return (int((bits(out) != bits(route.combine(route.dispatch(static_x) * 2))).sum().item()),)
+
+        (total,) = replayed(lambda: moe.combine(moe.dispatch(static_x, idx, weights)[0] * 2, idx),
+                            lambda: static_x.copy_(data((tokens, hidden), gen, True)), wrong, 20)
+        return total == 0, f"20 replays: {total} wrong elements"
+
+    graph()
+    moe.close()
 
 
 def probe() -> None:

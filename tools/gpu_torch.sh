@@ -8,11 +8,20 @@
 # (tools/device_env.sh sets the variables; tsgen.torch refuses a multicast handle).
 #   1. tests/torch_checks.py: allgather / reduce_scatter against NCCL (poisoned outputs, exact on
 #      integer data), all_reduce / all_to_all / broadcast against NCCL, op.empty zero copy, CUDA graph
-#      capture + 100 replays, gradients against the torch-only twins, CUDA IPC heaps, argument errors
+#      capture + 100 replays, gradients against the torch-only twins, CUDA IPC heaps, argument errors;
+#      Ulysses pre / post (and packed GQA pre) against all_to_all_single + permutes, bit for bit, their
+#      gradients against the twins' autograd, pre -> post in a CUDA graph, 100 replays; allgather_gemm /
+#      gemm_reduce_scatter against NCCL + cuBLAS, their gradients, AG-GEMM -> GEMM-RS in a CUDA graph; MoE
+#      dispatch / combine against all_to_all_single + index_add, the gradient, a CUDA graph
 #   2. tests/torch_checks.py --probe: a peer that never arrives -> the timeout diagnosis as an error
-#   3. examples/torch/tp_mlp.py --compile: TP MLP forward + backward against its NCCL twin, eager and
-#      torch.compile(fullgraph=True), step times of both
-# Environment: TP_ARGS (extra tp_mlp.py arguments), TSGEN_TORCH_HEAP (auto | symm_mem | ipc).
+#   3. examples/torch/tp_mlp.py --compile: TP MLP forward + backward against its NCCL twin: AG-GEMM ->
+#      GEMM-RS eager and torch.compile(fullgraph=True), allgather / reduce_scatter + torch GEMMs; step times
+#   4. examples/torch/ulysses_attention.py: Ulysses attention layer (torch SDPA inside) forward +
+#      backward against its all_to_all_single twin, step times of both
+#   5. examples/torch/moe_layer.py: MoE layer (dispatch -> per-expert torch GEMMs -> combine) forward +
+#      backward against its all_to_all_single twin, step times of both
+# Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
+# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe; default all; environment and compile always run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh
@@ -29,7 +38,7 @@ print('peer access 0->1:', n > 1 and torch.cuda.can_device_access_peer(0, 1))
 sys.exit(0 if n >= 2 else 1)" || { summary "tsgen.torch on GPUs: needs 2 GPUs" torch_summary.md; exit 1; }
 cat "$LOG/environment.log"
 # render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock)
-step "compile" 120 python3 -c "
+step "compile" 150 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache
 from tsgen.spec import load_spec
@@ -37,12 +46,18 @@ from tsgen.toolchain import compile_source
 def one(spec):
     m = render_to_cache(load_spec(spec))
     return compile_source(m.source, mode='shared').output
-with ThreadPoolExecutor(5) as pool:
-    specs = ['allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast']
-    print(*pool.map(one, [f'specs/{s}.yaml' for s in specs]), sep='\n')"
-step "torch checks (2 ranks, NCCL group)" 200 $RUN tests/torch_checks.py
-step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torch_checks.py --probe
-step "tp_mlp eager + compiled vs NCCL twin" 240 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
+specs = [f'specs/{s}.yaml' for s in ('allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast',
+                                     'ulysses_pre_a2a', 'ulysses_post_a2a', 'ulysses_pre_a2a_gqa', 'allgather_gemm',
+                                     'gemm_reduce_scatter', 'moe')]
+specs += [f'examples/torch/specs/{s}.yaml' for s in ('tp_mlp_ag_gemm', 'tp_mlp_gemm_rs')]
+with ThreadPoolExecutor(12) as pool:
+    print(*pool.map(one, specs), sep='\n')"
+want() { [ -z "${TORCH_STEPS:-}" ] || [[ " $TORCH_STEPS " == *" $1 "* ]]; }
+want checks && step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py
+want probe && step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torch_checks.py --probe
+want tp_mlp && step "tp_mlp fused + collectives vs NCCL twin" 200 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
+want ulysses && step "ulysses_attention vs all_to_all_single twin" 120 $RUN examples/torch/ulysses_attention.py ${ULYSSES_ARGS:-}
+want moe && step "moe_layer vs all_to_all_single twin" 120 $RUN examples/torch/moe_layer.py ${MOE_ARGS:-}
 
 {
   echo "| check | result | detail |"

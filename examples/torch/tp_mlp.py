@@ -1,41 +1,58 @@
-"""A tensor-parallel MLP block (sequence parallel in and out) on tsgen ops, checked against its
-torch-only twin. Run it under torchrun, one process per GPU:
+"""A tensor-parallel MLP block (sequence parallel in and out) on tsgen's fused GEMMs, checked against
+its torch-only twin. Run it under torchrun, one process per GPU:
 
-    torchrun --nproc-per-node 2 examples/torch/tp_mlp.py [--tokens 8192 --hidden 4096 --ffn 16384]
-             [--compile] [--iters 20]
+    torchrun --nproc-per-node 2 examples/torch/tp_mlp.py [--tokens 8192] [--compile] [--iters 20]
 
-Each rank holds tokens/W rows of the input and 1/W of both weights (W1 by columns, W2 by rows):
+Each rank holds S/W rows of the input and 1/W of both weights (W1 by columns, W2 by rows):
 
-    x (S/W, H) --allgather--> (S, H) @ W1_r (H, F/W) --gelu--> @ W2_r (F/W, H) --reduce_scatter--> (S/W, H)
+    x (S/W, H) --AG-GEMM: allgather(x) @ W1_r--> (S, F/W) --gelu--> --GEMM-RS: reduce_scatter(. @ W2_r)--> (S/W, H)
 
-The tsgen block uses tsgen.torch's allgather and reduce_scatter (paired: each is the other's
-backward); the twin uses torch.distributed's all_gather_into_tensor / reduce_scatter_tensor (NCCL)
-in autograd Functions of the same shape. Both start from the same weights and input; the script
-checks the output and every gradient (input, W1, W2) of the tsgen block against the twin's, then
-times a forward + backward step of each (CUDA events, the same stream, after warm-up) and prints
-both. With --compile it also runs the tsgen block under torch.compile(fullgraph=True) and checks
-and times that. Lines starting CHECK / TIME are what tools/gpu_torch.sh collects; exit code 1
-when a check fails.
+The tsgen block runs allgather_gemm and gemm_reduce_scatter (the gather / reduce-scatter fused
+into the GEMM), paired: each is the other's backward (AG-GEMM's dX is a GEMM-RS of dY with W1^T,
+GEMM-RS's dA an AG-GEMM of dY with W2^T; the weight gradients are local torch GEMMs,
+tsgen/torch/grads.py). A GEMM spec fixes H and F/W at compile time, and the pair must be compiled
+for mirrored shapes: at W = 2 the block uses examples/torch/specs/tp_mlp_{ag_gemm,gemm_rs}.yaml
+(H 4096, F 16384), at W = 4 the shipped specs/allgather_gemm.yaml and gemm_reduce_scatter.yaml
+(H 8192, F 8192); S is free (a multiple of W, here and for the kernels' row tiles any size).
+A second tsgen variant runs tsgen's allgather and reduce_scatter around torch GEMMs (unfused). The
+twin uses torch.distributed's all_gather_into_tensor / reduce_scatter_tensor (NCCL) in autograd
+Functions of the same shape, with torch GEMMs. All start from the same weights and input; the
+script checks the output and every gradient (x, W1, W2) of each tsgen variant against the twin's,
+then times a forward + backward step of each (CUDA events, the same stream, after warm-up) and
+prints them. With --compile it also runs the fused block under torch.compile(fullgraph=True) and
+checks and times that. Lines starting CHECK / TIME are what tools/gpu_torch.sh collects; exit code
+1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
 
-import tsgen.torch as tt  # noqa: E402
+from common import ROOT, compare, finish, init, print_times, report, step, time_step, tt  # noqa: E402
 from twins import AllGather, ReduceScatter  # noqa: E402
+
+NAMES = ("y", "dx", "dW1", "dW2")
+# the fused GEMM specs by world size: (allgather_gemm, gemm_reduce_scatter), compiled for mirrored shapes
+FUSED_SPECS = {2: (HERE / "specs" / "tp_mlp_ag_gemm.yaml", HERE / "specs" / "tp_mlp_gemm_rs.yaml"),
+               4: (ROOT / "specs" / "allgather_gemm.yaml", ROOT / "specs" / "gemm_reduce_scatter.yaml")}
+
+
+def load_fused(world: int) -> tuple:
+    """This rank's paired (allgather_gemm, gemm_reduce_scatter) ops and the (H, F) they were compiled for."""
+    if world not in FUSED_SPECS:
+        raise SystemExit(f"no fused GEMM specs for {world} ranks (FUSED_SPECS has {sorted(FUSED_SPECS)}): write an "
+                         "allgather_gemm spec with k = H, n = F/W and a gemm_reduce_scatter spec with k = F, n = H")
+    ag, rs = (tt.load(p) for p in FUSED_SPECS[world])
+    tt.pair(ag, rs)
+    (_, h), (_, f_local) = ag.signature.ins[1].dims  # B = W1_r: [K = H, N/P = F/W]
+    return ag, rs, h, f_local * world
 
 
 class TPMLP(torch.nn.Module):
@@ -52,105 +69,59 @@ class TPMLP(torch.nn.Module):
         return self.scatter(h @ self.w2)
 
 
-def step(block, x, dy):
-    """One forward + backward; returns (y, dx, dW1, dW2)."""
-    block.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_(True)
-    y = block(x)
-    y.backward(dy)
-    return y.detach(), x.grad, block.w1.grad, block.w2.grad
+class FusedTPMLP(TPMLP):
+    """AG-GEMM -> gelu -> GEMM-RS: the same block with the communication inside the GEMMs."""
 
-
-def time_step(block, x, dy, iters: int, warmup: int = 3) -> float:
-    """Milliseconds per forward + backward step (CUDA events around `iters` steps, ranks lined up first)."""
-    for _ in range(warmup):
-        step(block, x, dy)
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step(block, x, dy)
-    end.record()
-    tt.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def compare(name: str, got, want, rank: int) -> tuple[bool, str]:
-    """bf16 results of the same math with differently ordered sums: close, not equal."""
-    names = ("y", "dx", "dW1", "dW2")
-    worst, ok = [], True
-    for n, a, b in zip(names, got, want):
-        scale = b.float().abs().max().item() or 1.0
-        diff = (a.float() - b.float()).abs().max().item()
-        worst.append(f"{n} {diff / scale:.1e}")
-        ok &= bool(torch.isfinite(a).all().item()) and diff <= 2e-2 * scale
-    return ok, f"rank {rank}: max |diff| / max |twin|: " + ", ".join(worst)
-
-
-def report(name: str, ok: bool, detail: str) -> bool:
-    results = [None] * dist.get_world_size()
-    dist.all_gather_object(results, (ok, detail))
-    all_ok = all(r[0] for r in results)
-    if dist.get_rank() == 0:
-        print(f"CHECK {name} {'PASS' if all_ok else 'FAIL'} " + "; ".join(r[1] for r in results), flush=True)
-    return all_ok
+    def forward(self, x):
+        h, _ = self.gather(x, self.w1)  # (C, the gathered x): the second output is for the backward
+        return self.scatter(torch.nn.functional.gelu(h, approximate="tanh"), self.w2)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192, help="S: sequence length over all ranks")
-    ap.add_argument("--hidden", type=int, default=4096, help="H")
-    ap.add_argument("--ffn", type=int, default=16384, help="F: the MLP's inner size over all ranks")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--compile", action="store_true", help="also the tsgen block under torch.compile(fullgraph=True)")
+    ap.add_argument("--compile", action="store_true", help="also the fused block under torch.compile(fullgraph=True)")
     args = ap.parse_args()
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=120))
-    rank, w = dist.get_rank(), dist.get_world_size()
-    S, H, F = args.tokens, args.hidden, args.ffn
-    if S % w or F % w:
-        raise SystemExit(f"--tokens {S} and --ffn {F} must be multiples of the world size {w}")
-
+    rank, w, dev = init()
+    S = args.tokens
+    if S % w:
+        raise SystemExit(f"--tokens {S} must be a multiple of the world size {w}")
+    ag_gemm, gemm_rs, H, F = load_fused(w)
     ag = tt.load(ROOT / "specs" / "allgather.yaml")
     rs = tt.load(ROOT / "specs" / "reduce_scatter.yaml")
     tt.pair(ag, rs)
 
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    dev, bf16 = torch.device("cuda", local), torch.bfloat16
+    bf16 = torch.bfloat16
     w1 = (torch.randn(H, F // w, generator=g, device=dev) / H ** 0.5).to(bf16)
     w2 = (torch.randn(F // w, H, generator=g, device=dev) / (F ** 0.5)).to(bf16)
     x = torch.randn(S // w, H, generator=g, device=dev).to(bf16)
     dy = torch.randn(S // w, H, generator=g, device=dev).to(bf16)
 
-    tsgen_block = TPMLP(ag, rs, w1, w2)
-    twin_block = TPMLP(AllGather.apply, ReduceScatter.apply, w1, w2)
-    ok = True
-    want = step(twin_block, x, dy)
-    got = step(tsgen_block, x, dy)
-    tt.synchronize()
-    ok &= report("tp_mlp_eager_fwd_bwd", *compare("eager", got, want, rank))
-
-    times = {"twin (NCCL) eager": time_step(twin_block, x, dy, args.iters),
-             "tsgen eager": time_step(tsgen_block, x, dy, args.iters)}
+    twin = "twin (NCCL + torch GEMMs)"
+    blocks = {twin: TPMLP(AllGather.apply, ReduceScatter.apply, w1, w2),
+              "tsgen AG-GEMM / GEMM-RS eager": FusedTPMLP(ag_gemm, gemm_rs, w1, w2),
+              "tsgen allgather / reduce_scatter + torch GEMMs": TPMLP(ag, rs, w1, w2)}
     if args.compile:
-        compiled = TPMLP(ag, rs, w1, w2)
+        compiled = FusedTPMLP(ag_gemm, gemm_rs, w1, w2)
         compiled.forward = torch.compile(compiled.forward, fullgraph=True)
-        got_c = step(compiled, x, dy)
+        blocks["tsgen AG-GEMM / GEMM-RS compiled"] = compiled
+    checks = {"tsgen AG-GEMM / GEMM-RS eager": "tp_mlp_fused_fwd_bwd",
+              "tsgen allgather / reduce_scatter + torch GEMMs": "tp_mlp_collectives_fwd_bwd",
+              "tsgen AG-GEMM / GEMM-RS compiled": "tp_mlp_fused_compiled_fwd_bwd"}
+    want = step(blocks[twin], x, dy)
+    ok = True
+    for name, block in blocks.items():
+        if name == twin:
+            continue
+        got = step(block, x, dy)
         tt.synchronize()
-        ok &= report("tp_mlp_compiled_fwd_bwd", *compare("compiled", got_c, want, rank))
-        times["tsgen compiled"] = time_step(compiled, x, dy, args.iters)
-    if rank == 0:
-        base = times["twin (NCCL) eager"]
-        for name, ms in times.items():
-            print(f"TIME tp_mlp S={S} H={H} F={F} W={w} {name}: {ms:.3f} ms/step ({base / ms:.2f}x the twin)",
-                  flush=True)
-    tt.close_all()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+        ok &= report(checks[name], *compare(NAMES, got, want, rank))
+    times = {name: time_step(block, x, dy, args.iters) for name, block in blocks.items()}
+    print_times(f"tp_mlp S={S} H={H} F={F} W={w}", times, twin)
+    return finish(ok)
 
 
 if __name__ == "__main__":

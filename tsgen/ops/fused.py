@@ -140,6 +140,17 @@ class AllgatherGemmFamily(OpFamily):
     def constants(self, spec):
         return GemmFamily().constants(spec)
 
+    # -- as torch tensors (tsgen.torch) ---------------------------------------
+    def torch_tensors(self, constants, world):
+        """The tensors tsgen.torch's op takes and returns (tsgen/torch/signature.py), from the
+        manifest's N (N_local) and K: buffer name -> (dims, count dim[, own rows from]); count =
+        M_local rows. Besides C the op returns the gathered A (scratch a_full: every source's rows,
+        as torch's fused_all_gather_matmul does), which the backward's weight gradient needs; the
+        kernel reads this rank's own rows from `a`, so they are taken from there."""
+        k, n = constants["K"], constants["N"]
+        return {"a": ((("M/P", 1), ("K", k)), 0), "b": ((("K", k), ("N/P", n)), None),
+                "c": ((("M", world), ("N/P", n)), 0), "a_full": ((("M", world), ("K", k)), 0, "a")}
+
     def abi(self, spec):
         # the launcher also addresses peers' a_full for cudaMemcpyAsync: the host copy of the table
         return one_kernel_abi(self, spec, smem_bytes(spec), self.constants(spec), peers_host=True)
@@ -342,6 +353,13 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
             bufs.append(Buffer("acc", "float32", "scratch", per_count=p.n))  # count x N, fp32
         bufs.append(Buffer("sig", "uint64", "signal", per_count=0, fixed=RS_SIGNALS))
         return tuple(bufs)
+
+    def torch_tensors(self, constants, world):
+        """The tensors tsgen.torch's op takes and returns: A (M x K/P), this rank's B (K/P x N: the
+        first K/P rows of its buffer) and C (M/P x N); count = M/P rows."""
+        k, n = constants["K"], constants["N"]
+        return {"a": ((("M", world), ("K/P", k // world)), 0), "b": ((("K/P", k // world), ("N", n)), None),
+                "c": ((("M/P", 1), ("N", n)), 0)}
 
     def abi(self, spec):
         # push: the launcher encodes a tensor map of every owner's partial: the host copy of the table

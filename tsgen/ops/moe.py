@@ -244,6 +244,35 @@ class MoeFamily(OpFamily):
                 "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec),
                 "fp8": spec.params.payload == "fp8"}
 
+    # -- as torch ops (tsgen.torch) -----------------------------------------
+    def torch_entries(self, constants, world, buffers):
+        """The module as tsgen.torch ops (tsgen/torch/signature.py): its dispatch and combine host
+        launchers (`<kernel>_dispatch_launch`, `<kernel>_combine_launch`) as two ops on one heap, called
+        in turn (dispatch, combine, dispatch, ...: the kernels' protocol, tsgen_moe.cuh). A dict:
+        entries: entry -> {tensor: (dims, count dim, how)}, how "in" (copied into its buffer), "out"
+        (copied out of it), "shape" (checked only: combine's topk_idx, whose buffer keeps the
+        dispatch's) or "arg:<dtype>" (passed by pointer after the buffers: combine's y, read in place);
+        order: the entries' cyclic call order; adjoint: whether dispatch and combine are each other's
+        adjoint (unweighted combine only: weighted scales rows by routing weights); max_count: the
+        most tokens per rank (the launchers refuse more) and the spec field that sets it. Or a string: why
+        the module is not a torch op (fp8 payload, low-latency mode)."""
+        c = constants
+        if c["FP8"]:
+            return "the fp8 payload quantizes the rows (not differentiable, and combine reads dequantized rows); use bf16"
+        if "recv_src" in buffers:
+            return "the low-latency mode's rows sit in per-(expert, source) slots; use the normal mode"
+        tokens, hidden, topk, recv = ("tokens", 1), ("hidden", c["HIDDEN"]), ("topk", c["TOPK"]), ("recv", c["RECV"])
+        routing = (tokens, topk)
+        dispatch = {"x": ((tokens, hidden), 0, "in"), "topk_idx": (routing, 0, "in"),
+                    "topk_weights": (routing, 0, "in"),
+                    "recv_x": ((recv, hidden), None, "out"), "recv_idx": ((recv, topk), None, "out"),
+                    "recv_w": ((recv, topk), None, "out"),
+                    "recv_counts": ((("2 + WMAX + experts", 2 + c["WMAX"] + c["EXPERTS"]),), None, "out")}
+        combine = {"y": ((recv, hidden), None, "arg:bfloat16"), "topk_idx": (routing, 0, "shape"),
+                   "out": ((tokens, hidden), 0, "out")}
+        return {"entries": {"dispatch": dispatch, "combine": combine}, "order": ("dispatch", "combine"),
+                "adjoint": not c["WEIGHTED"], "max_count": (c["CAP"], "params.capacity")}
+
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
         p = spec.params

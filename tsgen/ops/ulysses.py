@@ -306,6 +306,32 @@ class _UlyssesFamily(OpFamily):
     def traffic(self, spec, world, count) -> dict:
         raise NotImplementedError
 
+    # -- as torch tensors (tsgen.torch) ------------------------------------------
+    def torch_tensors(self, constants, world):
+        """The data buffers as the tensors tsgen.torch's op takes and returns (tsgen/torch/signature.py),
+        read off the manifest's constants: buffer name -> (dims, count dim), dims as (name, size)
+        where the count dimension's size is its multiple of count (S/P tokens per rank: 1 on the
+        sequence-sharded side, P on the full-sequence side)."""
+        c = constants
+        batch, head_dim = ("batch", c["BATCH"]), ("head_dim", c["HEAD_VEC"] * VEC_BYTES // ITEMSIZE)
+
+        def shard(heads):  # [batch, S/P, heads, head_dim]
+            return (batch, ("S/P", 1), ("heads", heads), head_dim), 1
+
+        def full(name, heads):  # [batch, S, heads/P, head_dim] (bshd) or [batch, heads/P, S, head_dim] (bhsd)
+            local = ("kv_heads/P" if name in ("k", "v") else "heads/P", _per_rank_heads(name, heads, world))
+            if c["BHSD"]:
+                return (batch, local, ("S", world), head_dim), 2
+            return (batch, ("S", world), local, head_dim), 1
+
+        if not self.pre:
+            return {"src": full("src", c["HEADS"]), "dst": shard(c["HEADS"])}
+        if "KV_HEADS" in c:
+            kv = c["KV_HEADS"]
+            qkv = (batch, ("S/P", 1), ("heads + 2 kv_heads", c["IN_HEADS"]), head_dim), 1
+            return {"qkv": qkv, "q": full("q", c["HEADS"]), "k": full("k", kv), "v": full("v", kv)}
+        return {"src": shard(c["HEADS"]), "dst": full("dst", c["HEADS"])}
+
     # -- reference --------------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
         """Call 0: the (rank, index) pattern; then random 16-bit patterns (bits, not values: nothing is

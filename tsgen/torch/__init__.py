@@ -19,8 +19,9 @@ try:
 except ImportError as _e:  # pragma: no cover - exercised by tests/test_torch_cpu.py in a subprocess
     raise ImportError(f"tsgen.torch needs PyTorch (>= 2.4): pip install '.[torch]' ({_e})") from None
 
-from .ops import TorchOp, close_all, load, loaded, pair, synchronize  # noqa: E402
-from .signature import OpSignature, TsgenArgumentError, TsgenTorchError  # noqa: E402
+from .ops import ModuleOps, TorchOp, close_all, load, loaded, pair, synchronize  # noqa: E402
+from .signature import OpSignature, ShapedSignature, TsgenArgumentError, TsgenTorchError  # noqa: E402
 
-__all__ = ["load", "pair", "synchronize", "loaded", "close_all", "TorchOp", "OpSignature", "TsgenTorchError",
+__all__ = ["load", "pair", "synchronize", "loaded", "close_all", "TorchOp", "ModuleOps", "OpSignature", "ShapedSignature",
+           "TsgenTorchError",
            "TsgenArgumentError"]

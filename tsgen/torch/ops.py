@@ -38,9 +38,10 @@ from ..printed import device_output
 from ..runtime.ipc import join_problem
 from ..runtime.placement import mps_active, ranks_per_gpu, residency_problem, share_from_env
 from ..runtime.world import (_host_launcher, arg_values, launcher_cargs, module_files, multimem_refusal,
-                             prepare_ranks)
+                             own_symbol, prepare_ranks)
+from . import grads as grads_mod
 from . import heap as heap_mod
-from .signature import TORCH_DTYPES, OpSignature, TsgenArgumentError, TsgenTorchError
+from .signature import TORCH_DTYPES, TsgenArgumentError, TsgenTorchError, entries_of, signature_of
 
 _LIB: Any = None  # the torch.library.Library fragment that holds every tsgen op (kept alive)
 _DEFINED: dict[str, str] = {}  # module name -> spec sha256 of the module that defined tsgen::<name>
@@ -67,34 +68,53 @@ def _library() -> Any:
     return _LIB
 
 
-def _define(name: str) -> None:
-    """Register tsgen::<name>: schema, the real kernel (any device: it names a wrong one itself),
-    the fake kernel, and the autograd formula (the adjoint op, see pair)."""
+def _metas(tensors: tuple) -> list[tuple]:
+    return [(t.shape, _dtype_name(t.dtype), t.is_contiguous()) for t in tensors]
+
+
+def _define(name: str, schema: str) -> None:
+    """Register tsgen::<name>: schema (the signature's: its tensors, then the group's name), the real
+    kernel (any device: it names a wrong one itself), the fake kernel, and the autograd formula
+    (the adjoint op, see pair)."""
     if name in _DEFINED:
         return
     lib = _library()
     qual = f"tsgen::{name}"
-    lib.define(f"{name}(Tensor x, str group_name) -> Tensor")
+    lib.define(schema)
 
-    def real(x: torch.Tensor, group_name: str) -> torch.Tensor:
-        return _lookup(name, group_name)._forward(x)
+    def real(*args: Any) -> Any:
+        return _lookup(name, args[-1])._forward(*args[:-1])
 
-    def fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
-        sig = _lookup(name, group_name).signature
-        sig.count(x.shape, _dtype_name(x.dtype), x.is_contiguous())
-        return x.new_empty(sig.out_shape(x.shape))
+    def fake(*args: Any) -> Any:
+        sig = _lookup(name, args[-1]).signature
+        tensors = args[:-1]
+        sig.check(_metas(tensors))
+        outs = [tensors[0].new_empty(shape, dtype=getattr(torch, TORCH_DTYPES[b.dtype]))
+                for shape, b in zip(sig.out_shapes([t.shape for t in tensors]), sig.outputs)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.group_name = inputs[1]
+        ctx.group_name = inputs[-1]
+        f = grads_mod.formula(_lookup(name, ctx.group_name).signature.op)
+        if f is not None:
+            outs = output if isinstance(output, tuple) else (output,)
+            ctx.save_for_backward(*f.save(inputs[:-1], outs))
+            if f.nondiff:
+                ctx.mark_non_differentiable(*(outs[i] for i in f.nondiff))
 
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         op = _lookup(name, ctx.group_name)
-        if op.adjoint is None:
-            raise TsgenTorchError(
-                f"{qual} on rank {op.rank}: no adjoint op for its backward; load the "
-                f"{'reduce_scatter' if op.signature.op == 'allgather' else 'allgather'} spec on the same group and "
-                "call tsgen.torch.pair(op, adjoint)")
-        return getattr(torch.ops.tsgen, op.adjoint.name)(grad.contiguous(), ctx.group_name), None
+        f = grads_mod.formula(op.signature.op)
+        if op.adjoint is None or f is None:
+            from .signature import ADJOINT_KINDS
+
+            want = ADJOINT_KINDS.get(op.signature.op)
+            how = (f"load the {want} spec on the same group and call tsgen.torch.pair(op, adjoint)" if want else
+                   f"{op.signature.op} has no adjoint op in tsgen.torch")
+            raise TsgenTorchError(f"{qual} on rank {op.rank}: no adjoint op for its backward; {how}")
+        adjoint = getattr(torch.ops.tsgen, op.adjoint.name)
+        needs = tuple(ctx.needs_input_grad[:-1])
+        return (*f.backward(lambda *t: adjoint(*t, ctx.group_name), ctx.saved_tensors, grads, needs), None)
 
     torch.library.impl(qual, "default", real, lib=lib)
     torch.library.register_fake(qual, fake, lib=lib)
@@ -138,6 +158,7 @@ class _HeapState:
     slots: dict[str, Slot]
     cargs: list[Any]  # the launcher's arguments but the stream
     views: dict[str, torch.Tensor] = field(default_factory=dict)  # made once per slot: calls reuse them
+    last: str | None = None  # the entry called last on this heap (modules of several ops, signature.order)
 
     def view(self, slot: str) -> torch.Tensor:
         if slot not in self.views:
@@ -150,18 +171,19 @@ class TorchOp:
     """One generated module on one process group, as seen from this rank. Call it with a tensor;
     `empty(shape)` gives an input in the symmetric heap (no copy in); `close()` frees the heaps."""
 
-    def __init__(self, manifest: Manifest, source: Path, group: Any, signature: OpSignature,
-                 arch: str | None, heap: str | None):
+    def __init__(self, manifest: Manifest, source: Path, group: Any, signature: Any,
+                 arch: str | None, heap: str | None, shares: "TorchOp | None" = None):
         self.manifest, self.source, self.group = manifest, Path(source), group
         self.signature = signature
-        self.name = manifest.name
+        self.name = signature.module  # the module's name, or module_entry for one op of several
         self.group_name = group.group_name
         self.rank, self.world = signature.rank, signature.world
         self.kernel = manifest.kernel(self.world)
         self.adjoint: TorchOp | None = None
         self.heap_mode = heap_mod.heap_mode(heap)
         self.heap_kind: str | None = None  # what the heaps came from: symm_mem or ipc (after the first)
-        self._heaps: dict[int, _HeapState] = {}
+        # the heaps, by count; an entry of a module of several ops shares its first op's
+        self._heaps: dict[int, _HeapState] = shares._heaps if shares is not None else {}
         self._launcher: Any = None
         self.device: int | None = None
         # a group of torch's fake backend (tracing on a machine without GPUs) or no CUDA: trace only
@@ -173,8 +195,8 @@ class TorchOp:
         return (f"<tsgen.torch op {self.signature.qualname} rank {self.rank}/{self.world} group {self.group_name!r} "
                 f"{'trace only' if self.trace_only else f'cuda:{self.device}'}>")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(torch.ops.tsgen, self.name)(x, self.group_name)
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        return getattr(torch.ops.tsgen, self.name)(*tensors, self.group_name)
 
     @property
     def where(self) -> str:
@@ -194,6 +216,10 @@ class TorchOp:
         try:
             binary = compile_source(self.source, arch=arch or _arch(dev), mode="shared").output
             self._launcher, prepare = _host_launcher(binary, self.kernel)
+            entry = self.signature.entry if hasattr(self.signature, "entry") else None
+            if entry is not None:  # one entry of several: <kernel>_<entry>_launch, the same arguments (+ pointers)
+                self._launcher = own_symbol(ctypes.CDLL(str(binary)), binary, f"{self.kernel.name}_{entry}_launch")
+                self._launcher.restype = ctypes.c_int
         except (TsgenError, OSError, AttributeError) as e:
             problem = f"{self.where}: loading {self.source.name}: {e}"
         bus = _bus_id(dev) or f"cuda:{dev} {torch.cuda.get_device_properties(dev).uuid}"
@@ -264,14 +290,20 @@ class TorchOp:
         return state
 
     # -- calls ----------------------------------------------------------------------------
-    def _check(self, x: Any, arg: str = "x") -> int:
-        if not isinstance(x, torch.Tensor):
-            raise TsgenArgumentError(f"{self.signature.where(arg)}: got {type(x).__name__}, not a torch.Tensor")
-        count = self.signature.count(x.shape, _dtype_name(x.dtype), x.is_contiguous(), arg)
+    def _check(self, tensors: tuple) -> int:
+        sig = self.signature
+        if len(tensors) != len(sig.arg_names):
+            raise TsgenArgumentError(f"{sig.qualname} on rank {self.rank}: {len(tensors)} tensors, but it takes "
+                                     f"{len(sig.arg_names)} ({', '.join(sig.arg_names)})")
+        for arg, x in zip(sig.arg_names, tensors):
+            if not isinstance(x, torch.Tensor):
+                raise TsgenArgumentError(f"{sig.where(arg)}: got {type(x).__name__}, not a torch.Tensor")
+        count = sig.check(_metas(tensors))
         want = "a CUDA device" if self.device is None else f"cuda:{self.device}"
-        if x.device.type != "cuda" or (self.device is not None and x.device.index != self.device):
-            raise TsgenArgumentError(f"{self.signature.where(arg)}: on {x.device}, but this rank's op runs on {want} "
-                                     "(torch.cuda.set_device before tsgen.torch.load picks it)")
+        for arg, x in zip(sig.arg_names, tensors):
+            if x.device.type != "cuda" or (self.device is not None and x.device.index != self.device):
+                raise TsgenArgumentError(f"{sig.where(arg)}: on {x.device}, but this rank's op runs on {want} "
+                                         "(torch.cuda.set_device before tsgen.torch.load picks it)")
         return count
 
     def _need_gpu(self) -> None:
@@ -280,38 +312,74 @@ class TorchOp:
                                   f"{dist.get_backend(self.group)!r}, CUDA available: {torch.cuda.is_available()}): it "
                                   "traces (fake kernels) but does not run")
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        count = self._check(x)
+    def _forward(self, *tensors: torch.Tensor) -> Any:
+        count = self._check(tensors)
         self._need_gpu()
         sig = self.signature
-        out = torch.empty(sig.out_shape(x.shape), dtype=x.dtype, device=x.device)
+        x = tensors[0]
+        outs = [torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[b.dtype]), device=x.device)
+                for shape, b in zip(sig.out_shapes([t.shape for t in tensors]), sig.outputs)]
+        result = outs[0] if len(outs) == 1 else tuple(outs)
         if count == 0:
-            return out
+            return result
         state = self._heap(count)
-        src = state.view(sig.input.name)
-        if x.data_ptr() != src.data_ptr():  # not op.empty()'s tensor: one copy in
-            src.copy_(x.reshape(-1))
+        self._check_order(state)
+        pointers = []
+        for i, (b, t) in enumerate(zip(sig.inputs, tensors)):
+            how = sig.ins[i].how if hasattr(sig, "ins") else "in"
+            if how == "arg":  # read where it is, by the kernel on this GPU
+                pointers.append(ctypes.c_void_p(t.data_ptr()))
+                continue
+            if how == "shape":
+                continue
+            src = state.view(b.name)
+            if t.data_ptr() != src.data_ptr():  # not op.empty()'s tensor: one copy in
+                src[:t.numel()].copy_(t.reshape(-1))
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream()
-            err = self._launcher(*state.cargs, ctypes.c_void_p(stream.cuda_stream))
+            err = self._launcher(*state.cargs, *pointers, ctypes.c_void_p(stream.cuda_stream))
         if err != 0:
             raise TsgenTorchError(f"{self.where}: {self.kernel.launcher} failed with cudaError {err} "
                                   f"(count {count}); a kernel that trapped before leaves this error: "
                                   "tsgen.torch.synchronize() names it")
-        out.view(-1).copy_(state.view(sig.output.name))
-        return out
+        state.last = getattr(sig, "entry", None)
+        for b, out in zip(sig.outputs, outs):
+            out.view(-1).copy_(state.view(b.name)[:out.numel()])
+        for o, dim, i in sig.own_blocks():  # this rank's block is the input the kernel read it from
+            outs[o].narrow(dim, self.rank * count, count).copy_(tensors[i])
+        return result
+
+    def _check_order(self, state: _HeapState) -> None:
+        """The ops of one module (MoE's dispatch and combine) run in their cyclic order on a heap: the
+        kernels' protocol (each reads what the previous left in the heap, and a dispatch may rewrite
+        the receive buffers only after the combine that read them)."""
+        order = getattr(self.signature, "order", ())
+        if not order:
+            return
+        me = order.index(self.signature.entry)
+        want = order[me - 1]
+        if state.last != want and not (state.last is None and me == 0):
+            did = f"the last was {state.last}" if state.last else "none was called yet"
+            raise TsgenTorchError(f"{self.where}: called out of turn ({did} with this many tokens); "
+                                  f"{self.manifest.spec}'s ops run in the order {' -> '.join(order)} -> "
+                                  f"{order[0]} ... on the same tokens")
 
     def empty(self, *shape: Any) -> torch.Tensor:
         """An input tensor of `shape` that lives in this op's symmetric heap: the op reads it where it
         is (no copy in). A collective the first time a shape is used (it makes the heap). Valid until
-        close(); the op's next call with this shape reads whatever it holds then."""
-        shape = self.signature.input_shape_for(shape)
-        count = self.signature.count(shape, TORCH_DTYPES[self.signature.dtype], True, "shape")
+        close(); the op's next call with this shape reads whatever it holds then. The op's first
+        input (x)."""
+        sig = self.signature
+        shape = sig.input_shape_for(shape)
+        dtype = TORCH_DTYPES[sig.input.dtype]
+        count = sig.count_of(sig.arg_names[0], shape, dtype, True)
         self._need_gpu()
+        numel = 1
+        for n in shape:
+            numel *= n
         if count == 0:
-            return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[self.signature.dtype]),
-                               device=f"cuda:{self.device}")
-        return self._heap(count).view(self.signature.input.name).view(shape)
+            return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{self.device}")
+        return self._heap(count).view(sig.input.name)[:numel].view(shape)
 
     def close(self) -> None:
         """Free this op's heaps (collective for CUDA IPC heaps) and unregister it; tensors from
@@ -332,8 +400,10 @@ class TorchOp:
 
 
 def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: str | None = None,
-         heap: str | None = None) -> TorchOp:
-    """This rank's op for a generated module on `group` (default: the default process group).
+         heap: str | None = None) -> "TorchOp | ModuleOps":
+    """This rank's op for a generated module on `group` (default: the default process group); for a
+    module of several ops (MoE: dispatch and combine on one heap) a ModuleOps of them, paired where
+    they are each other's adjoint.
 
     `spec_or_manifest`: a spec file (.yaml; rendered into the compile cache), a manifest
     (NAME.json, its NAME.cu beside it unless `source`), or a tsgen.manifest.Manifest with `source`.
@@ -353,7 +423,22 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
         raise TsgenTorchError(f"this process (global rank {dist.get_rank()}) is not a member of the group it "
                               "loads the op on")
     manifest, src = _resolve(spec_or_manifest, source)
-    signature = OpSignature.of(manifest, world, rank)
+    entries = entries_of(manifest, world, rank) if world in manifest.world_sizes else None
+    if entries is None:
+        return _load_one(manifest, src, group, signature_of(manifest, world, rank), arch, heap)
+    ops: dict[str, TorchOp] = {}
+    for entry in entries["entries"]:
+        first = next(iter(ops.values()), None)
+        ops[entry] = _load_one(manifest, src, group, signature_of(manifest, world, rank, entry), arch, heap, first)
+    if entries["adjoint"] and len(ops) == 2:
+        pair(*ops.values())
+    return ModuleOps(manifest.name, ops)
+
+
+def _load_one(manifest: Manifest, src: Path, group: Any, signature: Any, arch: str | None, heap: str | None,
+              shares: TorchOp | None = None) -> TorchOp:
+    """One op (load's body): its refusals, the same op again when loaded before, else a new one."""
+    rank = signature.rank
     refusal = multimem_refusal(manifest, os.environ, False)
     if refusal:
         raise TsgenTorchError(f"{signature.qualname} on rank {rank}: {refusal}")
@@ -361,7 +446,8 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
         raise TsgenTorchError(f"{signature.qualname} on rank {rank}: built for the NVSHMEM transport (device libraries "
                               f"{', '.join(manifest.device_libs)}), which tsgen.torch does not load yet; use the p2p "
                               "variant of the spec")
-    key = (manifest.name, group.group_name)
+    name = signature.module
+    key = (name, group.group_name)
     if key in _OPS:
         op = _OPS[key]
         if op.manifest.spec_sha256 != manifest.spec_sha256:
@@ -369,20 +455,42 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
                                   f"spec ({op.manifest.spec}, sha256 {op.manifest.spec_sha256[:12]}); close() it "
                                   "first, or give the new spec another name")
         return op
-    if _DEFINED.get(manifest.name, manifest.spec_sha256) != manifest.spec_sha256:
+    if _DEFINED.get(name, manifest.spec_sha256) != manifest.spec_sha256:
         raise TsgenTorchError(f"{signature.qualname}: another spec of this name (sha256 "
-                              f"{_DEFINED[manifest.name][:12]}) defined the op in this process; one module name is one "
+                              f"{_DEFINED[name][:12]}) defined the op in this process; one module name is one "
                               "op: give the spec another name")
-    op = TorchOp(manifest, src, group, signature, arch, heap)
-    _define(manifest.name)
-    _DEFINED[manifest.name] = manifest.spec_sha256
+    op = TorchOp(manifest, src, group, signature, arch, heap, shares)
+    _define(name, signature.schema())
+    _DEFINED[name] = manifest.spec_sha256
     _OPS[key] = op
     return op
 
 
+class ModuleOps:
+    """A module of several torch ops on one heap (MoE: `.dispatch`, `.combine`), as load returns it;
+    each op is a TorchOp, also reachable as ops["dispatch"]. close() frees their heap."""
+
+    def __init__(self, module: str, ops: dict[str, TorchOp]):
+        self.module, self.ops = module, ops
+        for entry, op in ops.items():
+            setattr(self, entry, op)
+
+    def __getitem__(self, entry: str) -> TorchOp:
+        return self.ops[entry]
+
+    def __repr__(self) -> str:
+        return f"<tsgen.torch module {self.module}: {', '.join(map(repr, self.ops.values()))}>"
+
+    def close(self) -> None:
+        for op in self.ops.values():
+            op.close()
+
+
 def pair(op: TorchOp, adjoint: TorchOp) -> None:
     """Make each op the other's backward: allgather's gradient is the reduce-scatter of its output's
-    gradient, and the other way round. Both on the same group, same dtype, mirrored shapes."""
+    gradient, and the other way round; Ulysses' pre all-to-all's gradient is the post all-to-all of
+    its output's gradient (a permutation's adjoint is its inverse), and the other way round. Both on
+    the same group, same dtype, mirrored shapes."""
     if op.group_name != adjoint.group_name:
         raise TsgenTorchError(f"{op.signature.qualname} is on group {op.group_name!r}, "
                               f"{adjoint.signature.qualname} on {adjoint.group_name!r}: an adjoint runs on the same group")
