@@ -50,8 +50,8 @@ def _torch():
 Candidate = tuple[str, "Callable[[], None] | None", "str | None"]
 
 
-def _inputs(torch, p, seq: int, dev: int):
-    tdt = getattr(torch, "bfloat16")
+def _inputs(torch, spec, seq: int, dev: int):
+    p, tdt = spec.params, getattr(torch, spec.dtype)
     with torch.cuda.device(dev):
         q = torch.randn(p.batch, p.heads, seq, p.head_dim, device=f"cuda:{dev}", dtype=tdt)
         k = torch.randn(p.batch, p.kv_heads, seq, p.head_dim, device=f"cuda:{dev}", dtype=tdt)
@@ -73,7 +73,7 @@ def sdpa(world, rank: int, spec, seq: int) -> list[Candidate]:
 
     p, dev, stream = spec.params, world.devices[rank], world.streams[rank]
     scale = scale_of(spec)
-    q, k, v = _inputs(torch, p, seq, dev)
+    q, k, v = _inputs(torch, spec, seq, dev)
     ext = torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{dev}")
     torch.cuda.synchronize(dev)
     out: list[Candidate] = []
@@ -176,7 +176,7 @@ def cudnn_frontend(world, rank: int, spec, seq: int) -> list[Candidate]:
     try:
         impl = f"{cudnn_versions(cudnn)} SDPA"
         args = cudnn_sdpa_args(p.batch, p.heads, p.kv_heads, seq, p.head_dim, scale, p.causal)
-        q, k, v = _inputs(torch, p, seq, dev)
+        q, k, v = _inputs(torch, spec, seq, dev)
         o = torch.empty_like(q)
         handle, g, ts, ws = _cudnn_graph(cudnn, torch, dev, args)
         cudnn.set_stream(handle=handle, stream=stream.ptr)
