@@ -52,7 +52,8 @@ def test_time_interleaved_takes_one_sample_of_each_per_round_and_pairs_them():
     assert log[:2] == [("prepare", "tsgen"), ("prepare", "sdpa")]
     order = [n for kind, n in log if kind == "sample"]
     assert order == ["tsgen", "sdpa", "sdpa", "tsgen"] * 3  # rotated every round
-    assert all(t.interleaved and len(t.samples_us) == 6 for t in got.values())
+    assert all(len(t.samples_us) == 6 for t in got.values())
+    assert got["tsgen"].round_set and got["tsgen"].round_set == got["sdpa"].round_set
     # the drift (samples grow 12x over the run) cancels in the paired ratio: 1.5 within each round,
     # up to the one step the second of a round comes later
     paired = paired_ratio(got["sdpa"].samples_us, got["tsgen"].samples_us)
@@ -72,14 +73,16 @@ def test_paired_ratio_compares_samples_of_the_same_round():
         paired_ratio(base[:4], tsgen)
 
 
-def test_add_ratios_pairs_interleaved_rows_only():
-    row = {"impl": "tsgen", "size": 8, "group": "g", "time_us": 30.0, "interleaved": True,
+def test_add_ratios_pairs_rows_of_the_same_rounds_only():
+    row = {"impl": "tsgen", "size": 8, "group": "g", "time_us": 30.0, "round_set": 3,
            "samples_us": [10.0, 40.0, 20.0, 50.0, 30.0]}
     inter = {"impl": "b", "baseline": True, "compare": True, "size": 8, "group": "g", "time_us": 33.0,
-             "interleaved": True, "samples_us": [44.0, 11.0, 22.0, 33.0, 55.0]}
+             "round_set": 3, "samples_us": [44.0, 11.0, 22.0, 33.0, 55.0]}
+    other = dict(inter, impl="o", round_set=4, time_us=45.0)  # timed in other rounds (a suite's earlier entry)
     plain = {"impl": "c", "baseline": True, "compare": True, "size": 8, "group": "g", "time_us": 60.0}
-    add_ratios([row, inter, plain])
+    add_ratios([row, inter, other, plain])
     assert row["ratios"]["b"] == pytest.approx(1.1) and row["ratio_spread"]["b"]["rounds"] == 5
+    assert row["ratios"]["o"] == pytest.approx(1.5) and "o" not in row["ratio_spread"]  # medians: not paired
     assert row["ratios"]["c"] == pytest.approx(2.0) and "c" not in row["ratio_spread"]
 
 

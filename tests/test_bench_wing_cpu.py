@@ -121,7 +121,7 @@ def test_attention_baselines_timed_in_tsgens_rounds(monkeypatch):
     assert out.errors == []
     for r in [r for r in out.rows if r["impl"] == "tsgen"]:
         base = next(b for b in out.rows if b.get("baseline") and b["size"] == r["size"])
-        assert r["interleaved"] and base["interleaved"] and len(r["samples_us"]) == len(base["samples_us"]) == 4
+        assert r["round_set"] == base["round_set"] and len(r["samples_us"]) == len(base["samples_us"]) == 4
         spread = r["ratio_spread"]["torch SDPA flash"]
         assert spread["rounds"] == 4 and spread["min"] <= r["ratios"]["torch SDPA flash"] <= spread["max"]
         assert r["ratios"]["torch SDPA flash"] > 1.2  # the fake baseline's call is twice tsgen's kernel

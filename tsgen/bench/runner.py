@@ -311,7 +311,7 @@ def add_ratios(rows: list[dict]) -> None:
         for b in same:
             if not b.get("compare"):
                 continue
-            if r.get("interleaved") and b.get("interleaved"):  # timed in the same rounds: round by round
+            if r.get("round_set") and r.get("round_set") == b.get("round_set"):  # the same rounds: round by round
                 paired = paired_ratio(b["samples_us"], r["samples_us"])
                 ratios[b["impl"]], spreads[b["impl"]] = paired.pop("ratio"), paired
             else:

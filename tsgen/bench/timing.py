@@ -30,6 +30,7 @@ The device is reached through a small clock interface: CupyClock (a tsgen World)
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ class Timing:
     mode: str  # graph | eager
     note: str | None = None
     problems: list[str] = field(default_factory=list)
-    interleaved: bool = False  # sample i was taken in round i of time_interleaved (paired with its rivals')
+    round_set: int | None = None  # timed by time_interleaved call number round_set: sample i from its round i
 
     @property
     def median_us(self) -> float:
@@ -62,7 +63,7 @@ class Timing:
     def fields(self) -> dict:
         return {"time_us": self.median_us, "time_us_min": min(self.samples_us), "time_us_max": max(self.samples_us),
                 "spread_pct": self.spread_pct, "calls": self.calls, "reps": len(self.samples_us), "mode": self.mode,
-                **({"interleaved": True, "samples_us": list(self.samples_us)} if self.interleaved else {})}
+                **({"round_set": self.round_set, "samples_us": list(self.samples_us)} if self.round_set else {})}
 
 
 def _first_line(e: BaseException) -> str:
@@ -195,19 +196,25 @@ def round_order(names: Sequence[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+_ROUND_SETS = itertools.count(1)  # which time_interleaved call a Timing came from (rows pair only within one)
+
+
 def time_interleaved(samplers: dict[str, Sampler], rounds: int) -> dict[str, Timing]:
     """Several implementations timed in interleaved rounds (ABAB...): each is prepared (warm-up,
     capture), then round r takes one sample of each, in `round_order(names, r)`, so that a
     clock or thermal drift over the run falls on all of them alike. Sample i of every Timing
-    comes from round i: `paired_ratio` compares them round by round."""
+    comes from round i, and every Timing carries the same `round_set` (the call's number in this
+process): `paired_ratio` compares them round by round."""
     for s in samplers.values():
         s.prepare()
     for r in range(rounds):
         for name in round_order(list(samplers), r):
             samplers[name].sample()
     out = {name: s.finish() for name, s in samplers.items()}
-    for t in out.values():
-        t.interleaved = len(out) > 1  # alone, it is a plain time_calls
+    if len(out) > 1:  # alone, it is a plain time_calls
+        number = next(_ROUND_SETS)
+        for t in out.values():
+            t.round_set = number
     return out
 
 
