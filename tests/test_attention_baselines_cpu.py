@@ -117,6 +117,94 @@ def test_cudnn_versions_names_library_and_frontend():
     assert AB.cudnn_versions(Fake) == "cuDNN 9.19.0 via cudnn-frontend 1.32.0"
 
 
+class FakeCudnn:
+    """cudnn-frontend's graph API as far as the builder uses it, recording every call."""
+
+    __version__ = "1.32.0"
+
+    class data_type:
+        BFLOAT16, FLOAT = "bf16", "f32"
+
+    class diagonal_alignment:
+        TOP_LEFT, BOTTOM_RIGHT = "enum TOP_LEFT", "enum BOTTOM_RIGHT"
+
+    class heur_mode:
+        A, FALLBACK = "A", "FALLBACK"
+
+    def __init__(self):
+        self.log = []
+        outer = self
+
+        class T:
+            def __init__(self, **kw):
+                self.kw = kw
+
+            def __getattr__(self, name):  # set_output, set_dim, set_stride, set_data_type: chained
+                def setter(*a):
+                    outer.log.append((name, a))
+                    return self
+                return setter
+
+        class Graph:
+            def __init__(self, **kw):
+                outer.log.append(("pygraph", kw))
+
+            def tensor(self, **kw):
+                outer.log.append(("tensor", kw))
+                return T(**kw)
+
+            def sdpa(self, **kw):
+                outer.log.append(("sdpa", {k: (v.kw["name"] if isinstance(v, T) else v) for k, v in kw.items()}))
+                return T(name="O"), None
+
+            def __getattribute__(self, name):
+                if name in ("validate", "build_operation_graph", "create_execution_plans", "check_support",
+                            "build_plans"):
+                    return lambda *a: outer.log.append((name, a))
+                if name == "get_workspace_size":
+                    return lambda: 1024
+                return object.__getattribute__(self, name)
+
+        self.pygraph = Graph
+
+    def create_handle(self):
+        return "handle"
+
+
+class FakeTorch:
+    uint8 = "u8"
+
+    class cuda:
+        @staticmethod
+        def device(dev):
+            import contextlib
+            return contextlib.nullcontext()
+
+    @staticmethod
+    def empty(n, dtype, device):
+        return ("workspace", n, device)
+
+
+def test_cudnn_graph_builder_passes_the_arguments_through():
+    cudnn = FakeCudnn()
+    args = AB.cudnn_sdpa_args(1, 64, 8, 2048, 128, 0.088, causal=True)
+    handle, g, ts, ws = AB._cudnn_graph(cudnn, FakeTorch, 3, args)
+    assert handle == "handle" and ws == ("workspace", 1024, "cuda:3") and set(ts) == {"q", "k", "v", "o"}
+    log = dict((k, v) for k, v in cudnn.log if k in ("pygraph", "sdpa"))
+    assert log["pygraph"] == {"io_data_type": "bf16", "intermediate_data_type": "f32", "compute_data_type": "f32",
+                              "handle": "handle"}
+    assert log["sdpa"] == {"name": "sdpa", "q": "q", "k": "k", "v": "v", "attn_scale": 0.088, "generate_stats": False,
+                           "diagonal_alignment": "enum TOP_LEFT", "diagonal_band_right_bound": 0}
+    tensors = {kw["name"]: kw for k, kw in cudnn.log if k == "tensor"}
+    assert tensors["k"]["dim"] == [1, 8, 2048, 128] and tensors["q"]["data_type"] == "bf16"
+    steps = [k for k, _ in cudnn.log]
+    assert ("set_dim", ([1, 64, 2048, 128],)) in cudnn.log and ("set_output", (True,)) in cudnn.log
+    assert steps[-5:] == ["validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans"]
+    # one build per shape: the same arguments again reuse it
+    n = len(cudnn.log)
+    assert AB._cudnn_graph(cudnn, FakeTorch, 3, args)[1] is g and len(cudnn.log) == n
+
+
 # ---------------------------------------------------------------------------
 # the zig-zag context-parallel baseline
 # ---------------------------------------------------------------------------
