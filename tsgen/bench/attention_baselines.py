@@ -344,11 +344,11 @@ def cp_worker(cfg: dict, rank: int) -> list[dict]:
             vf = v_all.permute(1, 2, 0, 3, 4).reshape(b, hkv, world * n, d)
             return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, enable_gqa=h != hkv, scale=scale)
 
+        impl = naive_impl(torch.__version__, cfg["causal"])
         try:
-            rows.append({"s": size, "impl": naive_impl(torch.__version__, cfg["causal"]), **timed(f"naive S={size}", naive)})
+            rows.append({"s": size, "impl": impl, **timed(f"naive S={size}", naive)})
         except Exception as e:  # noqa: BLE001
-            rows.append({"s": size, "impl": naive_impl(torch.__version__, cfg["causal"]),
-                         "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
+            rows.append({"s": size, "impl": impl, "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
         if zigzag:
             rows.append(_zigzag_row(torch, dist, cfg, rank, world, size, q, k_all, v_all, gather, naive, scale,
                                     timed, chosen))

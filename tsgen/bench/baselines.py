@@ -99,9 +99,11 @@ def _candidates(step, found) -> list[Measured]:
         kw = dict(calls=step.iters, warmup=step.warmup, graphs=False, label=f"{impl} {step.label}")
         enqueue = lambda i, _, call=call: call()  # noqa: E731
         if step.conv.interleave:
-            out.append(Measured(impl, step.case.size, None, sampler=Sampler(CupyClock(w), [rank], w.streams, enqueue, **kw)))
+            sampler = Sampler(CupyClock(w), [rank], w.streams, enqueue, **kw)
+            out.append(Measured(impl, step.case.size, None, sampler=sampler))
         else:
-            out.append(Measured(impl, step.case.size, time_calls(CupyClock(w), [rank], w.streams, enqueue, reps=step.reps, **kw)))
+            timing = time_calls(CupyClock(w), [rank], w.streams, enqueue, reps=step.reps, **kw)
+            out.append(Measured(impl, step.case.size, timing))
     return out
 
 

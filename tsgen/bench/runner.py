@@ -218,7 +218,8 @@ def _report(out: Outcome, row: dict | None, problems: list[str], echo) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _time_tsgen(step: Step, control: str | None, ceil, dev, rivals: list[Measured] = ()) -> tuple[dict | None, list[str]]:
+def _time_tsgen(step: Step, control: str | None, ceil, dev,
+                rivals: list[Measured] = ()) -> tuple[dict | None, list[str]]:
     """tsgen's timing and checks; with `rivals` (baselines holding a prepared Sampler), all of them
     timed in interleaved rounds (timing.time_interleaved), each rival's Timing set on it."""
     w, conv, sets = step.world, step.conv, step.sets

@@ -159,7 +159,8 @@ class AttentionBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "4096,8192,16384"
     metric = "TFLOPs"
-    baselines = (Baseline("sdpa", "sdpa", in_process=True), Baseline("cudnn_frontend", "cudnn_frontend", in_process=True))
+    baselines = (Baseline("sdpa", "sdpa", in_process=True),
+                 Baseline("cudnn_frontend", "cudnn_frontend", in_process=True))
     graphs = False
     interleave = True
     counts_calls = False  # one kernel, no call counter (peers, rank and calls are unused: see the template)
