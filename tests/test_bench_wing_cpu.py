@@ -83,10 +83,12 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
         monkeypatch.setattr(B, name, fn)  # the functions the families' Baselines name
 
     def sdpa(step):  # in this process (torch is not installed here): one backend that runs, one that does not
-        return [B.Measured("torch SDPA flash", step.case.size, Timing([40.0 * factor] * 2, 4, "eager")),
-                B.Measured("torch SDPA cuDNN", step.case.size, None, skipped="not built here")]
+        stream = step.world.streams[step.world.ranks[0]]  # a call of `factor` x tsgen's fake kernel time
+        return B._candidates(step, [("torch SDPA flash", lambda: stream.run(40.0 * factor), None),
+                                    ("torch SDPA cuDNN", None, "not built here")])
 
     monkeypatch.setattr(B, "sdpa", sdpa)
+    monkeypatch.setattr(B, "cudnn_frontend", lambda step: [])
 
 
 @pytest.mark.parametrize("kind", [f.kind for f in families()])
@@ -112,6 +114,23 @@ def test_every_op_kind_runs_through_tsgen_bench(monkeypatch, kind):
         assert all(r.get("ratios") for r in tsgen)
     else:
         assert not baselines
+
+
+def test_attention_baselines_timed_in_tsgens_rounds(monkeypatch):
+    """attention's in-process baselines are timed in the same rounds as tsgen: raw samples of both
+    in the rows, the ratio paired round by round with its spread."""
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    path, world, sizes = case_of("attention")
+    assert get_family("attention").bench.interleave
+    out = bench_spec(path, world, sizes, echo=lambda s: None, iters=3, reps=4, warmup=1)
+    assert out.errors == []
+    for r in [r for r in out.rows if r["impl"] == "tsgen"]:
+        base = next(b for b in out.rows if b.get("baseline") and b["size"] == r["size"])
+        assert r["round_set"] == base["round_set"] and len(r["samples_us"]) == len(base["samples_us"]) == 4
+        spread = r["ratio_spread"]["torch SDPA flash"]
+        assert spread["rounds"] == 4 and spread["min"] <= r["ratios"]["torch SDPA flash"] <= spread["max"]
+        assert r["ratios"]["torch SDPA flash"] > 1.2  # the fake baseline's call is twice tsgen's kernel
 
 
 @pytest.mark.parametrize("control", ["skip-launch", "other-stream"])

@@ -7,12 +7,14 @@ a list of Measured out):
   cublas        the GEMM's product (M x K . K x N) through cuBLAS on rank 0's GPU
   cublas_whole  the whole M x K . K x N product of a grid GEMM on one GPU
   sdpa          attention through PyTorch SDPA (flash and cuDNN backends) on rank 0's GPU
+  cudnn_frontend  attention through cuDNN's SDPA graph (cudnn-frontend) on rank 0's GPU
 One process per GPU (tsgen launch; the workers run the function the config names), after tsgen's
 timings, rows of Measured from the workers' JSON:
   collectives   nccl, symm_mem: the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
   fused         cublas+nccl, torch_fused: the fused ops' baselines (tsgen/bench/torch_ops.py)
   torch_a2a     the Ulysses all-to-alls: all_to_all_single + permutes (tsgen/bench/ulysses.py)
-  cp_sdpa       cp_attention's: all_gather_into_tensor of K and V + SDPA (torch_ops.py)
+  cp_sdpa       cp_attention's: all_gather_into_tensor of K and V + SDPA (naive), and causal
+                zig-zag SDPA per chunk merged by LSE (attention_baselines.py)
   moe_a2a       MoE dispatch + combine through all_to_all_single (tsgen/bench/moe_torch.py)
   deepep        MoE dispatch, combine and the pair through DeepEP, with the peer-copy ceiling
                 (tsgen/bench/moe_deepep.py; notes where deep_ep is not installed)
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..ops.conventions import Baseline, BenchCase
 from .sizes import BenchConfigError, calls_per_sample
-from .timing import CupyClock, Timing, time_calls
+from .timing import CupyClock, Sampler, Timing, time_calls
 from .ulysses import torch_a2a_rows
 
 
@@ -42,6 +44,7 @@ class Measured:
     pattern: str = ""
     extra: dict = field(default_factory=dict)
     skipped: str | None = None
+    sampler: Sampler | None = None  # prepared, not yet timed: the bench times it in tsgen's rounds (interleave)
 
 
 # ---------------------------------------------------------------------------
@@ -87,15 +90,38 @@ def cublas_whole(step) -> list[Measured]:
     return [Measured(f"{impl}, whole matrix on 1 GPU", m, t, case=case)]
 
 
+def _candidates(step, found) -> list[Measured]:
+    """Measured of each (impl, call, why) of rank 0: a Sampler for tsgen's interleaved rounds
+    where the op's conventions say `interleave`, else timed now; skipped with its reason."""
+    w, rank, out = step.world, step.world.ranks[0], []
+    for impl, call, why in found:
+        if call is None:
+            out.append(Measured(impl, step.case.size, None, skipped=why))
+            continue
+        kw = dict(calls=step.iters, warmup=step.warmup, graphs=False, label=f"{impl} {step.label}")
+        enqueue = lambda i, _, call=call: call()  # noqa: E731
+        if step.conv.interleave:
+            sampler = Sampler(CupyClock(w), [rank], w.streams, enqueue, **kw)
+            out.append(Measured(impl, step.case.size, None, sampler=sampler))
+        else:
+            timing = time_calls(CupyClock(w), [rank], w.streams, enqueue, reps=step.reps, **kw)
+            out.append(Measured(impl, step.case.size, timing))
+    return out
+
+
 def sdpa(step) -> list[Measured]:
     """The attention op's: PyTorch SDPA (flash and cuDNN backends) of the same shape on rank 0's
-    GPU and stream."""
-    from .torch_ops import sdpa as run
+    GPU and stream (tsgen/bench/attention_baselines.py)."""
+    from .attention_baselines import sdpa as found
 
-    return [Measured(impl, step.case.size, t, skipped=why)
-            for impl, t, why in run(step.world, step.world.ranks[0], step.spec, step.case.size, iters=step.iters,
-                                    reps=step.reps, warmup=step.warmup, label=step.label)]
+    return _candidates(step, found(step.world, step.world.ranks[0], step.spec, step.case.size))
 
+
+def cudnn_frontend(step) -> list[Measured]:
+    """The attention op's: cuDNN's SDPA graph through cudnn-frontend on rank 0's GPU and stream."""
+    from .attention_baselines import cudnn_frontend as found
+
+    return _candidates(step, found(step.world, step.world.ranks[0], step.spec, step.case.size))
 
 
 # ---------------------------------------------------------------------------
@@ -147,12 +173,13 @@ def fused(names, family, spec, world: int, sizes: list[int], iters: int, reps: i
 
 
 def cp_sdpa(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
-    """cp_attention's baseline: all_gather_into_tensor of K and V, then SDPA (torch_ops.run_cp)."""
-    from .torch_ops import run_cp
+    """cp_attention's baselines: all_gather_into_tensor of K and V + SDPA (the naive one), and for
+    causal zig-zag the zig-zag SDPA per chunk pair merged by LSE (tsgen/bench/attention_baselines.py)."""
+    from .attention_baselines import run_cp
 
     rows = run_cp(spec.params, spec.dtype, world, sizes, iters=iters, reps=reps, warmup=warmup)
-    return [Measured(r.get("impl", "torch all_gather_into_tensor + SDPA"), r["s"], _timing(r),
-                     case=family.bench.case(family, spec, world, r["s"]), skipped=r.get("skipped")) for r in rows]
+    return [Measured(r["impl"], r["s"], _timing(r), case=family.bench.case(family, spec, world, r["s"]),
+                     extra={k: r[k] for k in ("rel_err_vs_naive",) if k in r}, skipped=r.get("skipped")) for r in rows]
 
 
 def torch_a2a(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:

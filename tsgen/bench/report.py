@@ -38,6 +38,15 @@ def _check_cell(r: dict) -> str:
     return r.get("check", "")[:40]
 
 
+def _ratio_cell(r: dict, c: str) -> str:
+    """The ratio against c; timed in the same interleaved rounds: the median over rounds and, in
+    brackets, the quartiles of the per-round ratios."""
+    if c not in (r.get("ratios") or {}):
+        return ""
+    s = (r.get("ratio_spread") or {}).get(c)
+    return f"{r['ratios'][c]:.2f}" + (f" [{s['q1']:.2f}, {s['q3']:.2f}]" if s else "")
+
+
 def table_cells(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, lines) per group of rows."""
     out = []
@@ -57,7 +66,7 @@ def table_cells(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]
                 cells += [f"{r['time_us']:.1f}", f"{r['spread_pct']:.1f}" if r.get("spread_pct") is not None else ""]
                 if metric:
                     cells.append(f"{r[metric[0]]:.1f}" if r.get(metric[0]) else "")
-                cells += [f"{r['ratios'][c]:.2f}" if c in (r.get("ratios") or {}) else "" for c in compared]
+                cells += [_ratio_cell(r, c) for c in compared]
                 if overlap:
                     cells.append(f"{r['overlap']:.2f}" if "overlap" in r else "")
                 cells.append(f"{100 * r['ceiling_frac']:.0f}" if r.get("ceiling_frac") else "")
@@ -77,7 +86,8 @@ def text_table(rows: list[dict]) -> str:
         fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
         parts.append("\n".join([f"== {title}", fmt(head), "-" * len(fmt(head))] + [fmt(c) for c in lines]))
     if parts:
-        parts.append("vs X = t_X / t_tsgen (> 1: tsgen faster); % of ceiling = the ceilings' floor / time")
+        parts.append("vs X = t_X / t_tsgen (> 1: tsgen faster; [q1, q3]: timed in interleaved rounds, the median "
+                     "and quartiles of the per-round ratios); % of ceiling = the ceilings' floor / time")
     return "\n\n".join(parts)
 
 

@@ -11,7 +11,9 @@ GEMMs, and no output may still hold the poison. A result that fails a check -- i
 bracket nothing, its region is shorter than a kernel launch, the device counted fewer calls,
 it is faster than the ceilings allow (ceilings.py), or its output is wrong -- becomes an
 error with a message, never a row. In-process baselines are timed in the same World right
-after each size; multi-process ones (NCCL, torch) after all sizes, one process per GPU.
+after each size, or, where the op's conventions say `interleave`, in the same rounds as tsgen
+(one sample of each per round, the order rotated; ratios paired round by round, with their
+spread); multi-process ones (NCCL, torch) after all sizes, one process per GPU.
 
 Ranks sharing a GPU (`share_gpus`) run the same code path, but their timings say nothing
 about the op: rows carry SHARED_NOTE, no baseline is timed and no ratio is written.
@@ -37,7 +39,7 @@ from .baselines import Measured, check_baselines, run_in_process, run_multiproce
 from .ceilings import ceilings_for, fraction_of_ceiling, guard
 from .results import device_of
 from .sizes import calls_per_sample, human, parse_sizes, rotation_slots
-from .timing import CupyClock, Timing, time_calls
+from .timing import CupyClock, Sampler, Timing, paired_ratio, time_interleaved
 
 # Ranks sharing a GPU compete for its SMs, its L2 and its copy engines, and their "peer"
 # traffic never leaves the GPU: such timings say nothing about the op. They are printed (the
@@ -159,9 +161,12 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                 try:
                     step = Step(w, module, spec, family, case, pattern, ranks, sets, iters, reps, warmup, name,
                                 f"{name} {human(size)}{'' if pattern == 'all' else ' ' + pattern}")
-                    row, problems = _time_tsgen(step, control, ceil, dev)
+                    # interleaved: the baselines are prepared first and timed in the same rounds as tsgen
+                    rivals = run_in_process(conv.baselines, step) if in_process and conv.interleave else []
+                    row, problems = _time_tsgen(step, control, ceil, dev, rivals)
                     _report(out, row, problems, echo)
-                    for m in run_in_process(conv.baselines, step) if in_process else []:
+                    later = run_in_process(conv.baselines, step) if in_process and not conv.interleave else []
+                    for m in rivals + later:
                         if m.timing is None:
                             out.notes.append(f"{m.impl} at {human(size)}: not timed: {m.skipped}")
                             continue
@@ -213,7 +218,10 @@ def _report(out: Outcome, row: dict | None, problems: list[str], echo) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _time_tsgen(step: Step, control: str | None, ceil, dev) -> tuple[dict | None, list[str]]:
+def _time_tsgen(step: Step, control: str | None, ceil, dev,
+                rivals: list[Measured] = ()) -> tuple[dict | None, list[str]]:
+    """tsgen's timing and checks; with `rivals` (baselines holding a prepared Sampler), all of them
+    timed in interleaved rounds (timing.time_interleaved), each rival's Timing set on it."""
     w, conv, sets = step.world, step.conv, step.sets
     host = _fill_inputs(step)
     in_place = any(s.role == "inout" for s in sets[0].slots)
@@ -237,11 +245,16 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev) -> tuple[dict | None
         with w.cp.cuda.Device(w.devices[rank]):
             return sum(int(b.array("calls", rank)[0:1].get()[0]) for b in sets)
 
-    timing = time_calls(CupyClock(w), step.ranks, w.streams, enqueue, calls=calls_per_sample(step.iters, len(sets)),
-                        reps=step.reps, warmup=step.warmup, graphs=conv.graphs,
-                        lineup=w.size > 1 and step.pattern != "pair", after_warmup=None if in_place else poison,
-                        event_streams=w.make_streams() if control == "other-stream" else None,
-                        counter=counter if conv.counts_calls else None, label=f"tsgen {step.label}")
+    sampler = Sampler(CupyClock(w), step.ranks, w.streams, enqueue, calls=calls_per_sample(step.iters, len(sets)),
+                      warmup=step.warmup, graphs=conv.graphs,
+                      lineup=w.size > 1 and step.pattern != "pair", after_warmup=None if in_place else poison,
+                      event_streams=w.make_streams() if control == "other-stream" else None,
+                      counter=counter if conv.counts_calls else None, label=f"tsgen {step.label}")
+    rivals = [m for m in rivals if m.sampler is not None]
+    timings = time_interleaved({"tsgen": sampler, **{m.impl: m.sampler for m in rivals}}, step.reps)
+    for m in rivals:
+        m.timing = timings[m.impl]
+    timing = timings["tsgen"]
     checked, problems = _check(step, host, in_place)
     problems = timing.problems + problems
     problems += guard(f"tsgen {step.label}", timing.median_us, step.case, ceil, _dtype(step.spec), w.colocated,
@@ -295,9 +308,19 @@ def add_ratios(rows: list[dict]) -> None:
             continue
         same = [b for b in rows if b.get("baseline") and b["size"] == r["size"] and b.get("group") == r.get("group")
                 and b.get("pattern", r.get("pattern")) == r.get("pattern")]
-        ratios = {b["impl"]: b["time_us"] / r["time_us"] for b in same if b.get("compare")}
+        ratios, spreads = {}, {}
+        for b in same:
+            if not b.get("compare"):
+                continue
+            if r.get("round_set") and r.get("round_set") == b.get("round_set"):  # the same rounds: round by round
+                paired = paired_ratio(b["samples_us"], r["samples_us"])
+                ratios[b["impl"]], spreads[b["impl"]] = paired.pop("ratio"), paired
+            else:
+                ratios[b["impl"]] = b["time_us"] / r["time_us"]
         if ratios:
             r["ratios"] = ratios
+        if spreads:
+            r["ratio_spread"] = spreads
         parts = {b.get("role"): b["time_us"] for b in same}
         if "gemm" in parts and "comm" in parts:
             for x in [r] + [b for b in same if b.get("compare")]:

@@ -20,12 +20,17 @@ Three checks make a timing that brackets nothing an error instead of a number
   counter  modules advance a device call counter once per call: after the timing, it must have
            advanced by exactly the calls enqueued.
 
+Interleaved rounds (`time_interleaved`): tsgen and its in-process baselines, each a Sampler of
+the same core, take one sample each per round, the order rotated every round; a ratio is the
+median over rounds of the two samples of the same round (`paired_ratio`), with its spread.
+
 The device is reached through a small clock interface: CupyClock (a tsgen World), TorchClock
 (baseline workers), HostClock (CPU dry runs), and the tests' fakes.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -44,6 +49,7 @@ class Timing:
     mode: str  # graph | eager
     note: str | None = None
     problems: list[str] = field(default_factory=list)
+    round_set: int | None = None  # timed by time_interleaved call number round_set: sample i from its round i
 
     @property
     def median_us(self) -> float:
@@ -56,12 +62,109 @@ class Timing:
 
     def fields(self) -> dict:
         return {"time_us": self.median_us, "time_us_min": min(self.samples_us), "time_us_max": max(self.samples_us),
-                "spread_pct": self.spread_pct, "calls": self.calls, "reps": len(self.samples_us), "mode": self.mode}
+                "spread_pct": self.spread_pct, "calls": self.calls, "reps": len(self.samples_us), "mode": self.mode,
+                **({"round_set": self.round_set, "samples_us": list(self.samples_us)} if self.round_set else {})}
 
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+class Sampler:
+    """One implementation's steps in the timing core: `prepare` (warm-up, `after_warmup`, the
+    CUDA graph's capture and upload), `sample` (one sample: events around `calls` back-to-back
+    calls, the witness and region checks, the slowest rank), `finish` (the call counter's check,
+    the Timing). `time_calls` runs them for one implementation; `time_interleaved` for several
+    in rounds. Arguments as `time_calls`."""
+
+    def __init__(self, clock, ranks: Sequence[int], streams, enqueue: Callable[[int, list[int]], None], *,
+                 calls: int, warmup: int = 3, graphs: bool = True, lineup: bool = False,
+                 before_sample: Callable[[], None] | None = None, after_warmup: Callable[[], None] | None = None,
+                 event_streams=None, counter: Callable[[int], int] | None = None, label: str = ""):
+        self.clock, self.ranks, self.streams, self._enqueue = clock, list(ranks), streams, enqueue
+        self.calls, self.warmup, self.graphs, self.lineup, self.label = calls, warmup, graphs, lineup, label
+        self.before_sample, self.after_warmup, self.counter = before_sample, after_warmup, counter
+        self.ev_streams = event_streams or streams
+        self.enqueued = {r: 0 for r in self.ranks}
+        self.problems: list[str] = []
+        self.samples: list[float] = []
+        self.mode, self.note, self.graph, self.before = "eager", None, {}, {}
+
+    def _run(self, i: int, rs: list[int]) -> None:
+        self._enqueue(i, rs)
+        for r in rs:
+            self.enqueued[r] += 1
+
+    def prepare(self) -> None:
+        clock, ranks, streams = self.clock, self.ranks, self.streams
+        clock.synchronize()
+        self.before = {r: self.counter(r) for r in ranks} if self.counter else {}
+        for i in range(self.warmup):
+            self._run(i, ranks)
+        clock.synchronize()
+        if self.after_warmup is not None:
+            self.after_warmup()
+            clock.synchronize()
+        if self.graphs:
+            err = None
+            try:
+                for r in ranks:
+                    self.graph[r] = clock.capture(r, streams[r],
+                                                  lambda r=r: [self._enqueue(i, [r]) for i in range(self.calls)])
+            except Exception as e:  # noqa: BLE001 - an op (or library) that cannot be captured: eager
+                err = _first_line(e)
+            bad = clock.agree(f"{self.label}: capture", err)
+            if bad:
+                self.graph, self.note = {}, f"graph capture failed, timed eagerly: {bad}"
+            else:
+                self.mode = "graph"
+                for r in ranks:  # upload, untimed
+                    clock.replay(self.graph[r], streams[r])
+                    self.enqueued[r] += self.calls
+            clock.synchronize()
+
+    def sample(self) -> float:
+        clock, ranks, streams, calls, problems = self.clock, self.ranks, self.streams, self.calls, self.problems
+        clock.synchronize()
+        if self.before_sample is not None:
+            self.before_sample()
+        if self.lineup:
+            self._run(0, ranks)
+        start = {r: clock.record(r, self.ev_streams[r]) for r in ranks}
+        if self.graph:
+            for r in ranks:
+                clock.replay(self.graph[r], streams[r])
+                self.enqueued[r] += calls
+        else:
+            for i in range(calls):
+                self._run(i, ranks)
+        done = {r: clock.record(r, streams[r]) for r in ranks}
+        end = {r: clock.record(r, self.ev_streams[r]) for r in ranks}
+        for r in ranks:
+            clock.wait(end[r])
+            if not clock.done(done[r]) and not problems:
+                problems.append(
+                    f"{self.label}: rank {r}'s end event completed while the calls it should follow were still "
+                    "running: the events are not on the stream the calls run on, so the timing brackets nothing")
+        clock.synchronize()
+        region_us = max(clock.elapsed_ms(start[r], end[r]) for r in ranks) * 1e3
+        if region_us < MIN_CALL_US * calls and not any("shorter than" in p for p in problems):
+            problems.append(f"{self.label}: {region_us:.2f} us for {calls} calls is shorter than one kernel launch "
+                            f"per call ({MIN_CALL_US} us): no kernel ran inside the timed region (a skipped launch?)")
+        value = clock.max_over_processes(f"{self.label}: sample {len(self.samples)}", region_us / calls)
+        self.samples.append(value)
+        return value
+
+    def finish(self) -> Timing:
+        self.clock.synchronize()
+        if self.counter:
+            for r in self.ranks:
+                got = self.counter(r) - self.before[r]
+                if got != self.enqueued[r]:
+                    self.problems.append(f"{self.label}: rank {r}'s device call counter advanced by {got}, but "
+                                         f"{self.enqueued[r]} calls were enqueued: some launches did not happen")
+        return Timing(self.samples, self.calls, self.mode, self.note, self.problems)
 
 
 def time_calls(clock, ranks: Sequence[int], streams, enqueue: Callable[[int, list[int]], None], *,
@@ -77,78 +180,64 @@ def time_calls(clock, ranks: Sequence[int], streams, enqueue: Callable[[int, lis
     the check after the timing sees what the timed calls wrote). event_streams:
     where the events go (default `streams`; the negative control passes others). counter(rank):
     the device's call count of rank, checked against the calls enqueued."""
-    ranks = list(ranks)
-    enqueued = {r: 0 for r in ranks}
+    s = Sampler(clock, ranks, streams, enqueue, calls=calls, warmup=warmup, graphs=graphs, lineup=lineup,
+                before_sample=before_sample, after_warmup=after_warmup, event_streams=event_streams,
+                counter=counter, label=label)
+    s.prepare()
+    for _ in range(reps):
+        s.sample()
+    return s.finish()
 
-    def run(i: int, rs: list[int]) -> None:
-        enqueue(i, rs)
-        for r in rs:
-            enqueued[r] += 1
 
-    problems: list[str] = []
-    clock.synchronize()
-    before = {r: counter(r) for r in ranks} if counter else {}
-    for i in range(warmup):
-        run(i, ranks)
-    clock.synchronize()
-    if after_warmup is not None:
-        after_warmup()
-        clock.synchronize()
-    mode, note, graph = "eager", None, {}
-    if graphs:
-        err = None
-        try:
-            for r in ranks:
-                graph[r] = clock.capture(r, streams[r], lambda r=r: [enqueue(i, [r]) for i in range(calls)])
-        except Exception as e:  # noqa: BLE001 - an op (or library) that cannot be captured: eager
-            err = _first_line(e)
-        bad = clock.agree(f"{label}: capture", err)
-        if bad:
-            graph, note = {}, f"graph capture failed, timed eagerly: {bad}"
-        else:
-            mode = "graph"
-            for r in ranks:  # upload, untimed
-                clock.replay(graph[r], streams[r])
-                enqueued[r] += calls
-        clock.synchronize()
-    ev_streams = event_streams or streams
-    samples: list[float] = []
-    for rep in range(reps):
-        clock.synchronize()
-        if before_sample is not None:
-            before_sample()
-        if lineup:
-            run(0, ranks)
-        start = {r: clock.record(r, ev_streams[r]) for r in ranks}
-        if graph:
-            for r in ranks:
-                clock.replay(graph[r], streams[r])
-                enqueued[r] += calls
-        else:
-            for i in range(calls):
-                run(i, ranks)
-        done = {r: clock.record(r, streams[r]) for r in ranks}
-        end = {r: clock.record(r, ev_streams[r]) for r in ranks}
-        for r in ranks:
-            clock.wait(end[r])
-            if not clock.done(done[r]) and not problems:
-                problems.append(
-                    f"{label}: rank {r}'s end event completed while the calls it should follow were still running: "
-                    "the events are not on the stream the calls run on, so the timing brackets nothing")
-        clock.synchronize()
-        region_us = max(clock.elapsed_ms(start[r], end[r]) for r in ranks) * 1e3
-        if region_us < MIN_CALL_US * calls and not any("shorter than" in p for p in problems):
-            problems.append(f"{label}: {region_us:.2f} us for {calls} calls is shorter than one kernel launch per "
-                            f"call ({MIN_CALL_US} us): no kernel ran inside the timed region (a skipped launch?)")
-        samples.append(clock.max_over_processes(f"{label}: sample {rep}", region_us / calls))
-    clock.synchronize()
-    if counter:
-        for r in ranks:
-            got = counter(r) - before[r]
-            if got != enqueued[r]:
-                problems.append(f"{label}: rank {r}'s device call counter advanced by {got}, but {enqueued[r]} "
-                                "calls were enqueued: some launches did not happen")
-    return Timing(samples, calls, mode, note, problems)
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """Who is timed when in round r: the names rotated by r, so each takes every place in turn."""
+    names = list(names)
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+_ROUND_SETS = itertools.count(1)  # which time_interleaved call a Timing came from (rows pair only within one)
+
+
+def time_interleaved(samplers: dict[str, Sampler], rounds: int) -> dict[str, Timing]:
+    """Several implementations timed in interleaved rounds (ABAB...): each is prepared (warm-up,
+    capture), then round r takes one sample of each, in `round_order(names, r)`, so that a
+    clock or thermal drift over the run falls on all of them alike. Sample i of every Timing
+    comes from round i, and every Timing carries the same `round_set` (the call's number in this
+process): `paired_ratio` compares them round by round."""
+    for s in samplers.values():
+        s.prepare()
+    for r in range(rounds):
+        for name in round_order(list(samplers), r):
+            samplers[name].sample()
+    out = {name: s.finish() for name, s in samplers.items()}
+    if len(out) > 1:  # alone, it is a plain time_calls
+        number = next(_ROUND_SETS)
+        for t in out.values():
+            t.round_set = number
+    return out
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile q in [0, 1] of xs (numpy's default method)."""
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def paired_ratio(baseline_us: Sequence[float], tsgen_us: Sequence[float]) -> dict:
+    """The ratio of two implementations timed in the same rounds: per round r, baseline sample r /
+    tsgen sample r (> 1: tsgen faster); the median over rounds with its spread (min, quartiles,
+    max). Samples of different rounds are never compared: a drift that slows one round slows
+    both of its samples and cancels. ValueError when the two were not timed in the same rounds."""
+    if len(baseline_us) != len(tsgen_us) or not tsgen_us:
+        raise ValueError(f"paired ratio: {len(baseline_us)} baseline samples and {len(tsgen_us)} tsgen samples: "
+                         "not timed in the same rounds")
+    per_round = [b / t for b, t in zip(baseline_us, tsgen_us)]
+    return {"ratio": float(statistics.median(per_round)), "min": min(per_round), "q1": quantile(per_round, 0.25),
+            "q3": quantile(per_round, 0.75), "max": max(per_round), "rounds": len(per_round)}
 
 
 # ---------------------------------------------------------------------------

@@ -147,9 +147,10 @@ def accumulators(spec: AttentionSpec) -> int:
 class AttentionBench(BenchConventions):
     """Size = S, the sequence length of Q and of K / V (q_len = kv_len = S; the spec's batch, heads
     and layout). FLOPs per call from `flops` (halved for causal); the device-memory floor reads
-    Q, K and V once and writes O and LSE once. Baseline in this process, on the same GPU and
-    stream: PyTorch SDPA with its flash and with its cuDNN backend (tsgen/bench/torch_ops.py
-    sdpa). Timed eagerly (a call is milliseconds: a launch's microseconds do not count), checked
+    Q, K and V once and writes O and LSE once. Baselines in this process, on the same GPU and
+    stream, timed in the same interleaved rounds as tsgen (`interleave`: one sample of each per
+    round, ratios paired round by round): PyTorch SDPA with its flash and with its cuDNN backend,
+    and cuDNN's SDPA graph through cudnn-frontend (tsgen/bench/attention_baselines.py). Timed eagerly (a call is milliseconds: a launch's microseconds do not count), checked
     on sampled query rows of sequence 0 against float32 attention over the whole sequence. The
     single-GPU rate of a shape is also cp_attention's "ideal" (suites cp-w*: an attention entry
     of the same heads beside the cp entries)."""
@@ -158,8 +159,10 @@ class AttentionBench(BenchConventions):
     size_unit = "rows"
     default_sizes = "4096,8192,16384"
     metric = "TFLOPs"
-    baselines = (Baseline("sdpa", "sdpa", in_process=True),)
+    baselines = (Baseline("sdpa", "sdpa", in_process=True),
+                 Baseline("cudnn_frontend", "cudnn_frontend", in_process=True))
     graphs = False
+    interleave = True
     counts_calls = False  # one kernel, no call counter (peers, rank and calls are unused: see the template)
     check = "rows"
 

@@ -64,6 +64,7 @@ class BenchConventions:
     baselines: ClassVar[tuple[Baseline, ...]] = ()  # what the op is timed against (Baseline)
     patterns: ClassVar[tuple[str, ...]] = ("all",)  # which ranks run: all | pair (rank 0 only) | ring
     graphs: ClassVar[bool] = True  # time CUDA graph replays of back-to-back calls where capture works
+    interleave: ClassVar[bool] = False  # tsgen and its in-process baselines timed in rounds (--reps of them), paired ratios
     counts_calls: ClassVar[bool] = True  # the module advances its device call counter once per call
     check: ClassVar[str] = "exact"  # exact: the NumPy reference of every output; rows: sampled GEMM rows
     check_up_to: ClassVar[int] = 64 << 20  # exact: checked while one rank's inputs are at most this many bytes

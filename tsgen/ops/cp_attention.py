@@ -145,10 +145,12 @@ def first_remote_chunk(layout: str, causal: bool, world: int, count: int, rank: 
 
 class CpAttentionBench(BenchConventions):
     """Size = S, the whole sequence (count = S / world per rank). FLOPs per GPU from the family
-    (`flops`), NVLink bytes its K and V rows to every peer. Baseline, one process per GPU
-    (tsgen/bench/torch_ops.py cp_worker): PyTorch all_gather_into_tensor of K and V, then SDPA of
-    the local queries over the whole sequence (a position mask where causal). Timed eagerly
-    (side streams), checked on sampled query rows of sequence 0 of every rank."""
+    (`flops`), NVLink bytes its K and V rows to every peer. Baselines, one process per GPU
+    (tsgen/bench/attention_baselines.py cp_worker): PyTorch all_gather_into_tensor of K and V, then
+    SDPA of the local queries over the whole sequence (a position mask where causal: the naive
+    one); causal zig-zag also zig-zag SDPA per chunk (diagonal causal, earlier chunks whole)
+    merged by LSE, as ring-flash-attention and USP do. Timed eagerly (side streams), checked on
+    sampled query rows of sequence 0 of every rank."""
 
     kind = "fused"
     size_unit = "rows"

@@ -1,0 +1,300 @@
+"""The attention baselines' math on CPU: interleaved rounds and paired ratios, the cudnn-frontend
+graph's arguments, and the zig-zag context-parallel baseline (chunks, position order, LSE merge)
+against the NumPy reference. The torch parts run where torch is installed (CPU torch is enough)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tsgen.bench import attention_baselines as AB
+from tsgen.bench.runner import add_ratios
+from tsgen.bench.timing import Timing, paired_ratio, round_order, time_interleaved
+from tsgen.ops.attention import attention_reference
+from tsgen.ops.cp_attention import positions
+
+# ---------------------------------------------------------------------------
+# interleaved rounds, paired ratios
+# ---------------------------------------------------------------------------
+
+
+def test_round_order_puts_each_implementation_in_every_place():
+    names = ["tsgen", "flash", "cudnn"]
+    orders = [round_order(names, r) for r in range(6)]
+    assert orders[0] == names and orders[1] == ["flash", "cudnn", "tsgen"] and orders[3] == names
+    for place in range(3):
+        assert {o[place] for o in orders[:3]} == set(names)
+
+
+class Recorder:
+    """A Sampler stand-in: its samples are the device's "drift" clock at the time it is sampled."""
+
+    def __init__(self, name, log, clock, cost):
+        self.name, self.log, self.clock, self.cost, self.samples = name, log, clock, cost, []
+
+    def prepare(self):
+        self.log.append(("prepare", self.name))
+
+    def sample(self):
+        self.clock[0] += 1
+        self.log.append(("sample", self.name))
+        self.samples.append(self.cost * self.clock[0])  # the device slows down over the run
+        return self.samples[-1]
+
+    def finish(self):
+        return Timing(self.samples, 1, "eager")
+
+
+def test_time_interleaved_takes_one_sample_of_each_per_round_and_pairs_them():
+    log, clock = [], [0]
+    samplers = {n: Recorder(n, log, clock, c) for n, c in (("tsgen", 1.0), ("sdpa", 1.5))}
+    got = time_interleaved(samplers, rounds=6)
+    assert log[:2] == [("prepare", "tsgen"), ("prepare", "sdpa")]
+    order = [n for kind, n in log if kind == "sample"]
+    assert order == ["tsgen", "sdpa", "sdpa", "tsgen"] * 3  # rotated every round
+    assert all(len(t.samples_us) == 6 for t in got.values())
+    assert got["tsgen"].round_set and got["tsgen"].round_set == got["sdpa"].round_set
+    # the drift (samples grow 12x over the run) cancels in the paired ratio: 1.5 within each round,
+    # up to the one step the second of a round comes later
+    paired = paired_ratio(got["sdpa"].samples_us, got["tsgen"].samples_us)
+    assert 1.2 < paired["ratio"] < 2.0 and paired["rounds"] == 6
+    assert abs(paired["ratio"] - 1.5) < abs(got["sdpa"].samples_us[-1] / got["tsgen"].samples_us[0] - 1.5)
+
+
+def test_paired_ratio_compares_samples_of_the_same_round():
+    tsgen = [10.0, 40.0, 20.0, 50.0, 30.0]
+    base = [44.0, 11.0, 22.0, 33.0, 55.0]  # per round: 4.4, 0.275, 1.1, 0.66, 1.83
+    p = paired_ratio(base, tsgen)
+    assert p["ratio"] == pytest.approx(1.1) and p["min"] == pytest.approx(0.275) and p["max"] == pytest.approx(4.4)
+    assert p["q1"] == pytest.approx(0.66) and p["q3"] == pytest.approx(55.0 / 30.0)
+    # sorted samples (rounds not paired) would give 1.1 with no spread at all
+    assert paired_ratio(sorted(base), sorted(tsgen))["max"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="not timed in the same rounds"):
+        paired_ratio(base[:4], tsgen)
+
+
+def test_add_ratios_pairs_rows_of_the_same_rounds_only():
+    row = {"impl": "tsgen", "size": 8, "group": "g", "time_us": 30.0, "round_set": 3,
+           "samples_us": [10.0, 40.0, 20.0, 50.0, 30.0]}
+    inter = {"impl": "b", "baseline": True, "compare": True, "size": 8, "group": "g", "time_us": 33.0,
+             "round_set": 3, "samples_us": [44.0, 11.0, 22.0, 33.0, 55.0]}
+    other = dict(inter, impl="o", round_set=4, time_us=45.0)  # timed in other rounds (a suite's earlier entry)
+    plain = {"impl": "c", "baseline": True, "compare": True, "size": 8, "group": "g", "time_us": 60.0}
+    add_ratios([row, inter, other, plain])
+    assert row["ratios"]["b"] == pytest.approx(1.1) and row["ratio_spread"]["b"]["rounds"] == 5
+    assert row["ratios"]["o"] == pytest.approx(1.5) and "o" not in row["ratio_spread"]  # medians: not paired
+    assert row["ratios"]["c"] == pytest.approx(2.0) and "c" not in row["ratio_spread"]
+
+
+# ---------------------------------------------------------------------------
+# cudnn-frontend's graph arguments
+# ---------------------------------------------------------------------------
+
+
+def test_cudnn_sdpa_args_causal_gqa():
+    a = AB.cudnn_sdpa_args(2, 64, 8, 4096, 128, 0.125, causal=True)
+    assert a["q"] == {"dim": [2, 64, 4096, 128], "stride": [64 * 4096 * 128, 4096 * 128, 128, 1]}
+    assert a["k"]["dim"] == a["v"]["dim"] == [2, 8, 4096, 128] and a["k"]["stride"] == [8 * 4096 * 128, 4096 * 128, 128, 1]
+    assert a["o"] == a["q"]
+    assert a["sdpa"] == {"attn_scale": 0.125, "generate_stats": False, "diagonal_alignment": "TOP_LEFT",
+                         "diagonal_band_right_bound": 0}
+
+
+def test_cudnn_sdpa_args_not_causal_has_no_band():
+    a = AB.cudnn_sdpa_args(1, 32, 32, 1000, 64, 0.125, causal=False)
+    assert a["sdpa"] == {"attn_scale": 0.125, "generate_stats": False}
+    assert a["k"]["dim"] == [1, 32, 1000, 64]
+
+
+def test_cudnn_versions_names_library_and_frontend():
+    class Fake:
+        __version__ = "1.32.0"
+
+        @staticmethod
+        def backend_version_string():
+            return "9.19.0"
+
+    assert AB.cudnn_versions(Fake) == "cuDNN 9.19.0 via cudnn-frontend 1.32.0"
+
+
+class FakeCudnn:
+    """cudnn-frontend's graph API as far as the builder uses it, recording every call."""
+
+    __version__ = "1.32.0"
+
+    class data_type:
+        BFLOAT16, FLOAT = "bf16", "f32"
+
+    class diagonal_alignment:
+        TOP_LEFT, BOTTOM_RIGHT = "enum TOP_LEFT", "enum BOTTOM_RIGHT"
+
+    class heur_mode:
+        A, FALLBACK = "A", "FALLBACK"
+
+    def __init__(self):
+        self.log = []
+        outer = self
+
+        class T:
+            def __init__(self, **kw):
+                self.kw = kw
+
+            def __getattr__(self, name):  # set_output, set_dim, set_stride, set_data_type: chained
+                def setter(*a):
+                    outer.log.append((name, a))
+                    return self
+                return setter
+
+        class Graph:
+            def __init__(self, **kw):
+                outer.log.append(("pygraph", kw))
+
+            def tensor(self, **kw):
+                outer.log.append(("tensor", kw))
+                return T(**kw)
+
+            def sdpa(self, **kw):
+                outer.log.append(("sdpa", {k: (v.kw["name"] if isinstance(v, T) else v) for k, v in kw.items()}))
+                return T(name="O"), None
+
+            def __getattribute__(self, name):
+                if name in ("validate", "build_operation_graph", "create_execution_plans", "check_support",
+                            "build_plans"):
+                    return lambda *a: outer.log.append((name, a))
+                if name == "get_workspace_size":
+                    return lambda: 1024
+                return object.__getattribute__(self, name)
+
+        self.pygraph = Graph
+
+    def create_handle(self):
+        return "handle"
+
+
+class FakeTorch:
+    uint8 = "u8"
+
+    class cuda:
+        @staticmethod
+        def device(dev):
+            import contextlib
+            return contextlib.nullcontext()
+
+    @staticmethod
+    def empty(n, dtype, device):
+        return ("workspace", n, device)
+
+
+def test_cudnn_graph_builder_passes_the_arguments_through():
+    cudnn = FakeCudnn()
+    args = AB.cudnn_sdpa_args(1, 64, 8, 2048, 128, 0.088, causal=True)
+    handle, g, ts, ws = AB._cudnn_graph(cudnn, FakeTorch, 3, args)
+    assert handle == "handle" and ws == ("workspace", 1024, "cuda:3") and set(ts) == {"q", "k", "v", "o"}
+    log = dict((k, v) for k, v in cudnn.log if k in ("pygraph", "sdpa"))
+    assert log["pygraph"] == {"io_data_type": "bf16", "intermediate_data_type": "f32", "compute_data_type": "f32",
+                              "handle": "handle"}
+    assert log["sdpa"] == {"name": "sdpa", "q": "q", "k": "k", "v": "v", "attn_scale": 0.088, "generate_stats": False,
+                           "diagonal_alignment": "enum TOP_LEFT", "diagonal_band_right_bound": 0}
+    tensors = {kw["name"]: kw for k, kw in cudnn.log if k == "tensor"}
+    assert tensors["k"]["dim"] == [1, 8, 2048, 128] and tensors["q"]["data_type"] == "bf16"
+    steps = [k for k, _ in cudnn.log]
+    assert ("set_dim", ([1, 64, 2048, 128],)) in cudnn.log and ("set_output", (True,)) in cudnn.log
+    assert steps[-5:] == ["validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans"]
+    # one build per shape: the same arguments again reuse it
+    n = len(cudnn.log)
+    assert AB._cudnn_graph(cudnn, FakeTorch, 3, args)[1] is g and len(cudnn.log) == n
+
+
+# ---------------------------------------------------------------------------
+# the zig-zag context-parallel baseline
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_pieces_cover_each_querys_causal_keys(world):
+    half = 5
+    for rank in range(world):
+        pos = positions("zigzag", world, 2 * half, rank)
+        pieces = AB.zigzag_pieces(world, rank, half)
+        assert [p[1] for p in pieces] == list(AB.zigzag_query_chunks(world, rank))
+        for row, chunk, full, diag in pieces:
+            rows = pos[row:row + half]
+            assert list(rows) == list(range(chunk * half, (chunk + 1) * half))  # the chunk's queries
+            assert full == rows[0] and diag == rows[-1] + 1  # keys [0, first) whole, then the diagonal
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="torch is not installed: the zig-zag math runs on torch")
+
+
+def _attend(torch, scale):
+    """Explicit float64 softmax attention on CPU: (o, lse); causal top-left, K / V heads grouped."""
+    def attend(q, k, v, causal):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        s = (q @ k.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    return attend
+
+
+def test_merge_lse_equals_attention_over_the_union():
+    torch = _torch()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = torch.cat([k, torch.randn(1, 2, 5, 16, generator=g, dtype=torch.float64)], 2), \
+        torch.cat([v, torch.randn(1, 2, 5, 16, generator=g, dtype=torch.float64)], 2)
+    attend = _attend(torch, 0.25)
+    o_all, lse_all = attend(q, k, v, False)
+    o1, l1 = attend(q, k[:, :, :4], v[:, :, :4], False)
+    o2, l2 = attend(q, k[:, :, 4:], v[:, :, 4:], False)
+    o, lse = AB.merge_lse(torch, o1, l1, o2, l2)
+    assert torch.allclose(o, o_all, atol=1e-12) and torch.allclose(lse, lse_all, atol=1e-12)
+    o_bad, _ = AB.merge_lse(torch, o1, l1, o2, l2 + 1.0)  # a wrong weight shows
+    assert not torch.allclose(o_bad, o_all, atol=1e-3)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_to_position_order_matches_cp_attention_layout(world):
+    torch = _torch()
+    n = 6
+    gathered = torch.stack([torch.as_tensor(positions("zigzag", world, n, r), dtype=torch.float64)
+                            .reshape(1, 1, n, 1).expand(1, 2, n, 3) for r in range(world)])
+    got = AB.to_position_order(torch, gathered, world)
+    assert torch.equal(got[0, 1, :, 0], torch.arange(world * n, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("world,heads,kv_heads", [(2, 2, 2), (3, 4, 2), (4, 2, 1)])
+def test_zigzag_attention_equals_the_reference(world, heads, kv_heads):
+    """Every rank's zig-zag output (gathered K / V put in position order, per-chunk SDPA, LSE merge)
+    against the NumPy reference of causal attention over the whole sequence at its positions."""
+    torch = _torch()
+    rng = np.random.default_rng(1)
+    n, d, scale = 8, 16, 0.25
+    seq = world * n
+    qg = rng.standard_normal((1, seq, heads, d))
+    kg = rng.standard_normal((1, seq, kv_heads, d))
+    vg = rng.standard_normal((1, seq, kv_heads, d))
+
+    def local(x, r):  # rank r's rows, [b, h, n, d]
+        return torch.as_tensor(x[:, positions("zigzag", world, n, r)]).permute(0, 2, 1, 3).contiguous()
+
+    k_all = torch.stack([local(kg, r) for r in range(world)])
+    v_all = torch.stack([local(vg, r) for r in range(world)])
+    kp, vp = AB.to_position_order(torch, k_all, world), AB.to_position_order(torch, v_all, world)
+    for rank in range(world):
+        pos = positions("zigzag", world, n, rank)
+        got = AB.zigzag_attention(torch, local(qg, rank), kp, vp, world, rank, _attend(torch, scale))
+        ref, _ = attention_reference(qg[:, pos], kg, vg, scale, True, q_pos=pos)
+        assert np.allclose(got.permute(0, 2, 1, 3).numpy(), ref, atol=1e-10), f"rank {rank}"
+    # the same without the merge (only the diagonal chunk) is wrong: the test sees dropped keys
+    def diagonal_only(q, k, v, causal):  # the earlier chunks come back empty (LSE -inf)
+        if causal:
+            return _attend(torch, scale)(q, k, v, causal)
+        return q * 0, torch.full(q.shape[:3], -torch.inf, dtype=q.dtype)
+
+    got = AB.zigzag_attention(torch, local(qg, 0), kp, vp, world, 0, diagonal_only)
+    ref, _ = attention_reference(qg[:, positions("zigzag", world, n, 0)], kg, vg, scale, True,
+                                 q_pos=positions("zigzag", world, n, 0))
+    assert not np.allclose(got.permute(0, 2, 1, 3).numpy(), ref, atol=1e-3)

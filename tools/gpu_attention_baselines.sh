@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call for the attention baselines of issue 33 (tsgen/bench/attention_baselines.py):
+#   tools/gpu_attention_baselines.sh attention   ONE GPU: suites attention (9 rows) and attention-gqa64
+#       (cudnn-frontend's 64 / 8-head shape, 4 rows), tsgen against SDPA flash, SDPA cuDNN and cuDNN through
+#       cudnn-frontend in 15 interleaved rounds. About 4-5 minutes on an H200 [computed: compiling the 5
+#       kernels in parallel ~90 s; per row 15 rounds x (3-5 calls) x 4 implementations, the longest
+#       (h64/kv8 16K not causal, ~13 ms a call, flash ~2x) ~5 s, ~60 s of timing in all; cuDNN graph
+#       builds a few s each]
+#   tools/gpu_attention_baselines.sh cp          TWO GPUs: suite cp-w2 (cp_attention at S = 16K, 32K against
+#       the naive all_gather + masked SDPA and the zig-zag per-chunk SDPA + LSE merge; the ideal entries
+#       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
+#       ~90 s, two worker launches (NCCL start ~15 s each), ~40 s of timing]
+# Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
+# fails. Logs under $OUT/attn_logs, results under $OUT (TSGEN_RESULTS_DIR), a table of ratios last.
+set -uo pipefail
+MODE=${1:-attention}
+source "$(dirname "$0")/device_env.sh"
+LOG="$OUT/attn_logs" BUDGET=${BUDGET:-390}
+source "$(dirname "$0")/steps.sh"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
+python3 -c "import torch, cudnn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --target /tmp/site .whl/nvidia_cudnn_frontend-*.whl
+export PYTHONPATH=/tmp/site:$PWD
+step "cudnn-frontend imports" 60 python3 -c "import torch, cudnn; print('cuDNN', cudnn.backend_version(), 'frontend', cudnn.__version__)"
+step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/test_attention_baselines_cpu.py
+case "$MODE" in
+  attention)
+    step "precompile" 150 python3 tools/precompile_suites.py attention attention-gqa64
+    step "bench attention" 200 python3 -m tsgen bench --suite attention
+    step "bench attention-gqa64" 150 python3 -m tsgen bench --suite attention-gqa64 ;;
+  cp)
+    step "precompile" 150 python3 tools/precompile_suites.py cp-w2
+    step "bench cp-w2" 300 python3 -m tsgen bench --suite cp-w2 ;;
+  *) echo "usage: $0 attention|cp" >&2; exit 2 ;;
+esac
+python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("*.json")):
+    try:
+        rows = json.loads(f.read_text()).get("rows", [])
+    except (ValueError, AttributeError):
+        continue
+    for r in rows:
+        if r.get("impl") != "tsgen" or not r.get("ratios"):
+            continue
+        cells = []
+        for impl, x in r["ratios"].items():
+            s = (r.get("ratio_spread") or {}).get(impl)
+            cells.append(f"{impl[:44]}: {x:.3f}" + (f" [{s['q1']:.3f}, {s['q3']:.3f}]" if s else ""))
+        print(f"{r.get('label') or r.get('spec')} S={r['size']} {r.get('TFLOPs', 0):.0f} TFLOP/s | " + " | ".join(cells))
+PY
+summary "attention baselines ($MODE)" attn_summary.txt
