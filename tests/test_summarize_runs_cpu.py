@@ -196,3 +196,24 @@ def test_the_gpu_scripts_share_one_library():
         body = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
         for own in ("nproc", "cmake -S", "--query-gpu=name,driver_version", "memory.free"):
             assert own not in body, (script, own)
+
+
+def test_torch_results_turns_check_and_time_lines_into_a_results_file(tmp_path):
+    """tools/torch_results.py: every CHECK line of every log folder is a row (a '|' in a detail
+    escaped), every TIME line a step time; logs without a CHECK line are an error, not a file."""
+    logs = tmp_path / "torch"
+    logs.mkdir()
+    (logs / "a.log").write_text("noise\nCHECK grad PASS r0: max |diff| 0\nCHECK ipc FAIL rank 1: boom\n"
+                                "TIME tp_mlp S=8 W=2 tsgen eager: 6.268 ms/step (0.86x the twin)\n")
+    tool = [sys.executable, str(ROOT / "tools" / "torch_results.py"), str(tmp_path / "res"), "abc1234", "2 x H200", "cmd"]
+    done = subprocess.run(tool + [str(logs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (js,) = (tmp_path / "res" / "torch").glob("*-abc1234.json")
+    data = json.loads(js.read_text())
+    assert [(c["check"], c["result"]) for c in data["checks"]] == [("grad", "PASS"), ("ipc", "FAIL")]
+    assert data["times"] == [{"example": "tp_mlp", "variant": "S=8 W=2 tsgen eager", "ms_per_step": 6.268, "vs_twin": 0.86}]
+    assert "max \\|diff\\| 0" in js.with_suffix(".md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "b.log").write_text("TIME x y: 1.0 ms/step (1.00x the twin)\n")
+    assert subprocess.run(tool + [str(empty)], capture_output=True, text=True).returncode == 1

@@ -69,4 +69,8 @@ want moe && step "moe_layer vs all_to_all_single twin" 120 $RUN examples/torch/m
 echo
 cat "$OUT/torch_checks.md"
 grep -qh "^CHECK [^ ]* FAIL" "$LOG"/*.log && FAILS=$((FAILS + 1))
+# the checks and step times as results/torch/<date>-<commit>.{json,md} under $OUT/results
+python3 tools/torch_results.py "$OUT/results" "${TSGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
+  "$(nvidia-smi -L | wc -l) x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1), $(python3 -c 'import torch; print("torch", torch.__version__)')" \
+  "bash tools/gpu_torch.sh" "$LOG" || FAILS=$((FAILS + 1))
 summary "tsgen.torch on 2 GPUs" torch_summary.md

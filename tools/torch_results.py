@@ -1,0 +1,69 @@
+"""Turn what tools/gpu_torch.sh's steps printed into results/torch/<date>-<commit>.{json,md}.
+
+Usage: python tools/torch_results.py RESULTS_DIR COMMIT DEVICE COMMAND LOG_DIR...
+
+Each LOG_DIR holds steps' logs (tools/gpu_torch.sh's, tools/gpu_torchrun.sh's): their `CHECK name RESULT detail` lines become the checks table and
+their `TIME label: X ms/step (R x the twin)` lines the step times (each example's twin and tsgen
+variants, one mean per variant, one after the other: a first reading, not a benchmark, as the
+file says). Exit 1 when the logs hold no CHECK line at all (nothing was checked).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+CHECK = re.compile(r"^CHECK (\S+) ([A-Z]+) ?(.*)$")
+TIME = re.compile(r"^TIME (\S+) (.+?): ([0-9.]+) ms/step \(([0-9.]+)x the twin\)$")
+
+
+def read(log_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    checks, times = [], []
+    for log in [log for d in log_dirs for log in sorted(d.glob("*.log"))]:
+        for line in log.read_text(errors="replace").splitlines():
+            if m := CHECK.match(line):
+                checks.append({"check": m[1], "result": m[2], "detail": m[3]})
+            elif m := TIME.match(line):
+                times.append({"example": m[1], "variant": m[2], "ms_per_step": float(m[3]), "vs_twin": float(m[4])})
+    return checks, times
+
+
+def markdown(meta: dict, checks: list[dict], times: list[dict]) -> str:
+    lines = [f"# tsgen.torch on {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
+             f"Command: `{meta['command']}` (tests/torch_checks.py, its --probe, the examples/torch/ scripts); "
+             "one process per GPU under torchrun.", "",
+             "Step times: CUDA events around the steps after warm-up, one mean per variant, the variants one "
+             "after the other (not interleaved); tsgen's per-call copies in and out included. A first reading, "
+             "not a benchmark.", "", "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {c['check']} | {c['result']} | {c['detail'].replace('|', chr(92) + '|')} |" for c in checks]
+    lines += ["", "| example | variant | ms / step | vs the twin |", "|---|---|---|---|"]
+    lines += [f"| {t['example']} | {t['variant']} | {t['ms_per_step']:.3f} | {t['vs_twin']:.2f} |" for t in times]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 5:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    results, commit, device, command = Path(argv[0]), argv[1], argv[2], argv[3]
+    log_dirs = [Path(a) for a in argv[4:]]
+    checks, times = read(log_dirs)
+    if not checks:
+        print(f"torch_results: no CHECK line in {', '.join(map(str, log_dirs))}", file=sys.stderr)
+        return 1
+    date = datetime.date.today().isoformat()
+    meta = {"date": date, "commit": commit, "command": command, "device": device}
+    out = results / "torch"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{date}-{commit}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "checks": checks, "times": times}, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(meta, checks, times))
+    print(f"torch_results: {len(checks)} checks, {len(times)} step times -> {stem}.{{json,md}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
