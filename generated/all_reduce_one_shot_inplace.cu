@@ -22,13 +22,13 @@
 //   done     uint64_t       signal 8
 //   reduced  uint64_t       signal 1
 // Contents (line numbers of this file):
-//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 807, tsgen_plan.cuh 894
-//   1311: the op's own code (namespace all_reduce_one_shot_inplace: constants, tables, device code)
+//   48: the hand-written library, inlined: tsgen/ptx.cuh 48, tsgen/sync.cuh 622, tsgen/copy.cuh 815, tsgen/plan.cuh 904
+//   1336: the op's own code (namespace all_reduce_one_shot_inplace: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_one_shot_inplace_w2 1905, all_reduce_one_shot_inplace_w3 1912
-//     all_reduce_one_shot_inplace_w4 1919, all_reduce_one_shot_inplace_w8 1926
-//     all_reduce_one_shot_inplace_w2_launch 1942, all_reduce_one_shot_inplace_w3_launch 1943
-//     all_reduce_one_shot_inplace_w4_launch 1944, all_reduce_one_shot_inplace_w8_launch 1945
+//     all_reduce_one_shot_inplace_w2 1930, all_reduce_one_shot_inplace_w3 1937
+//     all_reduce_one_shot_inplace_w4 1944, all_reduce_one_shot_inplace_w8 1951
+//     all_reduce_one_shot_inplace_w2_launch 1967, all_reduce_one_shot_inplace_w3_launch 1968
+//     all_reduce_one_shot_inplace_w4_launch 1969, all_reduce_one_shot_inplace_w8_launch 1970
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -38,15 +38,20 @@
 
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
+// The plan tables' limits (tsgen.plan.ir)
+#define TSGEN_MAX_SRCS 8
+#define TSGEN_MAX_WAITS 8
+#define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -615,23 +620,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -783,8 +791,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -805,11 +813,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -825,6 +833,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -892,11 +902,11 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_plan.cuh
+// Inlined from templates/include/tsgen/plan.cuh
 // --------------------------------------------------------------------------
-// tsgen_plan.cuh -- the interpreter of communication plans.
+// tsgen/plan.cuh -- the interpreter of communication plans.
 //
-// Hand-written; inlined into every collective after tsgen_copy.cuh.
+// Hand-written; included by every collective.
 //
 // A plan is data (see tsgen/plan.py): per rank a list of steps, per block
 // the list of step shares it executes in order. A share: wait until every
@@ -913,10 +923,24 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/copy.cuh" -- inlined above
+
+// The table limits: a generated source defines them from tsgen.plan.ir before its includes;
+// these defaults, the same values, serve this header used alone.
+#ifndef TSGEN_MAX_SRCS
 #define TSGEN_MAX_SRCS 8
+#endif
+#ifndef TSGEN_MAX_WAITS
 #define TSGEN_MAX_WAITS 8
+#endif
+#ifndef TSGEN_MAX_SIGNALS
 #define TSGEN_MAX_SIGNALS 8
+#endif
+#ifndef TSGEN_MAX_ALSO
 #define TSGEN_MAX_ALSO 7
+#endif
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -1305,11 +1329,12 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 
 #endif  // TSGEN_PLAN_CUH
 
+
 // ---------------------------------------------------------------------------
 // all_reduce: all_reduce_one_shot_inplace
 // ---------------------------------------------------------------------------
 namespace all_reduce_one_shot_inplace {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 64;

@@ -28,19 +28,19 @@
 //   reduced  uint64_t       signal 4
 //   gathered uint64_t       signal 32
 // Contents (line numbers of this file):
-//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 819, tsgen_plan.cuh 906, tsgen_ce.cuh 1320
-//   1490: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
+//   60: the hand-written library, inlined: tsgen/ptx.cuh 60, tsgen/sync.cuh 634, tsgen/copy.cuh 827, tsgen/plan.cuh 916, tsgen/ce.cuh 1344
+//   1519: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_ce_w2_sync 3150, all_reduce_two_shot_ce_w2_reduce 3155
-//     all_reduce_two_shot_ce_w2_end 3162, all_reduce_two_shot_ce_w2_prepare 3168
-//     all_reduce_two_shot_ce_w2_launch 3177, all_reduce_two_shot_ce_w3_sync 3275
-//     all_reduce_two_shot_ce_w3_reduce 3280, all_reduce_two_shot_ce_w3_end 3287
-//     all_reduce_two_shot_ce_w3_prepare 3293, all_reduce_two_shot_ce_w3_launch 3302
-//     all_reduce_two_shot_ce_w4_sync 3485, all_reduce_two_shot_ce_w4_reduce 3490
-//     all_reduce_two_shot_ce_w4_end 3497, all_reduce_two_shot_ce_w4_prepare 3503
-//     all_reduce_two_shot_ce_w4_launch 3512, all_reduce_two_shot_ce_w8_sync 3820
-//     all_reduce_two_shot_ce_w8_reduce 3825, all_reduce_two_shot_ce_w8_end 3832
-//     all_reduce_two_shot_ce_w8_prepare 3838, all_reduce_two_shot_ce_w8_launch 3847
+//     all_reduce_two_shot_ce_w2_sync 3179, all_reduce_two_shot_ce_w2_reduce 3184
+//     all_reduce_two_shot_ce_w2_end 3191, all_reduce_two_shot_ce_w2_prepare 3197
+//     all_reduce_two_shot_ce_w2_launch 3206, all_reduce_two_shot_ce_w3_sync 3304
+//     all_reduce_two_shot_ce_w3_reduce 3309, all_reduce_two_shot_ce_w3_end 3316
+//     all_reduce_two_shot_ce_w3_prepare 3322, all_reduce_two_shot_ce_w3_launch 3331
+//     all_reduce_two_shot_ce_w4_sync 3514, all_reduce_two_shot_ce_w4_reduce 3519
+//     all_reduce_two_shot_ce_w4_end 3526, all_reduce_two_shot_ce_w4_prepare 3532
+//     all_reduce_two_shot_ce_w4_launch 3541, all_reduce_two_shot_ce_w8_sync 3849
+//     all_reduce_two_shot_ce_w8_reduce 3854, all_reduce_two_shot_ce_w8_end 3861
+//     all_reduce_two_shot_ce_w8_prepare 3867, all_reduce_two_shot_ce_w8_launch 3876
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -50,15 +50,20 @@
 
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
+// The plan tables' limits (tsgen.plan.ir)
+#define TSGEN_MAX_SRCS 8
+#define TSGEN_MAX_WAITS 8
+#define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -627,23 +632,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -795,8 +803,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -817,11 +825,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -837,6 +845,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -904,11 +914,11 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_plan.cuh
+// Inlined from templates/include/tsgen/plan.cuh
 // --------------------------------------------------------------------------
-// tsgen_plan.cuh -- the interpreter of communication plans.
+// tsgen/plan.cuh -- the interpreter of communication plans.
 //
-// Hand-written; inlined into every collective after tsgen_copy.cuh.
+// Hand-written; included by every collective.
 //
 // A plan is data (see tsgen/plan.py): per rank a list of steps, per block
 // the list of step shares it executes in order. A share: wait until every
@@ -925,10 +935,24 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/copy.cuh" -- inlined above
+
+// The table limits: a generated source defines them from tsgen.plan.ir before its includes;
+// these defaults, the same values, serve this header used alone.
+#ifndef TSGEN_MAX_SRCS
 #define TSGEN_MAX_SRCS 8
+#endif
+#ifndef TSGEN_MAX_WAITS
 #define TSGEN_MAX_WAITS 8
+#endif
+#ifndef TSGEN_MAX_SIGNALS
 #define TSGEN_MAX_SIGNALS 8
+#endif
+#ifndef TSGEN_MAX_ALSO
 #define TSGEN_MAX_ALSO 7
+#endif
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -1318,13 +1342,13 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 #endif  // TSGEN_PLAN_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ce.cuh
+// Inlined from templates/include/tsgen/ce.cuh
 // --------------------------------------------------------------------------
-// tsgen_ce.cuh -- running a communication plan on the copy engines.
+// tsgen/ce.cuh -- running a communication plan on the copy engines.
 //
-// Hand-written; inlined into copy-engine collectives after tsgen_plan.cuh.
+// Hand-written; included by copy-engine collectives (it includes tsgen/plan.cuh).
 //
-// The plan is the same data the interpreter kernel runs (tsgen_plan.cuh),
+// The plan is the same data the interpreter kernel runs (tsgen/plan.cuh),
 // scheduled over streams instead of blocks: every copy step is one
 // cudaMemcpyAsync between peer mappings (the DMA engines move the bytes, no
 // SM is busy), every reduce step is a kernel over the whole grid, and the
@@ -1341,6 +1365,10 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 #include <stdint.h>
 
 #include <mutex>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/plan.cuh" -- inlined above
 
 #define TSGEN_CE_MAX_STREAMS 32
 #define TSGEN_CE_MAX_RANKS 64
@@ -1484,11 +1512,12 @@ static cudaError_t copy(cudaStream_t stream, const slice& dst, const slice& src,
 
 #endif  // TSGEN_CE_CUH
 
+
 // ---------------------------------------------------------------------------
 // all_reduce: all_reduce_two_shot_ce
 // ---------------------------------------------------------------------------
 namespace all_reduce_two_shot_ce {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 64;

@@ -25,16 +25,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   48: the hand-written library, inlined: tsgen_ptx.cuh 48, tsgen_sync.cuh 623, tsgen_copy.cuh 813, tsgen_plan.cuh 900, tsgen_ce.cuh 1314
-//   1484: the op's own code (namespace allgather_ce: constants, tables, device code)
+//   54: the hand-written library, inlined: tsgen/ptx.cuh 54, tsgen/sync.cuh 628, tsgen/copy.cuh 821, tsgen/plan.cuh 910, tsgen/ce.cuh 1338
+//   1513: the op's own code (namespace allgather_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_ce_w2_sync 1919, allgather_ce_w2_reduce 1924, allgather_ce_w2_end 1931
-//     allgather_ce_w2_prepare 1937, allgather_ce_w2_launch 1946, allgather_ce_w3_sync 1998
-//     allgather_ce_w3_reduce 2003, allgather_ce_w3_end 2010, allgather_ce_w3_prepare 2016
-//     allgather_ce_w3_launch 2025, allgather_ce_w4_sync 2094, allgather_ce_w4_reduce 2099
-//     allgather_ce_w4_end 2106, allgather_ce_w4_prepare 2112, allgather_ce_w4_launch 2121
-//     allgather_ce_w8_sync 2213, allgather_ce_w8_reduce 2218, allgather_ce_w8_end 2225
-//     allgather_ce_w8_prepare 2231, allgather_ce_w8_launch 2240
+//     allgather_ce_w2_sync 1948, allgather_ce_w2_reduce 1953, allgather_ce_w2_end 1960
+//     allgather_ce_w2_prepare 1966, allgather_ce_w2_launch 1975, allgather_ce_w3_sync 2027
+//     allgather_ce_w3_reduce 2032, allgather_ce_w3_end 2039, allgather_ce_w3_prepare 2045
+//     allgather_ce_w3_launch 2054, allgather_ce_w4_sync 2123, allgather_ce_w4_reduce 2128
+//     allgather_ce_w4_end 2135, allgather_ce_w4_prepare 2141, allgather_ce_w4_launch 2150
+//     allgather_ce_w8_sync 2242, allgather_ce_w8_reduce 2247, allgather_ce_w8_end 2254
+//     allgather_ce_w8_prepare 2260, allgather_ce_w8_launch 2269
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -44,15 +44,20 @@
 
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
+// The plan tables' limits (tsgen.plan.ir)
+#define TSGEN_MAX_SRCS 8
+#define TSGEN_MAX_WAITS 8
+#define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -621,23 +626,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -789,8 +797,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -811,11 +819,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -831,6 +839,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -898,11 +908,11 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_plan.cuh
+// Inlined from templates/include/tsgen/plan.cuh
 // --------------------------------------------------------------------------
-// tsgen_plan.cuh -- the interpreter of communication plans.
+// tsgen/plan.cuh -- the interpreter of communication plans.
 //
-// Hand-written; inlined into every collective after tsgen_copy.cuh.
+// Hand-written; included by every collective.
 //
 // A plan is data (see tsgen/plan.py): per rank a list of steps, per block
 // the list of step shares it executes in order. A share: wait until every
@@ -919,10 +929,24 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/copy.cuh" -- inlined above
+
+// The table limits: a generated source defines them from tsgen.plan.ir before its includes;
+// these defaults, the same values, serve this header used alone.
+#ifndef TSGEN_MAX_SRCS
 #define TSGEN_MAX_SRCS 8
+#endif
+#ifndef TSGEN_MAX_WAITS
 #define TSGEN_MAX_WAITS 8
+#endif
+#ifndef TSGEN_MAX_SIGNALS
 #define TSGEN_MAX_SIGNALS 8
+#endif
+#ifndef TSGEN_MAX_ALSO
 #define TSGEN_MAX_ALSO 7
+#endif
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -1312,13 +1336,13 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 #endif  // TSGEN_PLAN_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ce.cuh
+// Inlined from templates/include/tsgen/ce.cuh
 // --------------------------------------------------------------------------
-// tsgen_ce.cuh -- running a communication plan on the copy engines.
+// tsgen/ce.cuh -- running a communication plan on the copy engines.
 //
-// Hand-written; inlined into copy-engine collectives after tsgen_plan.cuh.
+// Hand-written; included by copy-engine collectives (it includes tsgen/plan.cuh).
 //
-// The plan is the same data the interpreter kernel runs (tsgen_plan.cuh),
+// The plan is the same data the interpreter kernel runs (tsgen/plan.cuh),
 // scheduled over streams instead of blocks: every copy step is one
 // cudaMemcpyAsync between peer mappings (the DMA engines move the bytes, no
 // SM is busy), every reduce step is a kernel over the whole grid, and the
@@ -1335,6 +1359,10 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 #include <stdint.h>
 
 #include <mutex>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/plan.cuh" -- inlined above
 
 #define TSGEN_CE_MAX_STREAMS 32
 #define TSGEN_CE_MAX_RANKS 64
@@ -1478,11 +1506,12 @@ static cudaError_t copy(cudaStream_t stream, const slice& dst, const slice& src,
 
 #endif  // TSGEN_CE_CUH
 
+
 // ---------------------------------------------------------------------------
 // allgather: allgather_ce
 // ---------------------------------------------------------------------------
 namespace allgather_ce {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 32;

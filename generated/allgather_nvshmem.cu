@@ -32,12 +32,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   51: the hand-written library, inlined: tsgen_ptx.cuh 51, tsgen_sync.cuh 626, tsgen_copy.cuh 816, tsgen_plan.cuh 903, tsgen_nvshmem.cuh 1317
-//   1534: the op's own code (namespace allgather_nvshmem: constants, tables, device code)
+//   57: the hand-written library, inlined: tsgen/ptx.cuh 57, tsgen/sync.cuh 631, tsgen/copy.cuh 824, tsgen/plan.cuh 913, tsgen/nvshmem.cuh 1341
+//   1562: the op's own code (namespace allgather_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_nvshmem_w2 2096, allgather_nvshmem_w3 2103, allgather_nvshmem_w4 2110
-//     allgather_nvshmem_w8 2117, allgather_nvshmem_w2_launch 2133, allgather_nvshmem_w3_launch 2134
-//     allgather_nvshmem_w4_launch 2135, allgather_nvshmem_w8_launch 2136
+//     allgather_nvshmem_w2 2124, allgather_nvshmem_w3 2131, allgather_nvshmem_w4 2138
+//     allgather_nvshmem_w8 2145, allgather_nvshmem_w2_launch 2161, allgather_nvshmem_w3_launch 2162
+//     allgather_nvshmem_w4_launch 2163, allgather_nvshmem_w8_launch 2164
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -47,15 +47,20 @@
 
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
+// The plan tables' limits (tsgen.plan.ir)
+#define TSGEN_MAX_SRCS 8
+#define TSGEN_MAX_WAITS 8
+#define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -624,23 +629,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -792,8 +800,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -814,11 +822,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -834,6 +842,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -901,11 +911,11 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_plan.cuh
+// Inlined from templates/include/tsgen/plan.cuh
 // --------------------------------------------------------------------------
-// tsgen_plan.cuh -- the interpreter of communication plans.
+// tsgen/plan.cuh -- the interpreter of communication plans.
 //
-// Hand-written; inlined into every collective after tsgen_copy.cuh.
+// Hand-written; included by every collective.
 //
 // A plan is data (see tsgen/plan.py): per rank a list of steps, per block
 // the list of step shares it executes in order. A share: wait until every
@@ -922,10 +932,24 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/copy.cuh" -- inlined above
+
+// The table limits: a generated source defines them from tsgen.plan.ir before its includes;
+// these defaults, the same values, serve this header used alone.
+#ifndef TSGEN_MAX_SRCS
 #define TSGEN_MAX_SRCS 8
+#endif
+#ifndef TSGEN_MAX_WAITS
 #define TSGEN_MAX_WAITS 8
+#endif
+#ifndef TSGEN_MAX_SIGNALS
 #define TSGEN_MAX_SIGNALS 8
+#endif
+#ifndef TSGEN_MAX_ALSO
 #define TSGEN_MAX_ALSO 7
+#endif
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -1315,16 +1339,16 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 #endif  // TSGEN_PLAN_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_nvshmem.cuh
+// Inlined from templates/include/tsgen/nvshmem.cuh
 // --------------------------------------------------------------------------
-// tsgen_nvshmem.cuh -- running a communication plan over NVSHMEM.
+// tsgen/nvshmem.cuh -- running a communication plan over NVSHMEM.
 //
-// Hand-written; inlined into nvshmem-transport collectives after
-// tsgen_plan.cuh. The plan is the same data the p2p interpreter runs
-// (tsgen_plan.cuh) with the same block schedule; only the way bytes and
+// Hand-written; included by nvshmem-transport sources, after tsgen/plan.cuh in
+// collectives (its plan executor is compiled only where TSGEN_PLAN_CUH is defined). The plan is the same data the p2p interpreter runs
+// (tsgen/plan.cuh) with the same block schedule; only the way bytes and
 // signals cross between ranks changes, so the same `tsgen verify` covers it:
 //
-//   plan                          p2p (tsgen_plan.cuh)            nvshmem (here)
+//   plan                          p2p (tsgen/plan.cuh)            nvshmem (here)
 //   copy to a peer + its signal   peer stores; red.release.sys    nvshmemx_putmem_signal_nbi_block(
 //                                                                   ..., NVSHMEM_SIGNAL_ADD, pe)
 //   copy from a peer (pull)       peer loads                      nvshmemx_getmem_block
@@ -1347,12 +1371,15 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 // The primitives with `transport: nvshmem` (put/get at warp and block level,
 // simple_shift, barrier_all) use the first part only: the PE check, the
 // bounded signal wait and the all-PE barrier; the plan executor below needs
-// tsgen_plan.cuh and is compiled only after it.
+// tsgen/plan.cuh and is compiled only after it.
 #ifndef TSGEN_NVSHMEM_CUH
 #define TSGEN_NVSHMEM_CUH
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace nvshmem {
@@ -1528,11 +1555,12 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 
 #endif  // TSGEN_NVSHMEM_CUH
 
+
 // ---------------------------------------------------------------------------
 // allgather: allgather_nvshmem
 // ---------------------------------------------------------------------------
 namespace allgather_nvshmem {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 64;

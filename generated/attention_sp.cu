@@ -36,10 +36,10 @@
 //   o        __nv_bfloat16  output 4096 * count
 //   lse      float          output 32 * count
 // Contents (line numbers of this file):
-//   53: the hand-written library, inlined: tsgen_ptx.cuh 53, tsgen_sync.cuh 628, tsgen_copy.cuh 818, tsgen_gemm.cuh 905, tsgen_attention.cuh 1870
-//   2656: the op's own code (namespace attention_sp: constants, tables, device code)
+//   54: the hand-written library, inlined: tsgen/ptx.cuh 54, tsgen/sync.cuh 628, tsgen/copy.cuh 821, tsgen/gemm.cuh 910, tsgen/attention.cuh 1878
+//   2669: the op's own code (namespace attention_sp: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_sp_w1_kernel 2757, attention_sp_w1_forward 2765, attention_sp_w1_launch 2776
+//     attention_sp_w1_kernel 2770, attention_sp_w1_forward 2778, attention_sp_w1_launch 2789
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -50,14 +50,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -626,23 +626,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -794,8 +797,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -816,11 +819,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -836,6 +839,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -903,14 +908,14 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_gemm.cuh
+// Inlined from templates/include/tsgen/gemm.cuh
 // --------------------------------------------------------------------------
-// tsgen_gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
+// tsgen/gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
-// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
+// Hand-written; included by generated gemm sources (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen/ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -963,6 +968,9 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <atomic>
 #include <type_traits>
 #include <utility>  // std::declval
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace gemm {
@@ -1868,13 +1876,13 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #endif  // TSGEN_GEMM_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_attention.cuh
+// Inlined from templates/include/tsgen/attention.cuh
 // --------------------------------------------------------------------------
-// tsgen_attention.cuh -- a warp-specialized Hopper (sm_90a) flash-attention forward:
+// tsgen/attention.cuh -- a warp-specialized Hopper (sm_90a) flash-attention forward:
 //   O = softmax(scale * Q K^T (+ causal mask)) V, and LSE = log(sum(exp(scale * Q K^T)))
 // per (query, head), 16-bit Q, K, V, O, fp32 accumulation and softmax, fp32 LSE.
 //
-// Hand-written; inlined into generated attention sources after tsgen_gemm.cuh, whose PTX
+// Hand-written; included by generated attention sources. It includes tsgen/gemm.cuh, whose PTX
 // wrappers (mbarriers, TMA, wgmma fences and descriptors, setmaxnreg, pack2) it uses. The
 // op's template supplies a `Config` struct: the sizes as constexpr members, the element
 // type, and two wgmma instructions: `mma_qk` (S = Q K^T, both operands in shared memory)
@@ -1927,6 +1935,10 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #define TSGEN_ATTENTION_CUH
 
 #include <math.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/gemm.cuh" -- inlined above
 
 namespace tsgen {
 namespace attention {
@@ -2650,11 +2662,12 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
 
 #endif  // TSGEN_ATTENTION_CUH
 
+
 // ---------------------------------------------------------------------------
 // attention: attention_sp
 // ---------------------------------------------------------------------------
 namespace attention_sp {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int HEAD_DIM = 128;
 constexpr int HEADS = 32;

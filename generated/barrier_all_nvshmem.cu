@@ -25,12 +25,12 @@
 //   counter  uint64_t       signal 1
 //   flags    uint64_t       signal 8
 // Contents (line numbers of this file):
-//   44: the hand-written library, inlined: tsgen_ptx.cuh 44, tsgen_sync.cuh 619, tsgen_copy.cuh 809, tsgen_nvshmem.cuh 896
-//   1113: the op's own code (namespace barrier_all_nvshmem: constants, tables, device code)
+//   45: the hand-written library, inlined: tsgen/ptx.cuh 45, tsgen/sync.cuh 619, tsgen/copy.cuh 812, tsgen/nvshmem.cuh 901
+//   1122: the op's own code (namespace barrier_all_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     barrier_all_nvshmem_w2 1147, barrier_all_nvshmem_w3 1154, barrier_all_nvshmem_w4 1161
-//     barrier_all_nvshmem_w2_launch 1177, barrier_all_nvshmem_w3_launch 1178
-//     barrier_all_nvshmem_w4_launch 1179
+//     barrier_all_nvshmem_w2 1156, barrier_all_nvshmem_w3 1163, barrier_all_nvshmem_w4 1170
+//     barrier_all_nvshmem_w2_launch 1186, barrier_all_nvshmem_w3_launch 1187
+//     barrier_all_nvshmem_w4_launch 1188
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -41,14 +41,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -617,23 +617,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -785,8 +788,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -807,11 +810,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -827,6 +830,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -894,16 +899,16 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_nvshmem.cuh
+// Inlined from templates/include/tsgen/nvshmem.cuh
 // --------------------------------------------------------------------------
-// tsgen_nvshmem.cuh -- running a communication plan over NVSHMEM.
+// tsgen/nvshmem.cuh -- running a communication plan over NVSHMEM.
 //
-// Hand-written; inlined into nvshmem-transport collectives after
-// tsgen_plan.cuh. The plan is the same data the p2p interpreter runs
-// (tsgen_plan.cuh) with the same block schedule; only the way bytes and
+// Hand-written; included by nvshmem-transport sources, after tsgen/plan.cuh in
+// collectives (its plan executor is compiled only where TSGEN_PLAN_CUH is defined). The plan is the same data the p2p interpreter runs
+// (tsgen/plan.cuh) with the same block schedule; only the way bytes and
 // signals cross between ranks changes, so the same `tsgen verify` covers it:
 //
-//   plan                          p2p (tsgen_plan.cuh)            nvshmem (here)
+//   plan                          p2p (tsgen/plan.cuh)            nvshmem (here)
 //   copy to a peer + its signal   peer stores; red.release.sys    nvshmemx_putmem_signal_nbi_block(
 //                                                                   ..., NVSHMEM_SIGNAL_ADD, pe)
 //   copy from a peer (pull)       peer loads                      nvshmemx_getmem_block
@@ -926,12 +931,15 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 // The primitives with `transport: nvshmem` (put/get at warp and block level,
 // simple_shift, barrier_all) use the first part only: the PE check, the
 // bounded signal wait and the all-PE barrier; the plan executor below needs
-// tsgen_plan.cuh and is compiled only after it.
+// tsgen/plan.cuh and is compiled only after it.
 #ifndef TSGEN_NVSHMEM_CUH
 #define TSGEN_NVSHMEM_CUH
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace nvshmem {
@@ -1107,11 +1115,12 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 
 #endif  // TSGEN_NVSHMEM_CUH
 
+
 // ---------------------------------------------------------------------------
 // barrier_all: barrier_all_nvshmem
 // ---------------------------------------------------------------------------
 namespace barrier_all_nvshmem {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 256;
 constexpr int BLOCKS = 32;

@@ -17,7 +17,7 @@
 // Tensors, this rank's rows, in the symmetric heap (peers / peers_host: device and host
 // tables of every rank's heap base): q, o [batch, count, 32, 128], k, v [batch, count, 4, 128];
 // lse [batch, 32, count] fp32 (natural log); k_full, v_full: the whole sequence's K and V
-// (world x count rows, in position order); sig: tsgen_cp.cuh's signals.
+// (world x count rows, in position order); sig: tsgen/cp.cuh's signals.
 // O and LSE equal attention over the whole sequence (causal), at this rank's rows.
 // One call:
 //   on `stream`: the entry kernel (calls[0] -> epoch; FREE raised at every peer);
@@ -38,16 +38,16 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   61: the hand-written library, inlined: tsgen_ptx.cuh 61, tsgen_sync.cuh 636, tsgen_copy.cuh 826, tsgen_gemm.cuh 913, tsgen_attention.cuh 1878, tsgen_fused.cuh 2661, tsgen_cp.cuh 3120
-//   3280: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
+//   62: the hand-written library, inlined: tsgen/ptx.cuh 62, tsgen/sync.cuh 636, tsgen/copy.cuh 829, tsgen/gemm.cuh 918, tsgen/attention.cuh 1886, tsgen/fused.cuh 2673, tsgen/cp.cuh 3136
+//   3301: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_sm_attention 3402, cp_attention_zigzag_causal_sm_w2_sync 3412
-//     cp_attention_zigzag_causal_sm_w2_push 3422, cp_attention_zigzag_causal_sm_w4_sync 3432
-//     cp_attention_zigzag_causal_sm_w4_push 3442, cp_attention_zigzag_causal_sm_w8_sync 3452
-//     cp_attention_zigzag_causal_sm_w8_push 3462, cp_attention_zigzag_causal_sm_w2_prepare 3531
-//     cp_attention_zigzag_causal_sm_w2_launch 3532, cp_attention_zigzag_causal_sm_w4_prepare 3533
-//     cp_attention_zigzag_causal_sm_w4_launch 3534, cp_attention_zigzag_causal_sm_w8_prepare 3535
-//     cp_attention_zigzag_causal_sm_w8_launch 3536
+//     cp_attention_zigzag_causal_sm_attention 3423, cp_attention_zigzag_causal_sm_w2_sync 3433
+//     cp_attention_zigzag_causal_sm_w2_push 3443, cp_attention_zigzag_causal_sm_w4_sync 3453
+//     cp_attention_zigzag_causal_sm_w4_push 3463, cp_attention_zigzag_causal_sm_w8_sync 3473
+//     cp_attention_zigzag_causal_sm_w8_push 3483, cp_attention_zigzag_causal_sm_w2_prepare 3552
+//     cp_attention_zigzag_causal_sm_w2_launch 3553, cp_attention_zigzag_causal_sm_w4_prepare 3554
+//     cp_attention_zigzag_causal_sm_w4_launch 3555, cp_attention_zigzag_causal_sm_w8_prepare 3556
+//     cp_attention_zigzag_causal_sm_w8_launch 3557
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -58,14 +58,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -634,23 +634,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -802,8 +805,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -824,11 +827,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -844,6 +847,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -911,14 +916,14 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_gemm.cuh
+// Inlined from templates/include/tsgen/gemm.cuh
 // --------------------------------------------------------------------------
-// tsgen_gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
+// tsgen/gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
-// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
+// Hand-written; included by generated gemm sources (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen/ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -971,6 +976,9 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <atomic>
 #include <type_traits>
 #include <utility>  // std::declval
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace gemm {
@@ -1876,13 +1884,13 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #endif  // TSGEN_GEMM_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_attention.cuh
+// Inlined from templates/include/tsgen/attention.cuh
 // --------------------------------------------------------------------------
-// tsgen_attention.cuh -- a warp-specialized Hopper (sm_90a) flash-attention forward:
+// tsgen/attention.cuh -- a warp-specialized Hopper (sm_90a) flash-attention forward:
 //   O = softmax(scale * Q K^T (+ causal mask)) V, and LSE = log(sum(exp(scale * Q K^T)))
 // per (query, head), 16-bit Q, K, V, O, fp32 accumulation and softmax, fp32 LSE.
 //
-// Hand-written; inlined into generated attention sources after tsgen_gemm.cuh, whose PTX
+// Hand-written; included by generated attention sources. It includes tsgen/gemm.cuh, whose PTX
 // wrappers (mbarriers, TMA, wgmma fences and descriptors, setmaxnreg, pack2) it uses. The
 // op's template supplies a `Config` struct: the sizes as constexpr members, the element
 // type, and two wgmma instructions: `mma_qk` (S = Q K^T, both operands in shared memory)
@@ -1935,6 +1943,10 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #define TSGEN_ATTENTION_CUH
 
 #include <math.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/gemm.cuh" -- inlined above
 
 namespace tsgen {
 namespace attention {
@@ -2659,15 +2671,15 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
 #endif  // TSGEN_ATTENTION_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_fused.cuh
+// Inlined from templates/include/tsgen/fused.cuh
 // --------------------------------------------------------------------------
-// tsgen_fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
+// tsgen/fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
 // gemm_reduce_scatter): the producer hook that makes GEMM tiles wait for their source's
 // rows, the hook that signals finished row blocks (gemm_reduce_scatter), the reduce
 // kernel body, the one-block sync kernel body (entry / wait / signal), and the side
 // streams of the host launcher.
 //
-// Hand-written; inlined into fused sources after tsgen_gemm.cuh.
+// Hand-written; included by fused sources (it includes tsgen/gemm.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's GEMM no longer
@@ -2687,6 +2699,10 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/gemm.cuh" -- inlined above
 
 namespace tsgen {
 namespace fused {
@@ -3118,14 +3134,14 @@ struct MapCache {
 #endif  // TSGEN_FUSED_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_cp.cuh
+// Inlined from templates/include/tsgen/cp.cuh
 // --------------------------------------------------------------------------
-// tsgen_cp.cuh -- the communication side of context-parallel attention (cp_attention): where
+// tsgen/cp.cuh -- the communication side of context-parallel attention (cp_attention): where
 // each rank's K and V rows go in every rank's gathered buffers, the SM push kernel body, the
-// one-block signal kernel body. The attention kernel is tsgen_attention.cuh's, with its
-// per-KV-chunk waits; the side streams and the entry / FREE exchange are tsgen_fused.cuh's.
+// one-block signal kernel body. The attention kernel is tsgen/attention.cuh's, with its
+// per-KV-chunk waits; the side streams and the entry / FREE exchange are tsgen/fused.cuh's.
 //
-// Hand-written; inlined into cp_attention sources after tsgen_attention.cuh and tsgen_fused.cuh.
+// Hand-written; included by cp_attention sources after tsgen/attention.cuh (it includes tsgen/fused.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's attention no longer
@@ -3147,6 +3163,10 @@ struct MapCache {
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/fused.cuh" -- inlined above
 
 namespace tsgen {
 namespace cp {
@@ -3274,11 +3294,12 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
 
 #endif  // TSGEN_CP_CUH
 
+
 // ---------------------------------------------------------------------------
 // cp_attention: cp_attention_zigzag_causal_sm
 // ---------------------------------------------------------------------------
 namespace cp_attention_zigzag_causal_sm {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int HEAD_DIM = 128;
 constexpr int HEADS = 32;
@@ -3383,7 +3404,7 @@ struct Config {
 constexpr int GATHER_THREADS = 512;  // threads of a push kernel CTA
 constexpr int SIGNAL_CHUNKS = 16;    // mode of the sync kernel beside tsgen::fused::SyncMode's
 
-// Rows of this spec's tensors as tsgen_cp.cuh's Geometry.
+// Rows of this spec's tensors as tsgen/cp.cuh's Geometry.
 static __host__ __device__ inline tsgen::cp::Geometry geometry(int world, uint64_t count) {
   tsgen::cp::Geometry g;
   g.lines = BHSD ? (uint64_t)BATCH * KV_HEADS : (uint64_t)BATCH;

@@ -17,7 +17,7 @@
 // used); c: this rank's rows of sum over ranks of A_s . B_s (count x N, rows
 // rank x count ...); partial: scratch for this rank's A . B (M x N, 16-bit, block q =
 // rows q x count .. read by rank q); acc: fp32 scratch (count x N);
-// sig: the signals of tsgen_fused.cuh; all row-major, in the symmetric heap (peers: the
+// sig: the signals of tsgen/fused.cuh; all row-major, in the symmetric heap (peers: the
 // device table of every rank's heap base). N = 8192 and K = 8192 (the full K) are compiled in.
 // overlap = pull:
 //   entry kernel (calls[0] -> epoch, FREE raised at peers) on `stream`; then the GEMM on
@@ -36,13 +36,13 @@
 //   acc      float          scratch 8192 * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   56: the hand-written library, inlined: tsgen_ptx.cuh 56, tsgen_sync.cuh 631, tsgen_copy.cuh 821, tsgen_gemm.cuh 908, tsgen_fused.cuh 1873
-//   2335: the op's own code (namespace gemm_reduce_scatter: constants, tables, device code)
+//   57: the hand-written library, inlined: tsgen/ptx.cuh 57, tsgen/sync.cuh 631, tsgen/copy.cuh 824, tsgen/gemm.cuh 913, tsgen/fused.cuh 1881
+//   2348: the op's own code (namespace gemm_reduce_scatter: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_w2_gemm 2424, gemm_reduce_scatter_w2_reduce 2436, gemm_reduce_scatter_w2_sync 2443
-//     gemm_reduce_scatter_w4_gemm 2450, gemm_reduce_scatter_w4_reduce 2462, gemm_reduce_scatter_w4_sync 2469
-//     gemm_reduce_scatter_w2_prepare 2544, gemm_reduce_scatter_w2_launch 2545
-//     gemm_reduce_scatter_w4_prepare 2546, gemm_reduce_scatter_w4_launch 2547
+//     gemm_reduce_scatter_w2_gemm 2437, gemm_reduce_scatter_w2_reduce 2449, gemm_reduce_scatter_w2_sync 2456
+//     gemm_reduce_scatter_w4_gemm 2463, gemm_reduce_scatter_w4_reduce 2475, gemm_reduce_scatter_w4_sync 2482
+//     gemm_reduce_scatter_w2_prepare 2557, gemm_reduce_scatter_w2_launch 2558
+//     gemm_reduce_scatter_w4_prepare 2559, gemm_reduce_scatter_w4_launch 2560
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -53,14 +53,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -629,23 +629,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -797,8 +800,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -819,11 +822,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -839,6 +842,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -906,14 +911,14 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_gemm.cuh
+// Inlined from templates/include/tsgen/gemm.cuh
 // --------------------------------------------------------------------------
-// tsgen_gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
+// tsgen/gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
-// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
+// Hand-written; included by generated gemm sources (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen/ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -966,6 +971,9 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <atomic>
 #include <type_traits>
 #include <utility>  // std::declval
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace gemm {
@@ -1871,15 +1879,15 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #endif  // TSGEN_GEMM_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_fused.cuh
+// Inlined from templates/include/tsgen/fused.cuh
 // --------------------------------------------------------------------------
-// tsgen_fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
+// tsgen/fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
 // gemm_reduce_scatter): the producer hook that makes GEMM tiles wait for their source's
 // rows, the hook that signals finished row blocks (gemm_reduce_scatter), the reduce
 // kernel body, the one-block sync kernel body (entry / wait / signal), and the side
 // streams of the host launcher.
 //
-// Hand-written; inlined into fused sources after tsgen_gemm.cuh.
+// Hand-written; included by fused sources (it includes tsgen/gemm.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's GEMM no longer
@@ -1899,6 +1907,10 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/gemm.cuh" -- inlined above
 
 namespace tsgen {
 namespace fused {
@@ -2329,11 +2341,12 @@ struct MapCache {
 
 #endif  // TSGEN_FUSED_CUH
 
+
 // ---------------------------------------------------------------------------
 // gemm_reduce_scatter: gemm_reduce_scatter
 // ---------------------------------------------------------------------------
 namespace gemm_reduce_scatter {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int N = 8192;
 constexpr int K = 8192;

@@ -17,7 +17,7 @@
 // used); c: this rank's rows of sum over ranks of A_s . B_s (count x N, rows
 // rank x count ...); partial: scratch for this rank's A . B (M x N, 16-bit, block q =
 // rows q x count .. read by rank q);
-// sig: the signals of tsgen_fused.cuh; all row-major, in the symmetric heap (peers: the
+// sig: the signals of tsgen/fused.cuh; all row-major, in the symmetric heap (peers: the
 // device table of every rank's heap base). N = 8192 and K = 8192 (the full K) are compiled in.
 // overlap = none:
 //   everything on `stream`: entry kernel, wait for every peer's FREE, the GEMM of all
@@ -31,14 +31,14 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   52: the hand-written library, inlined: tsgen_ptx.cuh 52, tsgen_sync.cuh 627, tsgen_copy.cuh 817, tsgen_gemm.cuh 904, tsgen_fused.cuh 1869
-//   2331: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
+//   53: the hand-written library, inlined: tsgen/ptx.cuh 53, tsgen/sync.cuh 627, tsgen/copy.cuh 820, tsgen/gemm.cuh 909, tsgen/fused.cuh 1877
+//   2344: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_plain_w2_gemm 2420, gemm_reduce_scatter_plain_w2_reduce 2432
-//     gemm_reduce_scatter_plain_w2_sync 2439, gemm_reduce_scatter_plain_w4_gemm 2446
-//     gemm_reduce_scatter_plain_w4_reduce 2458, gemm_reduce_scatter_plain_w4_sync 2465
-//     gemm_reduce_scatter_plain_w2_prepare 2535, gemm_reduce_scatter_plain_w2_launch 2536
-//     gemm_reduce_scatter_plain_w4_prepare 2537, gemm_reduce_scatter_plain_w4_launch 2538
+//     gemm_reduce_scatter_plain_w2_gemm 2433, gemm_reduce_scatter_plain_w2_reduce 2445
+//     gemm_reduce_scatter_plain_w2_sync 2452, gemm_reduce_scatter_plain_w4_gemm 2459
+//     gemm_reduce_scatter_plain_w4_reduce 2471, gemm_reduce_scatter_plain_w4_sync 2478
+//     gemm_reduce_scatter_plain_w2_prepare 2548, gemm_reduce_scatter_plain_w2_launch 2549
+//     gemm_reduce_scatter_plain_w4_prepare 2550, gemm_reduce_scatter_plain_w4_launch 2551
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -49,14 +49,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -625,23 +625,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -793,8 +796,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -815,11 +818,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -835,6 +838,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -902,14 +907,14 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_gemm.cuh
+// Inlined from templates/include/tsgen/gemm.cuh
 // --------------------------------------------------------------------------
-// tsgen_gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
+// tsgen/gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
-// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
+// Hand-written; included by generated gemm sources (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen/ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -962,6 +967,9 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <atomic>
 #include <type_traits>
 #include <utility>  // std::declval
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace gemm {
@@ -1867,15 +1875,15 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #endif  // TSGEN_GEMM_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_fused.cuh
+// Inlined from templates/include/tsgen/fused.cuh
 // --------------------------------------------------------------------------
-// tsgen_fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
+// tsgen/fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
 // gemm_reduce_scatter): the producer hook that makes GEMM tiles wait for their source's
 // rows, the hook that signals finished row blocks (gemm_reduce_scatter), the reduce
 // kernel body, the one-block sync kernel body (entry / wait / signal), and the side
 // streams of the host launcher.
 //
-// Hand-written; inlined into fused sources after tsgen_gemm.cuh.
+// Hand-written; included by fused sources (it includes tsgen/gemm.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's GEMM no longer
@@ -1895,6 +1903,10 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/gemm.cuh" -- inlined above
 
 namespace tsgen {
 namespace fused {
@@ -2325,11 +2337,12 @@ struct MapCache {
 
 #endif  // TSGEN_FUSED_CUH
 
+
 // ---------------------------------------------------------------------------
 // gemm_reduce_scatter: gemm_reduce_scatter_plain
 // ---------------------------------------------------------------------------
 namespace gemm_reduce_scatter_plain {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int N = 8192;
 constexpr int K = 8192;

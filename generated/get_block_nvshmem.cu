@@ -22,11 +22,11 @@
 //   src      uint8_t        input  count
 //   dst      uint8_t        output count
 // Contents (line numbers of this file):
-//   40: the hand-written library, inlined: tsgen_ptx.cuh 40, tsgen_sync.cuh 615, tsgen_copy.cuh 805, tsgen_nvshmem.cuh 892
-//   1109: the op's own code (namespace get_block_nvshmem: constants, tables, device code)
+//   41: the hand-written library, inlined: tsgen/ptx.cuh 41, tsgen/sync.cuh 615, tsgen/copy.cuh 808, tsgen/nvshmem.cuh 897
+//   1118: the op's own code (namespace get_block_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     get_block_nvshmem_w2 1140, get_block_nvshmem_w3 1147, get_block_nvshmem_w4 1154
-//     get_block_nvshmem_w2_launch 1170, get_block_nvshmem_w3_launch 1171, get_block_nvshmem_w4_launch 1172
+//     get_block_nvshmem_w2 1149, get_block_nvshmem_w3 1156, get_block_nvshmem_w4 1163
+//     get_block_nvshmem_w2_launch 1179, get_block_nvshmem_w3_launch 1180, get_block_nvshmem_w4_launch 1181
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -37,14 +37,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -613,23 +613,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -781,8 +784,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -803,11 +806,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -823,6 +826,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -890,16 +895,16 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_nvshmem.cuh
+// Inlined from templates/include/tsgen/nvshmem.cuh
 // --------------------------------------------------------------------------
-// tsgen_nvshmem.cuh -- running a communication plan over NVSHMEM.
+// tsgen/nvshmem.cuh -- running a communication plan over NVSHMEM.
 //
-// Hand-written; inlined into nvshmem-transport collectives after
-// tsgen_plan.cuh. The plan is the same data the p2p interpreter runs
-// (tsgen_plan.cuh) with the same block schedule; only the way bytes and
+// Hand-written; included by nvshmem-transport sources, after tsgen/plan.cuh in
+// collectives (its plan executor is compiled only where TSGEN_PLAN_CUH is defined). The plan is the same data the p2p interpreter runs
+// (tsgen/plan.cuh) with the same block schedule; only the way bytes and
 // signals cross between ranks changes, so the same `tsgen verify` covers it:
 //
-//   plan                          p2p (tsgen_plan.cuh)            nvshmem (here)
+//   plan                          p2p (tsgen/plan.cuh)            nvshmem (here)
 //   copy to a peer + its signal   peer stores; red.release.sys    nvshmemx_putmem_signal_nbi_block(
 //                                                                   ..., NVSHMEM_SIGNAL_ADD, pe)
 //   copy from a peer (pull)       peer loads                      nvshmemx_getmem_block
@@ -922,12 +927,15 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 // The primitives with `transport: nvshmem` (put/get at warp and block level,
 // simple_shift, barrier_all) use the first part only: the PE check, the
 // bounded signal wait and the all-PE barrier; the plan executor below needs
-// tsgen_plan.cuh and is compiled only after it.
+// tsgen/plan.cuh and is compiled only after it.
 #ifndef TSGEN_NVSHMEM_CUH
 #define TSGEN_NVSHMEM_CUH
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace nvshmem {
@@ -1103,11 +1111,12 @@ static __device__ __forceinline__ void run_plan(const step* steps,
 
 #endif  // TSGEN_NVSHMEM_CUH
 
+
 // ---------------------------------------------------------------------------
 // get_block: get_block_nvshmem
 // ---------------------------------------------------------------------------
 namespace get_block_nvshmem {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 132;

@@ -36,15 +36,15 @@
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   58: the hand-written library, inlined: tsgen_ptx.cuh 58, tsgen_sync.cuh 633, tsgen_copy.cuh 823, tsgen_moe.cuh 910
-//   1529: the op's own code (namespace moe_fp8: constants, tables, device code)
+//   59: the hand-written library, inlined: tsgen/ptx.cuh 59, tsgen/sync.cuh 633, tsgen/copy.cuh 826, tsgen/moe.cuh 915
+//   1540: the op's own code (namespace moe_fp8: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_fp8_w2_dispatch 1602, moe_fp8_w2_combine 1610, moe_fp8_w2_dequantize 1618
-//     moe_fp8_w2_dispatch_launch 1623, moe_fp8_w2_combine_launch 1632, moe_fp8_w2_launch 1645
-//     moe_fp8_w4_dispatch 1656, moe_fp8_w4_combine 1664, moe_fp8_w4_dequantize 1672
-//     moe_fp8_w4_dispatch_launch 1677, moe_fp8_w4_combine_launch 1686, moe_fp8_w4_launch 1699
-//     moe_fp8_w8_dispatch 1710, moe_fp8_w8_combine 1718, moe_fp8_w8_dequantize 1726
-//     moe_fp8_w8_dispatch_launch 1731, moe_fp8_w8_combine_launch 1740, moe_fp8_w8_launch 1753
+//     moe_fp8_w2_dispatch 1613, moe_fp8_w2_combine 1621, moe_fp8_w2_dequantize 1629
+//     moe_fp8_w2_dispatch_launch 1634, moe_fp8_w2_combine_launch 1643, moe_fp8_w2_launch 1656
+//     moe_fp8_w4_dispatch 1667, moe_fp8_w4_combine 1675, moe_fp8_w4_dequantize 1683
+//     moe_fp8_w4_dispatch_launch 1688, moe_fp8_w4_combine_launch 1697, moe_fp8_w4_launch 1710
+//     moe_fp8_w8_dispatch 1721, moe_fp8_w8_combine 1729, moe_fp8_w8_dequantize 1737
+//     moe_fp8_w8_dispatch_launch 1742, moe_fp8_w8_combine_launch 1751, moe_fp8_w8_launch 1764
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -55,14 +55,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -631,23 +631,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -799,8 +802,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -821,11 +824,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -841,6 +844,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -908,11 +913,11 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_moe.cuh
+// Inlined from templates/include/tsgen/moe.cuh
 // --------------------------------------------------------------------------
-// tsgen_moe.cuh -- MoE expert-parallel dispatch and combine: normal mode (bf16 or fp8 rows) and low-latency mode.
+// tsgen/moe.cuh -- MoE expert-parallel dispatch and combine: normal mode (bf16 or fp8 rows) and low-latency mode.
 //
-// Hand-written; inlined into generated MoE sources after tsgen_copy.cuh.
+// Hand-written; included by generated MoE sources.
 //
 // Experts are placed in contiguous runs: rank d holds experts [d * L, (d + 1) * L), L = E / W.
 // A token goes to rank d once when any of its top-k experts lives there ("its destination
@@ -949,7 +954,12 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #ifndef TSGEN_MOE_CUH
 #define TSGEN_MOE_CUH
 
+#include <cuda_bf16.h>
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/copy.cuh" -- inlined above
 
 namespace tsgen {
 namespace moe {
@@ -1523,11 +1533,12 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
 
 #endif  // TSGEN_MOE_CUH
 
+
 // ---------------------------------------------------------------------------
 // moe: moe_fp8
 // ---------------------------------------------------------------------------
 namespace moe_fp8 {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 32;
@@ -1542,7 +1553,7 @@ constexpr int WEIGHTED = 0;
 constexpr int SLOT = 256;
 constexpr int FP8 = 1;
 
-// Compile-time shape of world size WORLD (tsgen_moe.cuh says what each kernel does), from the
+// Compile-time shape of world size WORLD (tsgen/moe.cuh says what each kernel does), from the
 // constants above.
 template <int WORLD_>
 struct Config {

@@ -23,12 +23,12 @@
 //   dst      uint32_t       output count
 //   signal   uint64_t       signal 1
 // Contents (line numbers of this file):
-//   42: the hand-written library, inlined: tsgen_ptx.cuh 42, tsgen_sync.cuh 617, tsgen_copy.cuh 807
-//   897: the op's own code (namespace signal_wait_ne_peer: constants, tables, device code)
+//   43: the hand-written library, inlined: tsgen/ptx.cuh 43, tsgen/sync.cuh 617, tsgen/copy.cuh 810
+//   903: the op's own code (namespace signal_wait_ne_peer: constants, tables, device code)
 //   entry points (extern "C"):
-//     signal_wait_ne_peer_w2 933, signal_wait_ne_peer_w3 940, signal_wait_ne_peer_w4 947
-//     signal_wait_ne_peer_w2_launch 963, signal_wait_ne_peer_w3_launch 964
-//     signal_wait_ne_peer_w4_launch 965
+//     signal_wait_ne_peer_w2 939, signal_wait_ne_peer_w3 946, signal_wait_ne_peer_w4 953
+//     signal_wait_ne_peer_w2_launch 969, signal_wait_ne_peer_w3_launch 970
+//     signal_wait_ne_peer_w4_launch 971
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -39,14 +39,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -615,23 +615,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -783,8 +786,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -805,11 +808,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -825,6 +828,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -891,11 +896,12 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 
 #endif  // TSGEN_COPY_CUH
 
+
 // ---------------------------------------------------------------------------
 // signal_wait: signal_wait_ne_peer
 // ---------------------------------------------------------------------------
 namespace signal_wait_ne_peer {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 256;
 constexpr int BLOCKS = 4;

@@ -15,7 +15,7 @@
 // block. a: A_ij ((M/q) x (K/q)); b: B_ij ((K/q) x (N/q)); c: C_ij = sum_s A_is . B_sj
 // ((M/q) x (N/q)); a_pan (M/q x K) / b_pan (K x N/q): scratch for row panel i of A / column
 // panel j of B, panel s at columns / rows [s K/q, (s + 1) K/q); sig: the signals of
-// tsgen_grid.cuh; all row-major, in the symmetric heap (peers / peers_host: device and host
+// tsgen/grid.cuh; all row-major, in the symmetric heap (peers / peers_host: device and host
 // tables of every rank's heap base). N = 8192 and K = 8192 (the whole matrix) are compiled in.
 // op = summa:
 //   A_ij is pushed to every rank of row i, B_ij to every rank of column j (itself included),
@@ -37,10 +37,10 @@
 //   b_pan    __nv_bfloat16  scratch 33554432
 //   sig      uint64_t       signal 80
 // Contents (line numbers of this file):
-//   54: the hand-written library, inlined: tsgen_ptx.cuh 54, tsgen_sync.cuh 629, tsgen_copy.cuh 819, tsgen_gemm.cuh 906, tsgen_grid.cuh 1871
-//   2049: the op's own code (namespace summa: constants, tables, device code)
+//   55: the hand-written library, inlined: tsgen/ptx.cuh 55, tsgen/sync.cuh 629, tsgen/copy.cuh 822, tsgen/gemm.cuh 911, tsgen/grid.cuh 1879
+//   2062: the op's own code (namespace summa: constants, tables, device code)
 //   entry points (extern "C"):
-//     summa_w4_gemm 2142, summa_w4_sync 2153, summa_w4_prepare 2160, summa_w4_launch 2170
+//     summa_w4_gemm 2155, summa_w4_sync 2166, summa_w4_prepare 2173, summa_w4_launch 2183
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -51,14 +51,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -627,23 +627,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -795,8 +798,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -817,11 +820,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -837,6 +840,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -904,14 +909,14 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_gemm.cuh
+// Inlined from templates/include/tsgen/gemm.cuh
 // --------------------------------------------------------------------------
-// tsgen_gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
+// tsgen/gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
-// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
+// Hand-written; included by generated gemm sources (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen/ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -964,6 +969,9 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #include <atomic>
 #include <type_traits>
 #include <utility>  // std::declval
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
 
 namespace tsgen {
 namespace gemm {
@@ -1869,14 +1877,14 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 #endif  // TSGEN_GEMM_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_grid.cuh
+// Inlined from templates/include/tsgen/grid.cuh
 // --------------------------------------------------------------------------
-// tsgen_grid.cuh -- the communication side of the process-grid GEMMs (cannon, summa):
+// tsgen/grid.cuh -- the communication side of the process-grid GEMMs (cannon, summa):
 // the producer hook that rotates the GEMM's K loop and waits per K panel, the one-block
 // sync kernel body (entry / wait free / signal / wait ready), the copy schedule's table
 // entry and the side streams of the host launcher.
 //
-// Hand-written; inlined into grid GEMM sources after tsgen_gemm.cuh.
+// Hand-written; included by grid GEMM sources (it includes tsgen/gemm.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]      = e: rank s has entered call e (its previous GEMM, which read its
@@ -1892,6 +1900,10 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/gemm.cuh" -- inlined above
 
 namespace tsgen {
 namespace grid {
@@ -2043,11 +2055,12 @@ static T* host_peer_ptr(T* local, char* const* peers_host, int rank, int peer) {
 
 #endif  // TSGEN_GRID_CUH
 
+
 // ---------------------------------------------------------------------------
 // summa: summa
 // ---------------------------------------------------------------------------
 namespace summa {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int K = 8192;
 constexpr int TILE_M = 128;

@@ -25,14 +25,14 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   46: the hand-written library, inlined: tsgen_ptx.cuh 46, tsgen_sync.cuh 621, tsgen_copy.cuh 811, tsgen_ulysses.cuh 898
-//   1028: the op's own code (namespace ulysses_post_a2a: constants, tables, device code)
+//   47: the hand-written library, inlined: tsgen/ptx.cuh 47, tsgen/sync.cuh 621, tsgen/copy.cuh 814, tsgen/ulysses.cuh 903
+//   1038: the op's own code (namespace ulysses_post_a2a: constants, tables, device code)
 //   entry points (extern "C"):
-//     ulysses_post_a2a_w2 1068, ulysses_post_a2a_w3 1075, ulysses_post_a2a_w4 1082, ulysses_post_a2a_w8 1089
-//     ulysses_post_a2a_w2_launch 1105, ulysses_post_a2a_w3_launch 1106, ulysses_post_a2a_w4_launch 1107
-//     ulysses_post_a2a_w8_launch 1108, ulysses_post_a2a_w2_launch_seq 1113
-//     ulysses_post_a2a_w3_launch_seq 1121, ulysses_post_a2a_w4_launch_seq 1129
-//     ulysses_post_a2a_w8_launch_seq 1137
+//     ulysses_post_a2a_w2 1078, ulysses_post_a2a_w3 1085, ulysses_post_a2a_w4 1092, ulysses_post_a2a_w8 1099
+//     ulysses_post_a2a_w2_launch 1115, ulysses_post_a2a_w3_launch 1116, ulysses_post_a2a_w4_launch 1117
+//     ulysses_post_a2a_w8_launch 1118, ulysses_post_a2a_w2_launch_seq 1123
+//     ulysses_post_a2a_w3_launch_seq 1131, ulysses_post_a2a_w4_launch_seq 1139
+//     ulysses_post_a2a_w8_launch_seq 1147
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -43,14 +43,14 @@
 // sync.timeout_ms = 10000
 #define TSGEN_TIMEOUT_NS 10000000000ull
 
+// The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ptx.cuh
+// Inlined from templates/include/tsgen/ptx.cuh
 // --------------------------------------------------------------------------
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers
@@ -619,23 +619,26 @@ using namespace ptx;
 #endif  // TSGEN_PTX_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_sync.cuh
+// Inlined from templates/include/tsgen/sync.cuh
 // --------------------------------------------------------------------------
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -787,8 +790,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
@@ -809,11 +812,11 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_copy.cuh
+// Inlined from templates/include/tsgen/copy.cuh
 // --------------------------------------------------------------------------
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -829,6 +832,8 @@ static inline cudaError_t prepare_on(int world, int rank, int device) {
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
 
 namespace tsgen {
 
@@ -896,13 +901,13 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #endif  // TSGEN_COPY_CUH
 
 // --------------------------------------------------------------------------
-// Inlined from templates/include/tsgen_ulysses.cuh
+// Inlined from templates/include/tsgen/ulysses.cuh
 // --------------------------------------------------------------------------
-// tsgen_ulysses.cuh -- the Ulysses all-to-alls: a head group of every local token pushed
+// tsgen/ulysses.cuh -- the Ulysses all-to-alls: a head group of every local token pushed
 // into a peer's full-sequence tensor (pre), or a token range of the local full-sequence tensor
 // pushed into a peer's sequence shard (post), the transpose done by the addressing.
 //
-// Hand-written; inlined after tsgen_copy.cuh into the sources of ops ulysses_pre_a2a and
+// Hand-written; included by the sources of ops ulysses_pre_a2a and
 // ulysses_post_a2a (tsgen/ops/ulysses.py says what moves where and why it pushes).
 //
 // Everything moves as 16-byte vectors (head_dim x itemsize is a multiple of 16; symmetric
@@ -914,6 +919,10 @@ static __device__ __forceinline__ void get_block(void* dst_local, const void* sr
 #define TSGEN_ULYSSES_CUH
 
 #include <stdint.h>
+
+// #include "tsgen/ptx.cuh" -- inlined above
+// #include "tsgen/sync.cuh" -- inlined above
+// #include "tsgen/copy.cuh" -- inlined above
 
 namespace tsgen {
 namespace ulysses {
@@ -1022,11 +1031,12 @@ static __device__ __forceinline__ void close(uint64_t* arrive, char* const* peer
 
 #endif  // TSGEN_ULYSSES_CUH
 
+
 // ---------------------------------------------------------------------------
 // ulysses_post_a2a: ulysses_post_a2a
 // ---------------------------------------------------------------------------
 namespace ulysses_post_a2a {
-namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen_ptx.cuh)
+namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
 constexpr int THREADS = 512;
 constexpr int BLOCKS = 64;

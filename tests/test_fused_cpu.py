@@ -18,6 +18,7 @@ from tsgen.ops.collectives import to_f64
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
+from tsgen.headers import include_flags
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 SPECS = shipped_specs(op="allgather_gemm")
@@ -124,7 +125,8 @@ def test_batched_schedule(tmp_path):
     main = tmp_path / "walk.cu"
     main.write_text(WALK.replace("SOURCE", str(src)).replace("MODULE", "w").replace("WORLD", "3"))
     exe = tmp_path / "walk"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
+                    "-o", str(exe), str(main)],
                    check=True, capture_output=True)
     tm, tn = spec.params.tile.m, spec.params.tile.n
     for rows in (1, 129, 259, 1000):

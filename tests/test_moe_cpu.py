@@ -288,7 +288,7 @@ def test_traffic_per_row_and_minimum():
 
 
 def test_dispatch_position_arithmetic_matches_layout():
-    """tsgen_moe.cuh's dispatch arithmetic, step by step in Python: each block's tokens-before count,
+    """tsgen/moe.cuh's dispatch arithmetic, step by step in Python: each block's tokens-before count,
     the base from the counts matrix, rounds of THREADS tokens with per-warp ballots and the scan
     over warps carried between rounds, give every row the place the reference layout gives it."""
     rng = np.random.default_rng(1)

@@ -1,9 +1,9 @@
-// tsgen_cp.cuh -- the communication side of context-parallel attention (cp_attention): where
+// tsgen/cp.cuh -- the communication side of context-parallel attention (cp_attention): where
 // each rank's K and V rows go in every rank's gathered buffers, the SM push kernel body, the
-// one-block signal kernel body. The attention kernel is tsgen_attention.cuh's, with its
-// per-KV-chunk waits; the side streams and the entry / FREE exchange are tsgen_fused.cuh's.
+// one-block signal kernel body. The attention kernel is tsgen/attention.cuh's, with its
+// per-KV-chunk waits; the side streams and the entry / FREE exchange are tsgen/fused.cuh's.
 //
-// Hand-written; inlined into cp_attention sources after tsgen_attention.cuh and tsgen_fused.cuh.
+// Hand-written; included by cp_attention sources after tsgen/attention.cuh (it includes tsgen/fused.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's attention no longer
@@ -25,6 +25,10 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/fused.cuh"
 
 namespace tsgen {
 namespace cp {

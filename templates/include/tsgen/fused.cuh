@@ -1,10 +1,10 @@
-// tsgen_fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
+// tsgen/fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
 // gemm_reduce_scatter): the producer hook that makes GEMM tiles wait for their source's
 // rows, the hook that signals finished row blocks (gemm_reduce_scatter), the reduce
 // kernel body, the one-block sync kernel body (entry / wait / signal), and the side
 // streams of the host launcher.
 //
-// Hand-written; inlined into fused sources after tsgen_gemm.cuh.
+// Hand-written; included by fused sources (it includes tsgen/gemm.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's GEMM no longer
@@ -24,6 +24,10 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/gemm.cuh"
 
 namespace tsgen {
 namespace fused {
