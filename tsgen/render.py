@@ -63,7 +63,7 @@ class Rendered:
         return {f"{self.name}.cu": self.source, f"{self.name}.json": self.manifest}
 
 
-def render_source(lowered: Lowered, skew: int | str | None = None, amalgamated: bool = True) -> str:
+def render_source(lowered: Lowered, skew: int | str | None = None, amalgamated: bool = False) -> str:
     """NAME.cu: the lowered spec's template inputs substituted into its template; it includes the
     library (tsgen/*.cuh), or with `amalgamated` has it inlined (the one-file form). `skew`
     (tests only, never in shipped sources): every block of every rank waits a seeded, varying
@@ -115,7 +115,7 @@ def with_contents(text: str, module: str) -> str:
 
 
 def render(spec: LoadedSpec | Lowered, base: Path | None = None, skew: int | str | None = None,
-           amalgamated: bool = True) -> Rendered:
+           amalgamated: bool = False) -> Rendered:
     """Render one spec (lowering it first unless it is lowered already); `base` is the folder
     spec paths in banners are relative to (lowering's). `skew`, `amalgamated`: render_source's."""
     lowered = spec if isinstance(spec, Lowered) else lower(spec, base)
