@@ -42,9 +42,9 @@
 //   70: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
 //     cp_attention_attention 192, cp_attention_w2_sync 202, cp_attention_w4_sync 214
-//     cp_attention_w8_sync 226, cp_attention_w2_prepare 318, cp_attention_w2_launch 319
-//     cp_attention_w4_prepare 320, cp_attention_w4_launch 321, cp_attention_w8_prepare 322
-//     cp_attention_w8_launch 323
+//     cp_attention_w8_sync 226, cp_attention_w2_prepare 250, cp_attention_w2_launch 251
+//     cp_attention_w4_prepare 252, cp_attention_w4_launch 253, cp_attention_w8_prepare 254
+//     cp_attention_w8_launch 255
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -232,92 +232,24 @@ cp_attention_w8_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* si
   }
 }
 
-// Host launcher (see the top of this file): world size WORLD's kernels; the extern "C"
-// NAME_wW_launch below are its instances.
+// Host launchers (see the top of this file): tsgen::cp::launch and prepare (tsgen/cp.cuh) for
+// this op; the extern "C" NAME_wW_launch below are their instances.
 namespace cp_attention {
-// A call the launcher refuses before it starts anything, with what and where on stderr.
-static cudaError_t refused(int world, int rank, uint64_t count, const char* why, cudaError_t err) {
-  fprintf(stderr, "tsgen: cp_attention_w%d_launch: rank %d, count %llu: %s\n", world, rank, (unsigned long long)count,
-          why);
-  return err;
-}
-
-template <int WORLD, auto SYNC>
-static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen::fused;
-  if (count == 0) return cudaSuccess;
-  if (rank < 0 || rank >= WORLD) return refused(WORLD, rank, count, "rank out of range", cudaErrorInvalidValue);
-  if (count > tsgen::attention::MAX_LEN / WORLD)
-    return refused(WORLD, rank, count, "more rows per rank than tsgen::attention::MAX_LEN / world", cudaErrorInvalidValue);
-  if (ZIGZAG && count % 2)
-    return refused(WORLD, rank, count, "zig-zag needs an even row count (two chunks of count / 2)", cudaErrorInvalidValue);
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
-  const tsgen::cp::Geometry g = geometry(WORLD, count);
-  int device, sms;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  TSGEN_FUSED_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // The persistent attention CTAs take whole SMs and wait for the gather: they must leave its SMs free.
-  const int grid = BLOCKS ? BLOCKS : sms - RESERVE_SMS;
-  if (grid < 1 || grid > sms - RESERVE_SMS)
-    return refused(WORLD, rank, count, "the attention grid (launch.blocks) must leave the gather's SMs free",
-                   cudaErrorLaunchOutOfResources);
-  // query positions: causal contiguous from rank x count; zig-zag two chunks; not causal: any
-  const int64_t c = (int64_t)count, half = c / 2;
-  const int64_t q_offset = !CAUSAL ? 0 : ZIGZAG ? rank * half : rank * c;
-  const int64_t q_split = CAUSAL && ZIGZAG ? half : c;
-  const int64_t q_offset2 = CAUSAL && ZIGZAG ? (2 * WORLD - 1 - rank) * half : 0;
-  const int unwaited = SKIP_WAIT ? tsgen::cp::first_remote_chunk(g, rank) : -1;
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  Lanes* l;
-  TSGEN_FUSED_TRY(lanes(rank, &l));
-  TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
-  SYNC<<<1, 32, 0, l->copy>>>(peers, rank, calls, sig, WAIT_FREE, 0, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  const size_t src_pitch = (size_t)count * g.row_bytes, dst_pitch = WORLD * src_pitch;
-  for (int i = 0; i < WORLD; ++i) {  // ourselves first, then rank + 1 (it reads our rows right after its own), ...
-    const int d = (rank + i) % WORLD;
-    char* kd = host_peer_ptr((char*)k_full, peers_host, rank, d);
-    char* vd = host_peer_ptr((char*)v_full, peers_host, rank, d);
-    for (int s = 0; s < tsgen::cp::segments(g); ++s) {
-      const tsgen::cp::Segment x = tsgen::cp::segment(g, rank, d, s);
-      const size_t width = (size_t)x.rows * g.row_bytes, from = (size_t)x.src_row * g.row_bytes,
-                   to = (size_t)x.dst_row * g.row_bytes;
-      TSGEN_FUSED_TRY(cudaMemcpy2DAsync(kd + to, dst_pitch, (const char*)k + from, src_pitch, width, g.lines,
-                                        cudaMemcpyDefault, l->copy));
-      TSGEN_FUSED_TRY(cudaMemcpy2DAsync(vd + to, dst_pitch, (const char*)v + from, src_pitch, width, g.lines,
-                                        cudaMemcpyDefault, l->copy));
-    }
-    TSGEN_FUSED_TRY(cudaEventRecord(l->copied[i], l->copy));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
-    SYNC<<<1, 32, 0, l->signal>>>(peers, rank, calls, sig, SIGNAL_CHUNKS, d, count);
-    TSGEN_FUSED_TRY(cudaGetLastError());
-  }
-  // Its error (if any) is returned after the side streams are joined back into `stream`: a
-  // capture must not end with a fork open.
-  const cudaError_t launched = tsgen::attention::launch<Config>(
-      cp_attention_attention, q, k_full, v_full, o, lse, BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
-      sig + tsgen::cp::READY, tsgen::cp::kv_chunk(g), 0, grid, stream, calls, unwaited);
-  TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
-  TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
-  return launched;
-}
-
-// Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
-// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
-static cudaError_t prepare(int world, int rank, int device) {
-  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
-  return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_attention));
-}
+struct Host {  // what tsgen::cp::launch needs to know of this op
+  using Config = cp_attention::Config;
+  static constexpr const char* NAME = "cp_attention";
+  static constexpr int BATCH = cp_attention::BATCH, CAUSAL = cp_attention::CAUSAL, ZIGZAG = cp_attention::ZIGZAG, SKIP_WAIT = cp_attention::SKIP_WAIT;
+  static constexpr int BLOCKS = cp_attention::BLOCKS, RESERVE_SMS = cp_attention::RESERVE_SMS;
+  static constexpr bool SM_GATHER = false;
+  static constexpr int GATHER_BLOCKS = cp_attention::GATHER_BLOCKS, GATHER_THREADS = cp_attention::GATHER_THREADS;
+  static constexpr int SIGNAL_CHUNKS = cp_attention::SIGNAL_CHUNKS;
+  static tsgen::cp::Geometry geometry(int world, uint64_t count) { return cp_attention::geometry(world, count); }
+};
 }  // namespace cp_attention
 
-extern "C" cudaError_t cp_attention_w2_prepare(int rank, int device) { return cp_attention::prepare(2, rank, device); }
-extern "C" cudaError_t cp_attention_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention::launch<2, cp_attention_w2_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
-extern "C" cudaError_t cp_attention_w4_prepare(int rank, int device) { return cp_attention::prepare(4, rank, device); }
-extern "C" cudaError_t cp_attention_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention::launch<4, cp_attention_w4_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
-extern "C" cudaError_t cp_attention_w8_prepare(int rank, int device) { return cp_attention::prepare(8, rank, device); }
-extern "C" cudaError_t cp_attention_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention::launch<8, cp_attention_w8_sync>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_w2_prepare(int rank, int device) { return tsgen::cp::prepare<cp_attention::Host, cp_attention_attention>(2, rank, device); }
+extern "C" cudaError_t cp_attention_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return tsgen::cp::launch<cp_attention::Host, 2, cp_attention_w2_sync, nullptr, cp_attention_attention>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_w4_prepare(int rank, int device) { return tsgen::cp::prepare<cp_attention::Host, cp_attention_attention>(4, rank, device); }
+extern "C" cudaError_t cp_attention_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return tsgen::cp::launch<cp_attention::Host, 4, cp_attention_w4_sync, nullptr, cp_attention_attention>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_w8_prepare(int rank, int device) { return tsgen::cp::prepare<cp_attention::Host, cp_attention_attention>(8, rank, device); }
+extern "C" cudaError_t cp_attention_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return tsgen::cp::launch<cp_attention::Host, 8, cp_attention_w8_sync, nullptr, cp_attention_attention>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }

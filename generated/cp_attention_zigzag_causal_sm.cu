@@ -44,10 +44,10 @@
 //     cp_attention_zigzag_causal_sm_attention 195, cp_attention_zigzag_causal_sm_w2_sync 205
 //     cp_attention_zigzag_causal_sm_w2_push 215, cp_attention_zigzag_causal_sm_w4_sync 225
 //     cp_attention_zigzag_causal_sm_w4_push 235, cp_attention_zigzag_causal_sm_w8_sync 245
-//     cp_attention_zigzag_causal_sm_w8_push 255, cp_attention_zigzag_causal_sm_w2_prepare 324
-//     cp_attention_zigzag_causal_sm_w2_launch 325, cp_attention_zigzag_causal_sm_w4_prepare 326
-//     cp_attention_zigzag_causal_sm_w4_launch 327, cp_attention_zigzag_causal_sm_w8_prepare 328
-//     cp_attention_zigzag_causal_sm_w8_launch 329
+//     cp_attention_zigzag_causal_sm_w8_push 255, cp_attention_zigzag_causal_sm_w2_prepare 277
+//     cp_attention_zigzag_causal_sm_w2_launch 278, cp_attention_zigzag_causal_sm_w4_prepare 279
+//     cp_attention_zigzag_causal_sm_w4_launch 280, cp_attention_zigzag_causal_sm_w8_prepare 281
+//     cp_attention_zigzag_causal_sm_w8_launch 282
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -259,71 +259,24 @@ cp_attention_zigzag_causal_sm_w8_push(char* const* peers, int rank, const uint64
                         cp_attention_zigzag_causal_sm::geometry(8, count));
 }
 
-// Host launcher (see the top of this file): world size WORLD's kernels; the extern "C"
-// NAME_wW_launch below are its instances.
+// Host launchers (see the top of this file): tsgen::cp::launch and prepare (tsgen/cp.cuh) for
+// this op; the extern "C" NAME_wW_launch below are their instances.
 namespace cp_attention_zigzag_causal_sm {
-// A call the launcher refuses before it starts anything, with what and where on stderr.
-static cudaError_t refused(int world, int rank, uint64_t count, const char* why, cudaError_t err) {
-  fprintf(stderr, "tsgen: cp_attention_zigzag_causal_sm_w%d_launch: rank %d, count %llu: %s\n", world, rank, (unsigned long long)count,
-          why);
-  return err;
-}
-
-template <int WORLD, auto SYNC, auto PUSH>
-static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen::fused;
-  (void)peers_host;  // the push kernel addresses peers through the device table
-  if (count == 0) return cudaSuccess;
-  if (rank < 0 || rank >= WORLD) return refused(WORLD, rank, count, "rank out of range", cudaErrorInvalidValue);
-  if (count > tsgen::attention::MAX_LEN / WORLD)
-    return refused(WORLD, rank, count, "more rows per rank than tsgen::attention::MAX_LEN / world", cudaErrorInvalidValue);
-  if (ZIGZAG && count % 2)
-    return refused(WORLD, rank, count, "zig-zag needs an even row count (two chunks of count / 2)", cudaErrorInvalidValue);
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
-  const tsgen::cp::Geometry g = geometry(WORLD, count);
-  int device, sms;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  TSGEN_FUSED_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // The persistent attention CTAs take whole SMs and wait for the gather: they must leave its SMs free.
-  const int grid = BLOCKS ? BLOCKS : sms - RESERVE_SMS;
-  if (grid < 1 || grid > sms - RESERVE_SMS)
-    return refused(WORLD, rank, count, "the attention grid (launch.blocks) must leave the gather's SMs free",
-                   cudaErrorLaunchOutOfResources);
-  // query positions: causal contiguous from rank x count; zig-zag two chunks; not causal: any
-  const int64_t c = (int64_t)count, half = c / 2;
-  const int64_t q_offset = !CAUSAL ? 0 : ZIGZAG ? rank * half : rank * c;
-  const int64_t q_split = CAUSAL && ZIGZAG ? half : c;
-  const int64_t q_offset2 = CAUSAL && ZIGZAG ? (2 * WORLD - 1 - rank) * half : 0;
-  const int unwaited = SKIP_WAIT ? tsgen::cp::first_remote_chunk(g, rank) : -1;
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  Lanes* l;
-  TSGEN_FUSED_TRY(lanes(rank, &l));
-  TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
-  PUSH<<<GATHER_BLOCKS, GATHER_THREADS, 0, l->copy>>>(peers, rank, calls, sig, k, v, k_full, v_full, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  // Its error (if any) is returned after the side streams are joined back into `stream`: a
-  // capture must not end with a fork open.
-  const cudaError_t launched = tsgen::attention::launch<Config>(
-      cp_attention_zigzag_causal_sm_attention, q, k_full, v_full, o, lse, BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
-      sig + tsgen::cp::READY, tsgen::cp::kv_chunk(g), 0, grid, stream, calls, unwaited);
-  TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
-  return launched;
-}
-
-// Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
-// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
-static cudaError_t prepare(int world, int rank, int device) {
-  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
-  return tsgen::attention::prepare<Config>(reinterpret_cast<const void*>(cp_attention_zigzag_causal_sm_attention));
-}
+struct Host {  // what tsgen::cp::launch needs to know of this op
+  using Config = cp_attention_zigzag_causal_sm::Config;
+  static constexpr const char* NAME = "cp_attention_zigzag_causal_sm";
+  static constexpr int BATCH = cp_attention_zigzag_causal_sm::BATCH, CAUSAL = cp_attention_zigzag_causal_sm::CAUSAL, ZIGZAG = cp_attention_zigzag_causal_sm::ZIGZAG, SKIP_WAIT = cp_attention_zigzag_causal_sm::SKIP_WAIT;
+  static constexpr int BLOCKS = cp_attention_zigzag_causal_sm::BLOCKS, RESERVE_SMS = cp_attention_zigzag_causal_sm::RESERVE_SMS;
+  static constexpr bool SM_GATHER = true;
+  static constexpr int GATHER_BLOCKS = cp_attention_zigzag_causal_sm::GATHER_BLOCKS, GATHER_THREADS = cp_attention_zigzag_causal_sm::GATHER_THREADS;
+  static constexpr int SIGNAL_CHUNKS = cp_attention_zigzag_causal_sm::SIGNAL_CHUNKS;
+  static tsgen::cp::Geometry geometry(int world, uint64_t count) { return cp_attention_zigzag_causal_sm::geometry(world, count); }
+};
 }  // namespace cp_attention_zigzag_causal_sm
 
-extern "C" cudaError_t cp_attention_zigzag_causal_sm_w2_prepare(int rank, int device) { return cp_attention_zigzag_causal_sm::prepare(2, rank, device); }
-extern "C" cudaError_t cp_attention_zigzag_causal_sm_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal_sm::launch<2, cp_attention_zigzag_causal_sm_w2_sync, cp_attention_zigzag_causal_sm_w2_push>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
-extern "C" cudaError_t cp_attention_zigzag_causal_sm_w4_prepare(int rank, int device) { return cp_attention_zigzag_causal_sm::prepare(4, rank, device); }
-extern "C" cudaError_t cp_attention_zigzag_causal_sm_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal_sm::launch<4, cp_attention_zigzag_causal_sm_w4_sync, cp_attention_zigzag_causal_sm_w4_push>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
-extern "C" cudaError_t cp_attention_zigzag_causal_sm_w8_prepare(int rank, int device) { return cp_attention_zigzag_causal_sm::prepare(8, rank, device); }
-extern "C" cudaError_t cp_attention_zigzag_causal_sm_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return cp_attention_zigzag_causal_sm::launch<8, cp_attention_zigzag_causal_sm_w8_sync, cp_attention_zigzag_causal_sm_w8_push>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w2_prepare(int rank, int device) { return tsgen::cp::prepare<cp_attention_zigzag_causal_sm::Host, cp_attention_zigzag_causal_sm_attention>(2, rank, device); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return tsgen::cp::launch<cp_attention_zigzag_causal_sm::Host, 2, cp_attention_zigzag_causal_sm_w2_sync, cp_attention_zigzag_causal_sm_w2_push, cp_attention_zigzag_causal_sm_attention>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w4_prepare(int rank, int device) { return tsgen::cp::prepare<cp_attention_zigzag_causal_sm::Host, cp_attention_zigzag_causal_sm_attention>(4, rank, device); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return tsgen::cp::launch<cp_attention_zigzag_causal_sm::Host, 4, cp_attention_zigzag_causal_sm_w4_sync, cp_attention_zigzag_causal_sm_w4_push, cp_attention_zigzag_causal_sm_attention>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w8_prepare(int rank, int device) { return tsgen::cp::prepare<cp_attention_zigzag_causal_sm::Host, cp_attention_zigzag_causal_sm_attention>(8, rank, device); }
+extern "C" cudaError_t cp_attention_zigzag_causal_sm_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, __nv_bfloat16* o, float* lse, __nv_bfloat16* k_full, __nv_bfloat16* v_full, uint64_t* sig, cudaStream_t stream) { return tsgen::cp::launch<cp_attention_zigzag_causal_sm::Host, 8, cp_attention_zigzag_causal_sm_w8_sync, cp_attention_zigzag_causal_sm_w8_push, cp_attention_zigzag_causal_sm_attention>(peers, peers_host, rank, calls, count, q, k, v, o, lse, k_full, v_full, sig, stream); }
