@@ -39,8 +39,8 @@
 //   entry points (extern "C"):
 //     allgather_gemm_w2_gemm 148, allgather_gemm_w2_sync 158, allgather_gemm_w3_gemm 165
 //     allgather_gemm_w3_sync 175, allgather_gemm_w4_gemm 182, allgather_gemm_w4_sync 192
-//     allgather_gemm_w2_prepare 264, allgather_gemm_w2_launch 265, allgather_gemm_w3_prepare 266
-//     allgather_gemm_w3_launch 267, allgather_gemm_w4_prepare 268, allgather_gemm_w4_launch 269
+//     allgather_gemm_w2_prepare 199, allgather_gemm_w2_launch 200, allgather_gemm_w3_prepare 201
+//     allgather_gemm_w3_launch 202, allgather_gemm_w4_prepare 203, allgather_gemm_w4_launch 204
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -194,76 +194,11 @@ allgather_gemm_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* 
   tsgen::fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher (see the top of this file): world size WORLD's GEMM and SYNC kernels; the
-// extern "C" NAME_wW_launch below are its instances.
-namespace allgather_gemm {
-template <int WORLD, auto GEMM, auto SYNC>
-static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen::fused;
-  using C = Config<WORLD>;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
-  if (count > tsgen::gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;
-  // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
-  thread_local MapCache<4> cache;
-  const void* const key[6] = {a, a_full, b, c, (const void*)(uintptr_t)count, (const void*)(uintptr_t)rank};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen::gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[2], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[3], dtype, c, rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
-                                            allgather_gemm::RESERVE_SMS, &grid));
-  const size_t shard = (size_t)rows * C::K * sizeof(typename C::Element);
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  Lanes* l;
-  TSGEN_FUSED_TRY(lanes(rank, &l));
-  TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
-  SYNC<<<1, 32, 0, l->copy>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  for (int i = 1; i < WORLD; ++i) {  // rank - 1 first: its GEMM needs our rows right after its own
-    const int peer = (rank - i + WORLD) % WORLD;
-    char* dst = host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
-    TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy));
-    TSGEN_FUSED_TRY(cudaEventRecord(l->copied[i], l->copy));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
-    SYNC<<<1, 32, 0, l->signal>>>(peers, rank, calls, sig, SIGNAL, peer);
-    TSGEN_FUSED_TRY(cudaGetLastError());
-  }
-  GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], maps->maps[2], maps->maps[3], calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
-  TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
-  return cudaSuccess;
-}
-
-// Rank `rank`'s GEMM shared-memory opt-in and side streams, made on `device` before any
-// rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
-template <int WORLD, auto GEMM>
-static cudaError_t prepare(int rank, int device) {
-  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, true));
-  int ctas;
-  return tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas);
-}
-}  // namespace allgather_gemm
-
-extern "C" cudaError_t allgather_gemm_w2_prepare(int rank, int device) { return allgather_gemm::prepare<2, allgather_gemm_w2_gemm>(rank, device); }
-extern "C" cudaError_t allgather_gemm_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm::launch<2, allgather_gemm_w2_gemm, allgather_gemm_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
-extern "C" cudaError_t allgather_gemm_w3_prepare(int rank, int device) { return allgather_gemm::prepare<3, allgather_gemm_w3_gemm>(rank, device); }
-extern "C" cudaError_t allgather_gemm_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm::launch<3, allgather_gemm_w3_gemm, allgather_gemm_w3_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
-extern "C" cudaError_t allgather_gemm_w4_prepare(int rank, int device) { return allgather_gemm::prepare<4, allgather_gemm_w4_gemm>(rank, device); }
-extern "C" cudaError_t allgather_gemm_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm::launch<4, allgather_gemm_w4_gemm, allgather_gemm_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+// Host launchers (see the top of this file): tsgen::fused::allgather_gemm_launch and _prepare
+// (tsgen/fused.cuh) for this op; the extern "C" NAME_wW_launch below are their instances.
+extern "C" cudaError_t allgather_gemm_w2_prepare(int rank, int device) { return tsgen::fused::allgather_gemm_prepare<allgather_gemm::Config<2>, allgather_gemm::OVERLAP, 2, allgather_gemm_w2_gemm>(rank, device); }
+extern "C" cudaError_t allgather_gemm_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::allgather_gemm_launch<allgather_gemm::Config<2>, allgather_gemm::OVERLAP, allgather_gemm::RESERVE_SMS, 2, allgather_gemm_w2_gemm, allgather_gemm_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_w3_prepare(int rank, int device) { return tsgen::fused::allgather_gemm_prepare<allgather_gemm::Config<3>, allgather_gemm::OVERLAP, 3, allgather_gemm_w3_gemm>(rank, device); }
+extern "C" cudaError_t allgather_gemm_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::allgather_gemm_launch<allgather_gemm::Config<3>, allgather_gemm::OVERLAP, allgather_gemm::RESERVE_SMS, 3, allgather_gemm_w3_gemm, allgather_gemm_w3_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_w4_prepare(int rank, int device) { return tsgen::fused::allgather_gemm_prepare<allgather_gemm::Config<4>, allgather_gemm::OVERLAP, 4, allgather_gemm_w4_gemm>(rank, device); }
+extern "C" cudaError_t allgather_gemm_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::allgather_gemm_launch<allgather_gemm::Config<4>, allgather_gemm::OVERLAP, allgather_gemm::RESERVE_SMS, 4, allgather_gemm_w4_gemm, allgather_gemm_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }

@@ -34,9 +34,9 @@
 //   entry points (extern "C"):
 //     allgather_gemm_plain_w2_gemm 144, allgather_gemm_plain_w2_sync 154, allgather_gemm_plain_w3_gemm 161
 //     allgather_gemm_plain_w3_sync 171, allgather_gemm_plain_w4_gemm 178, allgather_gemm_plain_w4_sync 188
-//     allgather_gemm_plain_w2_prepare 249, allgather_gemm_plain_w2_launch 250
-//     allgather_gemm_plain_w3_prepare 251, allgather_gemm_plain_w3_launch 252
-//     allgather_gemm_plain_w4_prepare 253, allgather_gemm_plain_w4_launch 254
+//     allgather_gemm_plain_w2_prepare 195, allgather_gemm_plain_w2_launch 196
+//     allgather_gemm_plain_w3_prepare 197, allgather_gemm_plain_w3_launch 198
+//     allgather_gemm_plain_w4_prepare 199, allgather_gemm_plain_w4_launch 200
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -190,65 +190,11 @@ allgather_gemm_plain_w4_sync(char* const* peers, int rank, uint64_t* calls, uint
   tsgen::fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher (see the top of this file): world size WORLD's GEMM and SYNC kernels; the
-// extern "C" NAME_wW_launch below are its instances.
-namespace allgather_gemm_plain {
-template <int WORLD, auto GEMM, auto SYNC>
-static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen::fused;
-  using C = Config<WORLD>;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
-  if (count > tsgen::gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;
-  // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
-  thread_local MapCache<4> cache;
-  const void* const key[6] = {a, a_full, b, c, (const void*)(uintptr_t)count, (const void*)(uintptr_t)rank};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen::gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[2], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[3], dtype, c, rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
-                                            allgather_gemm_plain::RESERVE_SMS, &grid));
-  const size_t shard = (size_t)rows * C::K * sizeof(typename C::Element);
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  for (int i = 1; i < WORLD; ++i) {
-    const int peer = (rank - i + WORLD) % WORLD;
-    char* dst = tsgen::fused::host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
-    TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, stream));
-  }
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], maps->maps[2], maps->maps[3], calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
-}
-
-// Rank `rank`'s GEMM shared-memory opt-in, made on `device` before any
-// rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
-template <int WORLD, auto GEMM>
-static cudaError_t prepare(int rank, int device) {
-  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
-  int ctas;
-  return tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas);
-}
-}  // namespace allgather_gemm_plain
-
-extern "C" cudaError_t allgather_gemm_plain_w2_prepare(int rank, int device) { return allgather_gemm_plain::prepare<2, allgather_gemm_plain_w2_gemm>(rank, device); }
-extern "C" cudaError_t allgather_gemm_plain_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<2, allgather_gemm_plain_w2_gemm, allgather_gemm_plain_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
-extern "C" cudaError_t allgather_gemm_plain_w3_prepare(int rank, int device) { return allgather_gemm_plain::prepare<3, allgather_gemm_plain_w3_gemm>(rank, device); }
-extern "C" cudaError_t allgather_gemm_plain_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<3, allgather_gemm_plain_w3_gemm, allgather_gemm_plain_w3_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
-extern "C" cudaError_t allgather_gemm_plain_w4_prepare(int rank, int device) { return allgather_gemm_plain::prepare<4, allgather_gemm_plain_w4_gemm>(rank, device); }
-extern "C" cudaError_t allgather_gemm_plain_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return allgather_gemm_plain::launch<4, allgather_gemm_plain_w4_gemm, allgather_gemm_plain_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+// Host launchers (see the top of this file): tsgen::fused::allgather_gemm_launch and _prepare
+// (tsgen/fused.cuh) for this op; the extern "C" NAME_wW_launch below are their instances.
+extern "C" cudaError_t allgather_gemm_plain_w2_prepare(int rank, int device) { return tsgen::fused::allgather_gemm_prepare<allgather_gemm_plain::Config<2>, allgather_gemm_plain::OVERLAP, 2, allgather_gemm_plain_w2_gemm>(rank, device); }
+extern "C" cudaError_t allgather_gemm_plain_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::allgather_gemm_launch<allgather_gemm_plain::Config<2>, allgather_gemm_plain::OVERLAP, allgather_gemm_plain::RESERVE_SMS, 2, allgather_gemm_plain_w2_gemm, allgather_gemm_plain_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_plain_w3_prepare(int rank, int device) { return tsgen::fused::allgather_gemm_prepare<allgather_gemm_plain::Config<3>, allgather_gemm_plain::OVERLAP, 3, allgather_gemm_plain_w3_gemm>(rank, device); }
+extern "C" cudaError_t allgather_gemm_plain_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::allgather_gemm_launch<allgather_gemm_plain::Config<3>, allgather_gemm_plain::OVERLAP, allgather_gemm_plain::RESERVE_SMS, 3, allgather_gemm_plain_w3_gemm, allgather_gemm_plain_w3_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }
+extern "C" cudaError_t allgather_gemm_plain_w4_prepare(int rank, int device) { return tsgen::fused::allgather_gemm_prepare<allgather_gemm_plain::Config<4>, allgather_gemm_plain::OVERLAP, 4, allgather_gemm_plain_w4_gemm>(rank, device); }
+extern "C" cudaError_t allgather_gemm_plain_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_full, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::allgather_gemm_launch<allgather_gemm_plain::Config<4>, allgather_gemm_plain::OVERLAP, allgather_gemm_plain::RESERVE_SMS, 4, allgather_gemm_plain_w4_gemm, allgather_gemm_plain_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, a_full, sig, stream); }

@@ -53,7 +53,8 @@ def test_render_and_manifest(path):
     assert [a["role"] for a in k["launcher_args"]][:5] == ["peers", "peers_host", "rank", "calls", "count"]
     assert [b["name"] for b in m["buffers"]] == ["calls", "a", "b", "c", "a_full", "sig"]
     overlapped = loaded.model.params.overlap != "none"
-    assert ("cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy)" in r.source) == overlapped
+    # the copies go to side streams iff overlapped: the launcher (tsgen/fused.cuh) takes OVERLAP
+    assert f"allgather_gemm_launch<{r.name}::Config<2>, {r.name}::OVERLAP," in r.source
     assert ("GatherHook<allgather_gemm::OVERLAP>" in r.source) or not overlapped
     assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
