@@ -3,8 +3,8 @@
 The op templates under templates/ops/ extend templates/module.cu.j2 and fill in its blocks:
 the op's constants, tables, device code and entry points. The hand-written CUDA library under
 templates/include/tsgen/ never passes through Jinja: a source `#include`s it (the thin form,
-generated/), or has it inlined once per header (`amalgamated=True`, the one file `tsgen vendor`
-writes; tsgen.headers.amalgamate). See docs/design/headers.md.
+generated/), or has it inlined once per header (`amalgamated=True`, the one file `tsgen build
+--amalgamate` writes; tsgen.headers.amalgamate). See docs/design/headers.md.
 """
 
 from __future__ import annotations
