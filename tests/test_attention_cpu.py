@@ -24,6 +24,7 @@ from tsgen.ops.collectives import to_f64
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
+from tsgen.headers import include_flags
 from tsgen.toolchain import compile_module, compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
 
 SPEC = ROOT / "specs" / "attention_hd128.yaml"
@@ -310,7 +311,8 @@ def walker(source: Path, module: str, tmp: Path) -> Path:
     main = tmp / f"walk_{module}.cu"
     main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", module))
     exe = tmp / f"walk_{module}"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-w", "-o", str(exe), str(main)],
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
+                    "-w", "-o", str(exe), str(main)],
                    check=True, capture_output=True)
     return exe
 

@@ -21,6 +21,7 @@ from tsgen.ops.cp_attention import first_remote_chunk, kv_chunk, positions, segm
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
+from tsgen.headers import include_flags
 from tsgen.toolchain import compile_source, find_nvcc, gencode_flags
 
 SHIPPED = [p.stem for p in shipped_specs(op="cp_attention")]
@@ -218,7 +219,8 @@ def test_header_geometry_matches_python(tmp_path, layout, causal):
     main = tmp_path / "geometry.cu"
     main.write_text(GEOMETRY.replace("SOURCE", str(source)).replace("MODULE", "g"))
     exe = tmp_path / "geometry"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-w", "-o", str(exe), str(main)],
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
+                    "-w", "-o", str(exe), str(main)],
                    check=True, capture_output=True)
     for world, count in ((2, 250), (3, 6), (8, 1000)):
         out = subprocess.run([str(exe), str(world), str(count)], capture_output=True, text=True, check=True).stdout

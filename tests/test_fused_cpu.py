@@ -18,6 +18,7 @@ from tsgen.ops.collectives import to_f64
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
+from tsgen.headers import include_flags
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 SPECS = shipped_specs(op="allgather_gemm")
@@ -52,7 +53,8 @@ def test_render_and_manifest(path):
     assert [a["role"] for a in k["launcher_args"]][:5] == ["peers", "peers_host", "rank", "calls", "count"]
     assert [b["name"] for b in m["buffers"]] == ["calls", "a", "b", "c", "a_full", "sig"]
     overlapped = loaded.model.params.overlap != "none"
-    assert ("cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy)" in r.source) == overlapped
+    # the copies go to side streams iff overlapped: the launcher (tsgen/fused.cuh) takes OVERLAP
+    assert f"allgather_gemm_launch<{r.name}::Config<2>, {r.name}::OVERLAP," in r.source
     assert ("GatherHook<allgather_gemm::OVERLAP>" in r.source) or not overlapped
     assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
@@ -124,7 +126,8 @@ def test_batched_schedule(tmp_path):
     main = tmp_path / "walk.cu"
     main.write_text(WALK.replace("SOURCE", str(src)).replace("MODULE", "w").replace("WORLD", "3"))
     exe = tmp_path / "walk"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
+                    "-o", str(exe), str(main)],
                    check=True, capture_output=True)
     tm, tn = spec.params.tile.m, spec.params.tile.n
     for rows in (1, 129, 259, 1000):

@@ -19,6 +19,7 @@ from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.gemm import SMEM_LIMIT, smem_bytes
 from tsgen.render import render
 from tsgen.spec import load_spec, spec_variant
+from tsgen.headers import include_flags
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
 
 SPEC = ROOT / "specs" / "gemm_bf16.yaml"
@@ -120,7 +121,10 @@ def test_plan_and_manifest():
     assert ('gemm_bf16_w1_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ '
             'CUtensorMap b_map,') in r.source
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
-    assert '#include <cuda.h>' in r.source and "-lcuda" not in r.source
+    # CUtensorMap's types come from tsgen/gemm.cuh's <cuda.h>; nothing links against libcuda
+    header = (ROOT / "templates" / "include" / "tsgen" / "gemm.cuh").read_text()
+    assert '#include "tsgen/gemm.cuh"' in r.source and "#include <cuda.h>" in header
+    assert "-lcuda" not in r.source + header
 
 
 def test_float16_renders_f16_wgmma(tmp_path):
@@ -242,7 +246,8 @@ def walker(source: Path, module: str, tmp: Path) -> Path:
     main = tmp / f"walk_{module}.cu"
     main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", module))
     exe = tmp / f"walk_{module}"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
+                    "-o", str(exe), str(main)],
                    check=True, capture_output=True)
     return exe
 

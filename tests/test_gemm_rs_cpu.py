@@ -18,6 +18,7 @@ from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
+from tsgen.headers import include_flags
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 SPECS = shipped_specs(op="gemm_reduce_scatter")  # OVERLAP names each one's overlap mode
@@ -203,7 +204,8 @@ def test_schedule_own_block_last(tmp_path, order):
     main = tmp_path / "walk.cu"
     main.write_text(WALK.replace("SOURCE", str(src)).replace("MODULE", "w").replace("WORLD", "4"))
     exe = tmp_path / "walk"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
+                    "-o", str(exe), str(main)],
                    check=True, capture_output=True)
     tm, tn = spec.params.tile.m, spec.params.tile.n
     for rows in (1, 129, 259):

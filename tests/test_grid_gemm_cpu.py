@@ -21,6 +21,7 @@ from tsgen.ops.collectives import to_f64
 from tsgen.ops.grid_gemm import FAMILIES, A, B, schedule, walk
 from tsgen.render import render
 from tsgen.spec import load_spec, spec_variant
+from tsgen.headers import include_flags
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 OPS = [f.kind for f in FAMILIES]  # cannon, summa
@@ -217,7 +218,8 @@ def test_k_block_walk(tmp_path):
     main = tmp_path / "walk.cu"
     main.write_text(WALK.replace("SOURCE", str(src)).replace("MODULE", "w"))
     exe = tmp_path / "walk"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
+                    "-o", str(exe), str(main)],
                    check=True, capture_output=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     kbp = 512 // 2 // 64  # K blocks per panel

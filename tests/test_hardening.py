@@ -519,9 +519,10 @@ needs_nvcc = compile_test(None if _no_nvcc() is None else f"needs nvcc: {_no_nvc
 def nvcc_front_end(source: Path) -> subprocess.CompletedProcess:
     """nvcc's front end (host and device parse, no code generation) with tsgen's flags, and the
     include folders of the device libraries its manifest (the JSON beside it) names."""
+    from tsgen.headers import include_flags
     from tsgen.toolchain import NVCC_FLAGS, find_device_lib, find_nvcc, gencode_flags
 
-    flags = [f for f in NVCC_FLAGS if f not in ("-Xptxas", "-v")]
+    flags = [f for f in NVCC_FLAGS if f not in ("-Xptxas", "-v")] + include_flags()
     manifest = source.with_suffix(".json")
     libs = json.loads(manifest.read_text()).get("device_libs", []) if manifest.exists() else []
     flags += [f"-I{find_device_lib(name).include}" for name in libs] + (["-rdc=true"] if libs else [])
@@ -563,7 +564,7 @@ def test_item13_headers_declare_only_namespace_tsgen_at_file_scope():
     """Every hand-written header declares its functions, types and constants inside namespace
     tsgen: outside it, at file scope, only preprocessor lines and the plan's TSGEN_OP_* codes
     (named like the TSGEN_ macros beside them)."""
-    for header in sorted((ROOT / "templates" / "include").glob("tsgen_*.cuh")):
+    for header in sorted((ROOT / "templates" / "include" / "tsgen").glob("*.cuh")):
         lines = [line for line in code_without_comments(header.read_text(), trigraphs=False)
                  if not line.startswith("#")]
         outside, depth, opened = [], 0, False

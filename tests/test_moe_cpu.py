@@ -288,7 +288,7 @@ def test_traffic_per_row_and_minimum():
 
 
 def test_dispatch_position_arithmetic_matches_layout():
-    """tsgen_moe.cuh's dispatch arithmetic, step by step in Python: each block's tokens-before count,
+    """tsgen/moe.cuh's dispatch arithmetic, step by step in Python: each block's tokens-before count,
     the base from the counts matrix, rounds of THREADS tokens with per-warp ballots and the scan
     over warps carried between rounds, give every row the place the reference layout gives it."""
     rng = np.random.default_rng(1)
@@ -571,12 +571,13 @@ def test_every_negative_control_edits_the_source_it_loads(tmp_path):
     left the source unchanged, or one applied to the manifest, would make the control vacuous."""
     import test_moe_gpu as gpu
     from tsgen.harness import _mutated, render_to_cache
+    from tsgen.headers import amalgamate
     from tsgen.spec import load_spec
 
     controls = [(gpu.SPEC, *gpu.COUNTS_WAIT), (gpu.LL_SPEC, *gpu.LL_SLOT_WAIT)] + list(gpu.MORE_CONTROLS.values())
     for spec, old, new in controls:
         cached = render_to_cache(load_spec(ROOT / spec))
-        assert cached.source.read_text().count(old) == 1, (spec, old)
+        assert amalgamate(cached.source.read_text()).count(old) == 1, (spec, old)  # what _mutated edits
         edited = _mutated(cached.source, lambda text: text.replace(old, new))
         assert new in edited.read_text() and old not in edited.read_text()
 

@@ -29,7 +29,9 @@ def toolchain():
 
 def _ptx(nvcc, name, tmp_path):
     out = tmp_path / f"{name}.ptx"
-    subprocess.run([str(nvcc), "-ptx", "-gencode=arch=compute_90a,code=compute_90a", "-std=c++17",
+    from tsgen.headers import include_flags
+
+    subprocess.run([str(nvcc), "-ptx", "-gencode=arch=compute_90a,code=compute_90a", "-std=c++17", *include_flags(),
                     "-o", str(out), str(ROOT / "generated" / f"{name}.cu")], check=True)
     return out.read_text()
 

@@ -65,10 +65,11 @@ def test_nvshmem_specs_render_put_with_signal(name):
     manifest = json.loads((ROOT / "generated" / f"{name}.json").read_text())
     assert manifest["device_libs"] == ["nvshmem"] and manifest["host_launch"] is False
     text = (ROOT / "generated" / f"{name}.cu").read_text()
-    assert "#include <nvshmem.h>" in text and "Inlined from templates/include/tsgen_nvshmem.cuh" in text
+    assert '#include "tsgen/nvshmem.cuh"' in text and '#include "tsgen/plan.cuh"' in text
     body = text.split("namespace " + name + " {", 1)[1]
     assert "tsgen::nvshmem::run_plan<T, UNROLL, WORLD>" in body and "tsgen::run_plan<" not in body
-    header = (ROOT / "templates" / "include" / "tsgen_nvshmem.cuh").read_text()
+    header = (ROOT / "templates" / "include" / "tsgen/nvshmem.cuh").read_text()
+    assert "#include <nvshmem.h>" in header and "#ifdef TSGEN_PLAN_CUH" in header  # the executor: with a plan
     for call in ("nvshmemx_putmem_signal_nbi_block", "NVSHMEM_SIGNAL_ADD", "nvshmem_signal_wait_until",
                  "NVSHMEM_CMP_GE", "nvshmemx_signal_op", "nvshmem_quiet", "nvshmemx_getmem_block",
                  "wait_ge_acquire_sys"):  # the repo's bounded spin with the timeout diagnostic
@@ -82,13 +83,13 @@ def test_nvshmem_primitives_render_nvshmem_calls(name):
     manifest = json.loads((ROOT / "generated" / f"{name}.json").read_text())
     assert manifest["device_libs"] == ["nvshmem"]
     text = (ROOT / "generated" / f"{name}.cu").read_text()
-    assert "#include <nvshmem.h>" in text and "Inlined from templates/include/tsgen_nvshmem.cuh" in text
+    assert '#include "tsgen/nvshmem.cuh"' in text
     body = text.split("namespace " + name + " {", 1)[1]
     for call in NVSHMEM_PRIMITIVES[name]:
         assert call in body, (name, call)
     assert "tsgen::peer_ptr(" not in body and "tsgen::barrier_all<" not in body
-    # the plan executor stays out of sources without a plan
-    assert "#ifdef TSGEN_PLAN_CUH" in text and "Inlined from templates/include/tsgen_plan.cuh" not in text
+    # the plan executor (tsgen/nvshmem.cuh's #ifdef TSGEN_PLAN_CUH) stays out of sources without a plan
+    assert '#include "tsgen/plan.cuh"' not in text and "TSGEN_PLAN_CUH" not in text
 
 
 def test_every_nvshmem_spec_is_checked():

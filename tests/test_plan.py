@@ -364,37 +364,37 @@ def test_more_than_512_threads_keep_the_tables():
 
 
 def test_table_limits_are_emitted_from_the_ir():
-    """The limits of a plan's table rows (tsgen.plan.ir) are written into every rendered source's
-    copy of templates/include/tsgen_plan.cuh (tsgen.plan.lower.C_DEFINES); the header's own
-    values, which a vendored copy keeps, agree with them; a header without the line is refused."""
+    """The limits of a plan's table rows (tsgen.plan.ir) are `#define`d by every rendered source
+    before it includes templates/include/tsgen/plan.cuh (tsgen.plan.lower.C_DEFINES); the header's
+    own defaults, which it keeps when used alone, agree with them; a header without one is refused."""
     from tsgen.plan import ir
-    from tsgen.plan.lower import C_DEFINES, emit_defines
+    from tsgen.plan.lower import C_DEFINES, header_defines
 
     limits = {f"TSGEN_{k}": getattr(ir, k) for k in ("MAX_SRCS", "MAX_WAITS", "MAX_SIGNALS", "MAX_ALSO")}
-    assert C_DEFINES["tsgen_plan.cuh"] == limits
-    header = (ROOT / "templates/include/tsgen_plan.cuh").read_text()
+    assert C_DEFINES["tsgen/plan.cuh"] == limits
+    header = (ROOT / "templates/include/tsgen/plan.cuh").read_text()
     assert {k: int(v) for k, v in re.findall(r"^#define (TSGEN_MAX_\w+) (\d+)$", header, re.M)} == limits
-    restored = emit_defines("tsgen_plan.cuh", header.replace("#define TSGEN_MAX_SRCS 8", "#define TSGEN_MAX_SRCS 3"))
-    assert "#define TSGEN_MAX_SRCS 8\n" in restored and "TSGEN_MAX_SRCS 3" not in restored
+    assert header_defines("tsgen/plan.cuh", header) == limits
     source = render(load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml")).source
-    assert all(f"#define {k} {v}\n" in source for k, v in limits.items())
+    defines = "".join(f"#define {k} {v}\n" for k, v in limits.items())
+    assert defines in source
     with pytest.raises(ValueError, match="no single `#define TSGEN_MAX_ALSO <number>` line"):
-        emit_defines("tsgen_plan.cuh", header.replace("#define TSGEN_MAX_ALSO 7", ""))
+        header_defines("tsgen/plan.cuh", header.replace("#define TSGEN_MAX_ALSO 7", ""))
 
 def test_table_structs_are_declared_as_python_writes_their_rows():
-    """tsgen_plan.cuh's table structs field by field as tsgen.plan.lower writes the rows; a header
+    """tsgen/plan.cuh's table structs field by field as tsgen.plan.lower writes the rows; a header
     that declares one otherwise (two fields swapped) is refused at render time, naming it."""
-    from tsgen.plan.lower import C_STRUCTS, c_init, check_structs, declared_structs, emit_defines, field_names
+    from tsgen.plan.lower import C_STRUCTS, c_init, check_structs, declared_structs, field_names, header_defines
 
-    text = (ROOT / "templates" / "include" / "tsgen_plan.cuh").read_text()
+    text = (ROOT / "templates" / "include" / "tsgen/plan.cuh").read_text()
     declared = declared_structs(text)
-    for name, fields in C_STRUCTS["tsgen_plan.cuh"].items():
+    for name, fields in C_STRUCTS["tsgen/plan.cuh"].items():
         assert declared[name] == fields, name
-    check_structs("tsgen_plan.cuh", text)
+    check_structs("tsgen/plan.cuh", text)
     swapped = text.replace("  uint16_t unit;\n  uint16_t piece;", "  uint16_t piece;\n  uint16_t unit;")
     assert swapped != text
     with pytest.raises(ValueError, match="struct slice declares .*uint16_t piece, uint16_t unit"):
-        emit_defines("tsgen_plan.cuh", swapped)
+        header_defines("tsgen/plan.cuh", swapped)
     assert c_init("share", shares=3, step=1, share=2) == "{1, 2, 3}"
     with pytest.raises(ValueError, match="tsgen::share has the fields step, share, shares"):
         c_init("share", step=1, share=2)

@@ -1,4 +1,4 @@
-"""CPU-only checks of templates/include/tsgen_ptx.cuh (no GPU needed).
+"""CPU-only checks of templates/include/tsgen/ptx.cuh (no GPU needed).
 
 One .cu file with one `extern "C" __global__ void k_<helper>` kernel per
 helper is compiled once to an sm_90a cubin (nvcc + ptxas) and disassembled
@@ -29,7 +29,7 @@ from tsgen.errors import ToolchainError
 from tsgen.toolchain import find_cuobjdump, find_nvcc, find_tool, gencode_flags
 
 INCLUDE_DIR = Path(__file__).resolve().parents[1] / "templates" / "include"
-HEADER = INCLUDE_DIR / "tsgen_ptx.cuh"
+HEADER = INCLUDE_DIR / "tsgen/ptx.cuh"
 ARCH = "sm_90a"
 
 try:
@@ -188,7 +188,7 @@ HELPERS = table_helpers(HEADER_TEXT)
 # global loads), and a non-void result is stored to `out`.
 # ---------------------------------------------------------------------------
 HARNESS = r"""
-#include "tsgen_ptx.cuh"
+#include "tsgen/ptx.cuh"
 using namespace tsgen::ptx;
 
 struct tsgen_test_vals { uint4 v4; float4 f4; unsigned long long u64; float f32; };
@@ -403,7 +403,7 @@ def test_header_builds_for_host_and_pre_sm90(tmp_path):
     elect_one_sync falls back to lane 0 and multimem is compiled out."""
     src = tmp_path / "host.cu"
     src.write_text(r"""
-#include "tsgen_ptx.cuh"
+#include "tsgen/ptx.cuh"
 using namespace tsgen::ptx;
 extern "C" __global__ void k(uint64_t* flag, uint4* dst, const uint4* src, void* mc, uint32_t* out) {
   if (elect_one_sync()) out[0] = lane_id() + warp_id();

@@ -381,23 +381,47 @@ def test_banner_summary_is_the_variants():
     assert "(ring: " in op_line("broadcast_ring") and "pushes" not in op_line("broadcast_ring")
 
 
-def test_every_generated_file_maps_its_library_op_and_entry_points_by_line():
-    """The banner's map (render.with_contents) points at the right lines in every shipped source:
-    each inlined header's first line, the op's namespace, each extern "C" entry point; every entry
-    point is listed."""
-    import re
+def check_contents_map(module: str, text: str) -> None:
+    """The banner's map (render.with_contents) of a source points at the right lines: every
+    header the source includes (thin form) or inlines (one-file form), in order, at its
+    `#include` or `// Inlined from` line; the op's own code at the `namespace MODULE {` that
+    templates/module.cu.j2 opens (after the library, followed by its `namespace ptx` line);
+    every extern "C" entry point, by name, at its definition."""
+    from tsgen.manifest import entry_points
 
+    lines = text.split("\n")
+    start = lines.index("// Contents (line numbers of this file):")
+    block = lines[start:lines.index("//", start)]
+    inlined = [i for i, line in enumerate(lines) if line.startswith("// Inlined from templates/include/")]
+    included = [i for i, line in enumerate(lines) if line.startswith('#include "tsgen/')]
+    headers = re.findall(r"(tsgen/\w+\.cuh) (\d+)", block[1])
+    if inlined:
+        assert "the hand-written library, inlined:" in block[1] and not included, module
+        assert [(lines[int(n)], int(n)) for _, n in headers] == [(lines[i], i) for i in inlined], module
+        assert all(lines[int(n)] == f"// Inlined from templates/include/{h}" for h, n in headers), module
+    else:
+        assert "the hand-written library, included:" in block[1], module
+        assert [(f'#include "{h}"', int(n) - 1) for h, n in headers] == [(lines[i], i) for i in included], module
+    op = re.search(r"//   (\d+): the op's own code \(namespace (\w+):", "\n".join(block))
+    at = int(op.group(1))
+    assert op.group(2) == module and lines[at - 1] == f"namespace {module} {{", module
+    assert lines[at].startswith("namespace ptx = tsgen::ptx;") and at > max(inlined + included), module
+    listed = re.findall(r"(\w+) (\d+)", "\n".join(block[block.index('//   entry points (extern "C"):') + 1:]))
+    for name, number in listed:
+        declaration = " ".join(lines[int(number) - 1:int(number) + 1])  # the name may be on the next line
+        assert lines[int(number) - 1].startswith('extern "C"') and f" {name}(" in declaration, (module, name)
+    assert sorted(name for name, _ in listed) == sorted(name for _, name in entry_points(lines)), module
+
+
+def test_every_generated_file_maps_its_library_op_and_entry_points_by_line():
     for path in sorted((ROOT / "generated").glob("*.cu")):
-        lines = path.read_text().split("\n")
-        start = lines.index("// Contents (line numbers of this file):")
-        block = lines[start:lines.index("//", start)]
-        for name, number in re.findall(r"(tsgen_\w+\.cuh) (\d+)", block[1]):
-            assert lines[int(number)] == f"// Inlined from templates/include/{name}", (path.name, name)
-        op = re.search(r"//   (\d+): the op's own code \(namespace (\w+):", "\n".join(block))
-        assert op and lines[int(op.group(1)) - 1] == f"namespace {op.group(2)} {{", path.name
-        listed = re.findall(r"(\w+) (\d+)", "\n".join(block[block.index('//   entry points (extern "C"):') + 1:]))
-        for name, number in listed:
-            declaration = " ".join(lines[int(number) - 1:int(number) + 1])  # the name may be on the next line
-            assert lines[int(number) - 1].startswith('extern "C"') and f" {name}(" in declaration, (path.name, name)
-        defined = [i for i, line in enumerate(lines) if line.startswith('extern "C"')]
-        assert len(listed) == len(defined), path.name
+        check_contents_map(path.stem, path.read_text())
+
+
+@pytest.mark.parametrize("spec", sorted(p.stem for p in (ROOT / "specs").glob("*.yaml")))
+def test_every_one_file_form_maps_its_library_op_and_entry_points_by_line(spec):
+    """The same map in the one-file form (`tsgen build --amalgamate`) of every shipped spec;
+    there the op's `namespace MODULE {` comes after headers that may open a namespace of that
+    name (tsgen/moe.cuh's `namespace moe`, which the map once pointed at)."""
+    rendered = render(load_spec(ROOT / "specs" / f"{spec}.yaml"), ROOT, amalgamated=True)
+    check_contents_map(rendered.name, rendered.source)

@@ -396,7 +396,7 @@ def test_host_launch_modules_prepare_every_rank_before_any_call():
 
 def test_every_shipped_launcher_with_side_streams_has_a_prepare():
     """A generated source whose host launcher makes per-rank side streams (the lanes of
-    tsgen_fused.cuh, tsgen_grid.cuh, tsgen_ce.cuh) names a prepare for every world size, and the
+    tsgen/fused.cuh, tsgen/grid.cuh, tsgen/ce.cuh) names a prepare for every world size, and the
     source defines each prepare named (docs/lab/shared_gpu.md, 2026-11-26: made at a first call,
     a stream stalled it)."""
     lanes_made = 0

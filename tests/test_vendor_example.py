@@ -1,13 +1,16 @@
-"""examples/vendor: a plain C++ program that vendors generated/allgather.cu. It must keep
-building (built once here: with CMake, as its README says, or nvcc alone where CMake is not
-installed), its copy of the manifest's buffer table must match the manifest, and on a machine
-without a GPU it must say so. It runs on GPUs in tools/gpu_shared.sh (W ranks sharing one GPU)."""
+"""examples/vendor: a plain C++ program that vendors the one-file form of specs/allgather.yaml
+(`tsgen build --amalgamate`). It must keep building (built once here: with CMake, as its README
+says, or `tsgen build --amalgamate` and nvcc alone where CMake is not installed; either way with
+the vendored folder as the only include path), its copy of the manifest's buffer table must
+match the manifest, and on a machine without a GPU it must say so. It runs on GPUs in
+tools/gpu_shared.sh (W ranks sharing one GPU)."""
 
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -36,13 +39,16 @@ def demo(tmp_path_factory):
     except ToolchainError as e:
         pytest.skip(str(e))
     build = tmp_path_factory.mktemp("vendor")
-    if shutil.which("cmake"):
-        cfg = subprocess.run(["cmake", "-S", str(EXAMPLE), "-B", str(build), f"-DCMAKE_CUDA_COMPILER={nvcc}"],
-                             capture_output=True, text=True, timeout=300)
+    if shutil.which("cmake"):  # configuring makes the one-file copy with this checkout's tsgen
+        cfg = subprocess.run(["cmake", "-S", str(EXAMPLE), "-B", str(build), f"-DCMAKE_CUDA_COMPILER={nvcc}",
+                              f"-DPython3_EXECUTABLE={sys.executable}"], capture_output=True, text=True, timeout=300)
         assert cfg.returncode == 0, cfg.stdout + cfg.stderr
         b = subprocess.run(["cmake", "--build", str(build)], capture_output=True, text=True, timeout=600)
     else:
-        b = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", f"-I{ROOT / 'generated'}", "-o",
+        made = subprocess.run([sys.executable, "-m", "tsgen", "build", "--amalgamate", "specs/allgather.yaml", "-o",
+                               str(build / "vendored")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert made.returncode == 0, made.stdout + made.stderr
+        b = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", f"-I{build / 'vendored'}", "-o",
                             str(build / "allgather_demo"), str(EXAMPLE / "main.cu")],
                            capture_output=True, text=True, timeout=600)
     assert b.returncode == 0, b.stdout + b.stderr
@@ -51,7 +57,11 @@ def demo(tmp_path_factory):
 
 @pytest.mark.compile
 def test_builds(demo):
+    """Built from one self-contained file: the vendored allgather.cu includes no tsgen header."""
     assert demo.is_file() and os.access(demo, os.X_OK)
+    vendored = (demo.parent / "vendored" / "allgather.cu").read_text()
+    assert '#include "tsgen/' not in vendored.replace('// #include "tsgen/', "")
+    assert "// Inlined from templates/include/tsgen/ptx.cuh" in vendored
 
 
 @pytest.mark.compile

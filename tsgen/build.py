@@ -34,7 +34,9 @@ class BuildResult:
     kept: list[tuple[Path, str]] = field(default_factory=list)  # look like tsgen's, not provably orphans: why
 
 
-def render_all(paths: list[str | Path], out_dir: Path) -> list[Rendered]:
+def render_all(paths: list[str | Path], out_dir: Path, amalgamated: bool = False) -> list[Rendered]:
+    """Every spec under `paths` rendered for `out_dir` (render.render; `amalgamated`: the one-file
+    form); SpecError listing every spec's problems, nothing rendered, if any has one."""
     files = spec_files(paths)
     if not files:
         raise SpecError([f"{p}:1:1: <file>: no spec files (*.yaml) found" for p in paths])
@@ -56,7 +58,7 @@ def render_all(paths: list[str | Path], out_dir: Path) -> list[Rendered]:
     if problems:
         raise SpecError(problems)
     base = out_dir.resolve().parent
-    return [render(spec, base) for spec in loaded]
+    return [render(spec, base, amalgamated=amalgamated) for spec in loaded]
 
 
 # ---------------------------------------------------------------------------
@@ -232,17 +234,19 @@ def _write(outputs: dict[Path, bytes], out_dir: Path, result: BuildResult) -> No
 
 
 def build(
-    paths: list[str | Path], out_dir: Path, check: bool = False, prune: bool = False, force: bool = False
+    paths: list[str | Path], out_dir: Path, check: bool = False, prune: bool = False, force: bool = False,
+    amalgamated: bool = False,
 ) -> BuildResult:
     """Render the specs under `paths` into `out_dir` (check: compare, write nothing; prune:
-    remove orphans). An existing output whose banner or manifest names another spec file is
-    overwritten only with `force` (else TsgenError, nothing written)."""
+    remove orphans; amalgamated: the one-file form a user vendors, the library inlined). An
+    existing output whose banner or manifest names another spec file is overwritten only with
+    `force` (else TsgenError, nothing written)."""
     # Orphans only make sense when whole folders of specs are built.
     folders = [Path(p) for p in paths if os.path.isdir(p)]
     if prune and not folders:
         raise TsgenError("--prune removes the outputs of specs no longer in a spec folder: "
                          "give it folders, not spec files")
-    rendered = render_all(paths, out_dir)
+    rendered = render_all(paths, out_dir, amalgamated)
     outputs = {out_dir / name: text.encode() for r in rendered for name, text in r.files().items()}
     spec_of = {out_dir / name: r.abi.spec.name for r in rendered for name in r.files()}
     orphans, kept = find_orphans(out_dir, rendered, folders) if folders else ([], [])

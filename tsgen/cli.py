@@ -75,7 +75,9 @@ class _Commands(click.Group):
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tsgen")
 def main() -> None:
-    """Generate readable, self-contained CUDA sources for multi-GPU communication kernels.
+    """Generate readable CUDA sources for multi-GPU communication kernels: each includes tsgen's
+    CUDA headers (tsgen passes nvcc their folder); `tsgen build --amalgamate` writes one
+    self-contained file per spec instead, to vendor into a C++ project.
 
     TSGEN_STACKS_AFTER=S: if a command still runs after S seconds, print every
     thread's Python stack to stderr (where a hung rank waits)."""
@@ -98,17 +100,24 @@ def main() -> None:
 @click.option("--check", is_flag=True, help="write nothing; exit 1 with a diff if an output is stale, missing or orphaned")
 @click.option("--prune", is_flag=True, help="delete generated files no spec produces any more")
 @click.option("--force", is_flag=True, help="overwrite outputs whose banner names another spec file")
+@click.option("--amalgamate", is_flag=True,
+              help="one self-contained NAME.cu per spec, tsgen's CUDA headers inlined: the file to vendor")
 @click.option("--compile", "do_compile", is_flag=True, help="also compile each source with nvcc (cached)")
 @click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture for --compile")
 @_jobs_option("--compile: sources compiled at a time")
 @_reports_errors
-def build(paths, out_dir, check, prune, force, do_compile, arch, jobs):
+def build(paths, out_dir, check, prune, force, amalgamate, do_compile, arch, jobs):
     """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json;
-    --compile: then compile them, --jobs at a time."""
+    --compile: then compile them, --jobs at a time.
+
+    A NAME.cu includes tsgen's CUDA library ("tsgen/ptx.cuh", ...; tsgen passes nvcc its folder).
+    To vendor one into a C++ project, build it with --amalgamate into a folder of its own:
+    `tsgen build --amalgamate specs/allgather.yaml -o vendored` writes one file that needs no
+    include path, the headers inlined once each."""
     from .build import build as run_build
 
     paths = list(paths) or [default_specs()]
-    result = run_build(paths, out_dir, check=check, prune=prune, force=force)
+    result = run_build(paths, out_dir, check=check, prune=prune, force=force, amalgamated=amalgamate)
     if check:
         click.echo(f"tsgen: {len(result.rendered)} spec(s) up to date in {out_dir}")
     else:

@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import KernelFailed, RuntimeSetupError
+from .headers import amalgamate
 from .printed import device_output, flush_stdout
 from .manifest import Manifest
 from .ops import get_family
@@ -323,8 +324,9 @@ def leave_now(code: int) -> None:
 
 
 def _mutated(source: Path, mutate: Callable[[str], str]) -> Path:
-    """Copy of a rendered source, edited (for negative controls); its path."""
-    text = source.read_text()
+    """Copy of a rendered source in its one-file form (tsgen.headers.amalgamate: an edit reaches
+    the library's code as well as the op's), edited (for negative controls); its path."""
+    text = amalgamate(source.read_text())
     changed = mutate(text)
     if changed == text:
         raise ValueError("mutation left the source unchanged")

@@ -1,14 +1,13 @@
 """Rendering: lowered spec (tsgen.lowering) -> (NAME.cu, NAME.json), byte-identical every time.
 
-Hand-written CUDA headers under templates/include/ are pasted in verbatim
-(they never pass through Jinja, so CUDA braces need no escaping); the op
-templates under templates/ops/ extend templates/module.cu.j2 and fill in
-one block: the op's device body.
+The op templates under templates/ops/ extend templates/module.cu.j2 and fill in its blocks:
+the op's constants, tables, device code and entry points. The hand-written CUDA library under
+templates/include/tsgen/ never passes through Jinja: a source `#include`s it (the thin form,
+generated/), or has it inlined once per header (`amalgamated=True`, the one file `tsgen build
+--amalgamate` writes; tsgen.headers.amalgamate). See docs/design/headers.md.
 """
 
 from __future__ import annotations
-
-import re
 
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,23 +19,9 @@ from .files import atomic_write, sweep_temps, write_if_different  # noqa: F401 (
 from .manifest import entry_points
 from .lowering import Lowered, banner_first_line, comment_line, lower, spec_display_path  # noqa: F401 (re-exported)
 from .ops.base import ModuleAbi
-from .plan.lower import emit_defines
+from .headers import INCLUDE, INLINED, amalgamate, templates_dir  # noqa: F401 (templates_dir re-exported)
+from .plan.lower import header_defines
 from .spec import LoadedSpec
-
-
-def templates_dir() -> Path:
-    """templates/ of the source checkout this package lies in, else the copy installed as
-    tsgen.templates. The checkout's own first: an editable install of another checkout maps
-    tsgen.templates to that checkout's templates, which would render this one's specs."""
-    checkout = Path(__file__).resolve().parents[1] / "templates"
-    if (checkout / "module.cu.j2").is_file() and (checkout / "include" / "tsgen_ptx.cuh").is_file():
-        return checkout
-    try:
-        import tsgen.templates as installed  # mapped from templates/ by pyproject.toml
-
-        return Path(list(installed.__path__)[0])
-    except ImportError:  # pragma: no cover - neither: a broken install
-        return checkout
 
 
 @lru_cache(maxsize=None)
@@ -51,12 +36,13 @@ def environment() -> jinja2.Environment:
         autoescape=False,
     )
 
-    def inline_header(name: str) -> str:
-        text = emit_defines(name, (root / "include" / name).read_text(encoding="utf-8"))
-        rule = "// " + "-" * 74
-        return f"{rule}\n// Inlined from templates/include/{name}\n{rule}\n{text.rstrip()}\n"
+    def library_defines(name: str) -> str:
+        """The `#define`s a source sets before including header `name` (tsgen.plan.lower.C_DEFINES),
+        after checking the header against them."""
+        defines = header_defines(name, (root / "include" / name).read_text(encoding="utf-8"))
+        return "\n".join(f"#define {k} {v}" for k, v in defines.items())
 
-    env.globals["inline_header"] = inline_header
+    env.globals["library_defines"] = library_defines
 
     return env
 
@@ -77,37 +63,36 @@ class Rendered:
         return {f"{self.name}.cu": self.source, f"{self.name}.json": self.manifest}
 
 
-def render_source(lowered: Lowered, skew: int | str | None = None) -> str:
-    """NAME.cu: the lowered spec's template inputs substituted into its template. `skew`
+def render_source(lowered: Lowered, skew: int | str | None = None, amalgamated: bool = False) -> str:
+    """NAME.cu: the lowered spec's template inputs substituted into its template; it includes the
+    library (tsgen/*.cuh), or with `amalgamated` has it inlined (the one-file form). `skew`
     (tests only, never in shipped sources): every block of every rank waits a seeded, varying
     time before its call's work (templates/module.cu.j2), so on a shared GPU a missing wait
     or fence shows up as it would over NVLink; "lag" / "lag_blocks": the fixed schedules of the
     negative controls (rank 0 first, templates/ops/skew.j2). Ops with their own entry points ignore it."""
     text = environment().get_template(f"ops/{lowered.template}").render(**lowered.template_inputs, skew=skew)
-    return with_contents(text, lowered.name)
-
-
-_INLINED = re.compile(r"^// Inlined from templates/include/(\S+)$")
+    return with_contents(amalgamate(text) if amalgamated else text, lowered.name)
 
 
 def with_contents(text: str, module: str) -> str:
-    """`text` with a map inserted after its banner: the line where the inlined library begins
-    (and each of its headers), where the op's own code begins (`namespace MODULE {` after the
-    library) and where each extern "C" entry point is defined, as line numbers of the returned
-    text. The library must come first in one self-contained C++ file; the map lets a reader go
-    to the op first. Pure and deterministic."""
+    """`text` with a map inserted after its banner: the lines that include the library (or, in
+    the one-file form, where each inlined header begins), where the op's own code begins (the
+    `namespace MODULE {` that templates/module.cu.j2 opens, the one followed by its
+    `namespace ptx = ...` line) and where each extern "C" entry point is defined, as line numbers
+    of the returned text: the map lets a reader go to the op first. Pure and deterministic."""
     lines = text.split("\n")
     at = next((i for i, line in enumerate(lines) if not line.startswith("//")), 0)
-    headers = [(i - 1, m.group(1)) for i, line in enumerate(lines) if (m := _INLINED.match(line))]
-    after = headers[-1][0] if headers else at
-    op = next((i for i, line in enumerate(lines) if i > after and line.startswith(f"namespace {module} {{")), None)
+    inlined = [(i - 1, m.group(1)) for i, line in enumerate(lines) if (m := INLINED.match(line))]
+    headers = inlined or [(i, m.group(1)) for i, line in enumerate(lines) if (m := INCLUDE.match(line))]
+    op = next((i for i, line in enumerate(lines[:-1]) if line == f"namespace {module} {{"
+               and lines[i + 1].startswith("namespace ptx = tsgen::ptx;")), None)
     entries = entry_points(lines)
 
     def block(shift: int) -> list[str]:
         n = lambda i: i + 1 + shift  # noqa: E731 - a line number of the returned text
         out = ["// Contents (line numbers of this file):"]
         if headers:
-            out.append(f"//   {n(headers[0][0])}: the hand-written library, inlined: "
+            out.append(f"//   {n(headers[0][0])}: the hand-written library, {'inlined' if inlined else 'included'}: "
                        + ", ".join(f"{name} {n(i)}" for i, name in headers))
         if op is not None:
             out.append(f"//   {n(op)}: the op's own code (namespace {module}: constants, tables, device code)")
@@ -129,9 +114,10 @@ def with_contents(text: str, module: str) -> str:
     return "\n".join(lines[:at] + block(size) + lines[at:])
 
 
-def render(spec: LoadedSpec | Lowered, base: Path | None = None, skew: int | str | None = None) -> Rendered:
+def render(spec: LoadedSpec | Lowered, base: Path | None = None, skew: int | str | None = None,
+           amalgamated: bool = False) -> Rendered:
     """Render one spec (lowering it first unless it is lowered already); `base` is the folder
-    spec paths in banners are relative to (lowering's). `skew`: render_source's."""
+    spec paths in banners are relative to (lowering's). `skew`, `amalgamated`: render_source's."""
     lowered = spec if isinstance(spec, Lowered) else lower(spec, base)
-    return Rendered(lowered.name, render_source(lowered, skew), lowered.manifest.to_json(), lowered)
+    return Rendered(lowered.name, render_source(lowered, skew, amalgamated), lowered.manifest.to_json(), lowered)
 

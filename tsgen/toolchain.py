@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from . import procs
 from .env import env_seconds
 from .errors import ToolchainError
+from .headers import include_flags, library_digest
 from .files import (UnsafePath, atomic_write, held_lock, new_file_mode, new_temp, private_folder, sweep_temps,
                     unsafe_entry)
 
@@ -356,7 +357,7 @@ def compile_source(
     source = Path(source)
     nvcc = find_nvcc()
     libs = [find_device_lib(n) for n in link]
-    flags = gencode_flags(arch) + NVCC_FLAGS + list(extra or [])
+    flags = gencode_flags(arch) + NVCC_FLAGS + list(extra or []) + include_flags()
     if libs:
         if mode == "shared":
             raise ToolchainError(f"{source}: modules linked against {', '.join(link)} load as cubins "
@@ -366,10 +367,12 @@ def compile_source(
         text = source.read_bytes()
     except OSError as e:
         raise ToolchainError(f"cannot read {source}: {e.strerror or e}") from None
-    # The key names no install path: the libraries' -I folders go in as their headers' contents.
-    key_flags = [f for f in flags if f not in {f"-I{lib.include}" for lib in libs}]
+    # The key names no install path: the -I folders go in as their headers' contents (of tsgen's
+    # library, the headers the source includes; of a device library, all of them).
+    key_flags = [f for f in flags if f not in {f"-I{lib.include}" for lib in libs} | set(include_flags())]
     key = hashlib.sha256(
-        b"\0".join([text, arch.encode(), mode.encode(), " ".join(key_flags).encode(), nvcc_version(nvcc).encode()]
+        b"\0".join([text, arch.encode(), mode.encode(), " ".join(key_flags).encode(), nvcc_version(nvcc).encode(),
+                    library_digest(text.decode("utf-8", "replace"))]
                    + [_tree_digest(lib.include) for lib in libs] + [_file_digest(lib.archive) for lib in libs])
     ).hexdigest()[:24]
     out_dir = cache_folder()

@@ -1,6 +1,7 @@
 // Vendoring a generated kernel: a plain C++ program (no Python, no tsgen at run time) that
-// includes generated/allgather.cu, lays out each rank's symmetric heap the way the manifest
-// (generated/allgather.json, "buffers") says, builds the peer table, launches every rank
+// includes allgather.cu -- the one-file form of specs/allgather.yaml, tsgen's CUDA headers
+// inlined (`tsgen build --amalgamate`) -- lays out each rank's symmetric heap the way the
+// manifest (allgather.json beside it, "buffers") says, builds the peer table, launches every rank
 // through the generated host launcher, checks the result and times it.
 //
 //   allgather_demo WORLD [COUNT] [CALLS]

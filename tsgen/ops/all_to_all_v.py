@@ -99,7 +99,7 @@ class AllToAllVFamily(OpFamily):
         return {"BLOCKS_PER_PEER": spec.params.blocks_per_peer}
 
     def template_vars(self, spec):
-        return {"plan_header": True, "copy_engine": False}  # tsgen_copy_elems lives in tsgen_plan.cuh
+        return {"plan_header": True, "copy_engine": False}  # tsgen_copy_elems lives in tsgen/plan.cuh
 
     def make_inputs(self, spec, world, count, rng, pattern):
         counts = rng.integers(0, count + 1, size=(world, world), dtype=np.int64)

@@ -21,7 +21,7 @@ launcher, `host_launch`):
   <kernel>_forward(q, k, v, o, lse, batch, q_len, kv_len, q_offset, q_split, q_offset2,
       kv_offset, kv_signal, kv_chunk, kv_expected, blocks, stream): everything at run time.
 
-The kernel (templates/include/tsgen_attention.cuh): a producer warpgroup loads Q once per
+The kernel (templates/include/tsgen/attention.cuh): a producer warpgroup loads Q once per
 128-row tile and K / V blocks into mbarrier rings with TMA (128B-swizzled); two consumer
 warpgroups (64 query rows each) compute S = Q K^T with wgmma, the online softmax in fp32
 registers (exp2, scale * log2 e folded in), and O += P V with P in registers; S of the next
@@ -89,7 +89,7 @@ class AttentionParams(StrictModel):
     kv_wait_scope: Literal["gpu", "sys"] = Field(
         "sys", description="scope of the waits' acquire loads: sys when peers raise the signals")
     kv_wait_diagnostic: bool = Field(
-        False, description="a wait that times out prints who waited for what (tsgen_sync.cuh) before it traps; "
+        False, description="a wait that times out prints who waited for what (tsgen/sync.cuh) before it traps; "
         "the printf is a function call, which makes ptxas serialize every wgmma: for debugging hangs only")
 
 

@@ -15,7 +15,7 @@ k, v [batch, count, kv_heads, head_dim]; bhsd = [batch, heads, count, head_dim];
 ranks in position order), restricted to this rank's rows (see `reference`).
 
 One call (the host launcher, templates/ops/cp_attention.cu.j2 over
-templates/include/tsgen_cp.cuh and tsgen_attention.cuh):
+templates/include/tsgen/cp.cuh and tsgen/attention.cuh):
   * an entry kernel advances the call counter (the epoch) and tells every peer that this
     rank's previous call no longer reads its gathered buffers (FREE);
   * the gather writes this rank's K and V rows into every rank's symmetric k_full / v_full
@@ -202,7 +202,7 @@ class CpAttentionFamily(OpFamily):
     gpu_sweep = None  # tests/test_cp_attention_gpu.py (few heads: its reference is attention over the whole sequence)
     count_unit = "rows"  # S / P positions per rank
     host_launch = True
-    side_streams = True  # tsgen_fused.cuh lanes
+    side_streams = True  # tsgen/fused.cuh lanes
     bench = CpAttentionBench()
     summary = ("context-parallel attention: K and V all-gathered chunk by chunk into symmetric buffers (copy engine "
                "or SM push, a signal per chunk) while the flash-attention kernel waits per chunk; contiguous or "
@@ -223,7 +223,7 @@ class CpAttentionFamily(OpFamily):
         p = spec.params
         problems = AttentionFamily().check(spec)
         if max(spec.world_sizes) > MAX_WORLD:
-            problems.append((("world_sizes",), f"at most {MAX_WORLD} ranks (the signals of tsgen_cp.cuh)"))
+            problems.append((("world_sizes",), f"at most {MAX_WORLD} ranks (the signals of tsgen/cp.cuh)"))
         if min(spec.world_sizes) < 2:
             problems.append((("world_sizes",), "context parallelism needs at least 2 ranks (one GPU: op attention)"))
         if p.layout == "zigzag" and spec.test.count % 2:

@@ -5,9 +5,9 @@ allgather_gemm: A is row-sharded over the ranks (rank r holds A_r, M_local x K),
 and C are sharded by columns (rank r holds B_r, K x N_local, and computes
 C_r = allgather(A) . B_r, (world x M_local) x N_local, source s's rows at
 s x M_local). The run-time `count` is M_local; N_local (`params.n`) and K are
-compile-time. The GEMM is the `gemm` op's kernel (templates/include/tsgen_gemm.cuh)
+compile-time. The GEMM is the `gemm` op's kernel (templates/include/tsgen/gemm.cuh)
 with one batch per source rank and a hook in its producer
-(templates/include/tsgen_fused.cuh):
+(templates/include/tsgen/fused.cuh):
 
   overlap: none         gather first (copy-engine pushes of our shard into every
                         peer's a_full, one signal exchange), then the GEMM;
@@ -104,7 +104,7 @@ class AllgatherGemmFamily(OpFamily):
     variant_worlds = ()  # shapes split over the shipped world sizes only
     count_unit = "rows"  # M_local
     host_launch = True
-    side_streams = True  # tsgen_fused.cuh lanes
+    side_streams = True  # tsgen/fused.cuh lanes
     bench = FusedBench()
     summary = ("C_r = allgather(A) . B_r: A row-sharded, B and C column-sharded; the gather on the copy "
                "engine, overlapped with a TMA + wgmma GEMM whose tiles wait per source rank")

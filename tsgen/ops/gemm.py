@@ -7,7 +7,7 @@ through its transpose bit, so nothing is transposed in memory). The run-time
 `count` is M (any M >= 1); N and K are compile-time constants of the spec.
 Inputs are bfloat16 or float16, accumulation is fp32, C has the input type.
 
-The kernel (templates/include/tsgen_gemm.cuh) is persistent and warp
+The kernel (templates/include/tsgen/gemm.cuh) is persistent and warp
 specialized: one producer warpgroup loads tiles of A and B with TMA into a
 ring of 128B-swizzled shared-memory stages (full/empty mbarriers), one or
 two consumer warpgroups multiply them with wgmma into fp32 registers and

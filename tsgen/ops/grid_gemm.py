@@ -8,7 +8,7 @@ The run-time `count` is the block's rows M/q; the global N and K are compile-tim
 smallest q of the spec (exact for one world size): `a` holds A_ij, `b` B_ij, `c` C_ij at
 their starts.
 
-Both ops are ONE launch of the `gemm` op's kernel (templates/include/tsgen_gemm.cuh) per
+Both ops are ONE launch of the `gemm` op's kernel (templates/include/tsgen/gemm.cuh) per
 call, over K = q panels of K/q, into fp32 registers (bf16 out once): its operands are two
 symmetric scratch buffers, `a_pan` (M/q x K: A's row panel i, panel s in columns
 [s K/q, (s+1) K/q)) and `b_pan` (K x N/q: B's column panel j, panel s in rows
@@ -16,7 +16,7 @@ symmetric scratch buffers, `a_pan` (M/q x K: A's row panel i, panel s in columns
 two side streams, one per operand) while the GEMM runs. Rank (i, j) walks panels
 (i + j) mod q, (i + j + 1) mod q, ... (the K-block hook `k_block` of the producer rotates
 the K loop), and its producer waits for sig[A_READY + s] and sig[B_READY + s] >= epoch
-before its first TMA load of panel s (templates/include/tsgen_grid.cuh, PanelHook).
+before its first TMA load of panel s (templates/include/tsgen/grid.cuh, PanelHook).
 
   cannon  initial skew: rank (i, j) pushes A_ij to (i, j - i) and B_ij to (i - j, j) (both
           land in panel slot j resp. i); then for steps t = 0 .. q - 2 it waits until its
@@ -178,7 +178,7 @@ class CannonFamily(OpFamily):
     variant_worlds = ()  # shapes split over the shipped world sizes only
     count_unit = "rows"  # M/q: the rows of each block
     host_launch = True
-    side_streams = True  # tsgen_grid.cuh lanes
+    side_streams = True  # tsgen/grid.cuh lanes
     bench = GridBench()
     summary = ("C = A . B block-distributed on a sqrt(P) x sqrt(P) grid: Cannon's skew and neighbour shifts on "
                "the copy engine, overlapped with one TMA + wgmma GEMM over K whose producer waits per K panel")

@@ -111,7 +111,7 @@ STATIC_SMEM_LIMIT = 48 * 1024  # bytes of __shared__ arrays a block may declare 
 
 
 def dispatch_static_smem(spec, world: int) -> int:
-    """Bytes of the dispatch kernel's __shared__ arrays (tsgen_moe.cuh) at one world size: normal
+    """Bytes of the dispatch kernel's __shared__ arrays (tsgen/moe.cuh) at one world size: normal
     mode s_total..s_run [W] x 5, s_ecount [E], s_warp [warps][W], s_pos [threads][W], s_mask
     [threads]; low-latency s_warp [warps], s_run, s_pair [threads * topk]. 4 bytes each."""
     p, threads = spec.params, spec.launch.threads

@@ -38,7 +38,7 @@ class CopyParams(ShiftParams, TransportParams):
 
 class NvshmemTransport:
     """Families whose spec has `params.transport`: the nvshmem choice links libnvshmem_device
-    and inlines tsgen_nvshmem.cuh (templates branch on `nvshmem`)."""
+    and inlines tsgen/nvshmem.cuh (templates branch on `nvshmem`)."""
 
     def transport(self, spec: Any) -> str:
         return spec.params.transport
@@ -210,7 +210,7 @@ class RemoteAccessFamily(OpFamily):
         return problems
 
     def helper(self, spec) -> str:
-        """Name of the tsgen_ptx.cuh helper the kernel calls per element."""
+        """Name of the tsgen/ptx.cuh helper the kernel calls per element."""
         p = spec.params
         scope = f"_{p.scope}" if p.scope else ""
         return f"{'st' if self.is_store else 'ld'}_{p.semantics}{scope}_global_{_WIDTH_SUFFIX[p.width]}"

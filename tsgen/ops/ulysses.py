@@ -33,7 +33,7 @@ token) the rows of j's head group are contiguous in the input, and they land at 
 offset r S/P of j's output, contiguous too (bshd: one run of S/P x heads/P x head_dim
 elements per batch; bhsd: one run of S/P x head_dim per head). Rank r's blocks push these
 runs with 16-byte vector loads (read-only path) and stores straight into j's output
-(templates/include/tsgen_ulysses.cuh): every input byte is read once and every output byte
+(templates/include/tsgen/ulysses.cuh): every input byte is read once and every output byte
 written once, no staging buffer and no permute kernel (in packed_qkv with replicated KV
 heads a KV head is read once per rank that receives it).
 

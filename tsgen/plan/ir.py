@@ -1,5 +1,5 @@
 """The plan IR: Slice, SignalRef, Step, Share, RankPlan, CommPlan, `schedule`, and the
-limits of the C tables (the renderer writes them into templates/include/tsgen_plan.cuh's
+limits of the C tables (the renderer writes them into templates/include/tsgen/plan.cuh's
 #defines: tsgen.plan.lower.C_DEFINES). See tsgen/plan/__init__.py."""
 
 from __future__ import annotations

@@ -9,21 +9,21 @@ from dataclasses import dataclass
 
 from .ir import MAX_ALSO, MAX_SIGNALS, MAX_SRCS, MAX_WAITS, CommPlan, Share, Slice, Step
 
-# The limits of the C tables, emitted from the IR's constants: the renderer rewrites each of
-# these `#define`s of the hand-written header it inlines (its own values are the defaults a
-# vendored copy of the header keeps; tests/test_plan.py checks they agree).
+# The limits of the C tables, emitted from the IR's constants: a generated source `#define`s each
+# before it includes the header, whose own `#ifndef` defaults a header used alone keeps
+# (tests/test_plan.py checks they agree).
 C_DEFINES: dict[str, dict[str, int]] = {
-    "tsgen_plan.cuh": {"TSGEN_MAX_SRCS": MAX_SRCS, "TSGEN_MAX_WAITS": MAX_WAITS,
+    "tsgen/plan.cuh": {"TSGEN_MAX_SRCS": MAX_SRCS, "TSGEN_MAX_WAITS": MAX_WAITS,
                        "TSGEN_MAX_SIGNALS": MAX_SIGNALS, "TSGEN_MAX_ALSO": MAX_ALSO},
 }
 
 
 # The layouts of the table structs, (C type, field) in declaration order. The initializers below
 # are built from them (c_init), share_runs' tuples follow share_run, and every render checks that
-# the header declares exactly these fields (emit_defines -> check_structs): the Python rows and
+# the header declares exactly these fields (header_defines -> check_structs): the Python rows and
 # the C structs cannot drift apart unnoticed.
 C_STRUCTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
-    "tsgen_plan.cuh": {
+    "tsgen/plan.cuh": {
         "slice": (("int8_t", "rank"), ("uint8_t", "buf"), ("uint8_t", "read_only"), ("uint8_t", "pieces"),
                   ("uint16_t", "unit"), ("uint16_t", "piece")),
         "step_wait": (("uint8_t", "buf"), ("uint8_t", "pad"), ("uint16_t", "index"), ("uint32_t", "per_call")),
@@ -40,7 +40,7 @@ C_STRUCTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
 
 
 @functools.cache  # c_init asks for every table row: a full build made 250,000 calls
-def field_names(struct: str, header: str = "tsgen_plan.cuh") -> tuple[str, ...]:
+def field_names(struct: str, header: str = "tsgen/plan.cuh") -> tuple[str, ...]:
     """The fields of tsgen::`struct` in declaration order (array extents dropped)."""
     return tuple(re.sub(r"\[.*", "", name) for _, name in C_STRUCTS[header][struct])
 
@@ -81,17 +81,19 @@ def check_structs(header: str, text: str) -> None:
                              f"writes its rows as {want}")
 
 
-def emit_defines(header: str, text: str) -> str:
-    """`text` of templates/include/`header` with every define C_DEFINES lists for it set from
-    Python, after checking its table structs against C_STRUCTS; ValueError when the header has
-    no such `#define NAME <number>` line or declares a struct otherwise."""
+def header_defines(header: str, text: str) -> dict[str, int]:
+    """The `#define`s a generated source sets from Python before it includes templates/include/
+    `header` (C_DEFINES), after checking the header's text: its table structs against C_STRUCTS,
+    and one default `#define NAME <number>` of each (a vendored header alone keeps those); ValueError
+    otherwise."""
     check_structs(header, text)
-    for name, value in C_DEFINES.get(header, {}).items():
-        text, n = re.subn(rf"^#define {name} \d+$", f"#define {name} {value}", text, flags=re.M)
+    defines = C_DEFINES.get(header, {})
+    for name in defines:
+        n = len(re.findall(rf"^#define {name} \d+$", text, flags=re.M))
         if n != 1:
-            raise ValueError(f"templates/include/{header}: no single `#define {name} <number>` line to set "
-                             f"from tsgen.plan (found {n})")
-    return text
+            raise ValueError(f"templates/include/{header}: no single `#define {name} <number>` line, the "
+                             f"default of the value tsgen.plan sets (found {n})")
+    return dict(defines)
 
 # ---------------------------------------------------------------------------
 # Rendering the plan as C tables (used by templates/ops/collective.cu.j2)
@@ -317,7 +319,7 @@ def share_runs(plan, hoist_opening: bool = False) -> list[list[tuple[int, int, i
     """The share table (every rank's blocks' shares, in table order) run-length encoded, per
     rank: runs (step, share, shares, n, dstep, dshare) that stand for the n entries
     {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (tsgen::share_run in
-    tsgen_plan.cuh; the device table is expanded from them at compile time, entry for
+    tsgen/plan.cuh; the device table is expanded from them at compile time, entry for
     entry the table c_tables lists). A block's shares (the ring: steps 1, 2, 3, .. of one
     share) and consecutive blocks (share 0, 1, 2, .. of one step) each make one run."""
     out = []

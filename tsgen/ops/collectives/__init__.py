@@ -7,7 +7,7 @@ Each family builds, for every world size, a CommPlan (tsgen/plan/ir.py): the
 steps every rank takes, the signals between them, and the contributions
 every output slice must end up with. The template renders the plan as
 tables that one interpreter kernel executes (templates/include/
-tsgen_plan.cuh) -- a small plan also as straight-line code making the same
+tsgen/plan.cuh) -- a small plan also as straight-line code making the same
 share calls --, and `tsgen verify` executes the same plan on the CPU.
 
 Conventions (as NCCL's): `count` is elements per rank of the smaller side:

@@ -131,7 +131,7 @@ class CollectiveFamily(OpFamily):
         return self.copy_engine(spec)
 
     def prepares(self, spec: Any) -> bool:
-        return self.copy_engine(spec)  # tsgen_ce.cuh lanes
+        return self.copy_engine(spec)  # tsgen/ce.cuh lanes
 
     def device_libs(self, spec: Any) -> tuple[str, ...]:
         return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
@@ -288,7 +288,7 @@ class CollectiveFamily(OpFamily):
         return problems
 
     def _template_vars(self, spec, plans, straight, abi: ModuleAbi) -> dict[str, Any]:
-        # every collective inlines tsgen_plan.cuh (vector math; the plan interpreter)
+        # every collective inlines tsgen/plan.cuh (vector math; the plan interpreter)
         out = {"plan_header": True, "copy_engine": self.copy_engine(spec), "nvshmem": spec.params.transport == "nvshmem"}
         if self.is_multimem(spec):
             return out

@@ -1,11 +1,11 @@
-// tsgen_nvshmem.cuh -- running a communication plan over NVSHMEM.
+// tsgen/nvshmem.cuh -- running a communication plan over NVSHMEM.
 //
-// Hand-written; inlined into nvshmem-transport collectives after
-// tsgen_plan.cuh. The plan is the same data the p2p interpreter runs
-// (tsgen_plan.cuh) with the same block schedule; only the way bytes and
+// Hand-written; included by nvshmem-transport sources, after tsgen/plan.cuh in
+// collectives (its plan executor is compiled only where TSGEN_PLAN_CUH is defined). The plan is the same data the p2p interpreter runs
+// (tsgen/plan.cuh) with the same block schedule; only the way bytes and
 // signals cross between ranks changes, so the same `tsgen verify` covers it:
 //
-//   plan                          p2p (tsgen_plan.cuh)            nvshmem (here)
+//   plan                          p2p (tsgen/plan.cuh)            nvshmem (here)
 //   copy to a peer + its signal   peer stores; red.release.sys    nvshmemx_putmem_signal_nbi_block(
 //                                                                   ..., NVSHMEM_SIGNAL_ADD, pe)
 //   copy from a peer (pull)       peer loads                      nvshmemx_getmem_block
@@ -28,12 +28,15 @@
 // The primitives with `transport: nvshmem` (put/get at warp and block level,
 // simple_shift, barrier_all) use the first part only: the PE check, the
 // bounded signal wait and the all-PE barrier; the plan executor below needs
-// tsgen_plan.cuh and is compiled only after it.
+// tsgen/plan.cuh and is compiled only after it.
 #ifndef TSGEN_NVSHMEM_CUH
 #define TSGEN_NVSHMEM_CUH
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
 
 namespace tsgen {
 namespace nvshmem {

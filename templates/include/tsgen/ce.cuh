@@ -1,8 +1,8 @@
-// tsgen_ce.cuh -- running a communication plan on the copy engines.
+// tsgen/ce.cuh -- running a communication plan on the copy engines.
 //
-// Hand-written; inlined into copy-engine collectives after tsgen_plan.cuh.
+// Hand-written; included by copy-engine collectives (it includes tsgen/plan.cuh).
 //
-// The plan is the same data the interpreter kernel runs (tsgen_plan.cuh),
+// The plan is the same data the interpreter kernel runs (tsgen/plan.cuh),
 // scheduled over streams instead of blocks: every copy step is one
 // cudaMemcpyAsync between peer mappings (the DMA engines move the bytes, no
 // SM is busy), every reduce step is a kernel over the whole grid, and the
@@ -19,6 +19,10 @@
 #include <stdint.h>
 
 #include <mutex>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/plan.cuh"
 
 #define TSGEN_CE_MAX_STREAMS 32
 #define TSGEN_CE_MAX_RANKS 64

@@ -1,9 +1,9 @@
-// tsgen_gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
+// tsgen/gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
-// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
+// Hand-written; included by generated gemm sources (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen/ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -56,6 +56,9 @@
 #include <atomic>
 #include <type_traits>
 #include <utility>  // std::declval
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
 
 namespace tsgen {
 namespace gemm {

@@ -1,8 +1,8 @@
-// tsgen_ulysses.cuh -- the Ulysses all-to-alls: a head group of every local token pushed
+// tsgen/ulysses.cuh -- the Ulysses all-to-alls: a head group of every local token pushed
 // into a peer's full-sequence tensor (pre), or a token range of the local full-sequence tensor
 // pushed into a peer's sequence shard (post), the transpose done by the addressing.
 //
-// Hand-written; inlined after tsgen_copy.cuh into the sources of ops ulysses_pre_a2a and
+// Hand-written; included by the sources of ops ulysses_pre_a2a and
 // ulysses_post_a2a (tsgen/ops/ulysses.py says what moves where and why it pushes).
 //
 // Everything moves as 16-byte vectors (head_dim x itemsize is a multiple of 16; symmetric
@@ -14,6 +14,10 @@
 #define TSGEN_ULYSSES_CUH
 
 #include <stdint.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/copy.cuh"
 
 namespace tsgen {
 namespace ulysses {

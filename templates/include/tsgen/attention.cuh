@@ -1,8 +1,8 @@
-// tsgen_attention.cuh -- a warp-specialized Hopper (sm_90a) flash-attention forward:
+// tsgen/attention.cuh -- a warp-specialized Hopper (sm_90a) flash-attention forward:
 //   O = softmax(scale * Q K^T (+ causal mask)) V, and LSE = log(sum(exp(scale * Q K^T)))
 // per (query, head), 16-bit Q, K, V, O, fp32 accumulation and softmax, fp32 LSE.
 //
-// Hand-written; inlined into generated attention sources after tsgen_gemm.cuh, whose PTX
+// Hand-written; included by generated attention sources. It includes tsgen/gemm.cuh, whose PTX
 // wrappers (mbarriers, TMA, wgmma fences and descriptors, setmaxnreg, pack2) it uses. The
 // op's template supplies a `Config` struct: the sizes as constexpr members, the element
 // type, and two wgmma instructions: `mma_qk` (S = Q K^T, both operands in shared memory)
@@ -55,6 +55,10 @@
 #define TSGEN_ATTENTION_CUH
 
 #include <math.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/gemm.cuh"
 
 namespace tsgen {
 namespace attention {

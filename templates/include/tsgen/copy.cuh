@@ -1,6 +1,6 @@
-// tsgen_copy.cuh -- put / get at warp and block granularity.
+// tsgen/copy.cuh -- put / get at warp and block granularity.
 //
-// Hand-written; inlined into every generated source after tsgen_sync.cuh.
+// Hand-written; included by every generated source.
 //
 // A copy is split among `nthreads` cooperating threads (a warp, a block, or
 // a whole grid). The body moves 16-byte vectors, UNROLL loads in flight per
@@ -16,6 +16,8 @@
 #define TSGEN_COPY_CUH
 
 #include <stdint.h>
+
+#include "tsgen/ptx.cuh"
 
 namespace tsgen {
 

@@ -1,10 +1,10 @@
-// tsgen_fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
+// tsgen/fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
 // gemm_reduce_scatter): the producer hook that makes GEMM tiles wait for their source's
 // rows, the hook that signals finished row blocks (gemm_reduce_scatter), the reduce
 // kernel body, the one-block sync kernel body (entry / wait / signal), and the side
 // streams of the host launcher.
 //
-// Hand-written; inlined into fused sources after tsgen_gemm.cuh.
+// Hand-written; included by fused sources (it includes tsgen/gemm.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's GEMM no longer
@@ -24,6 +24,10 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/gemm.cuh"
 
 namespace tsgen {
 namespace fused {
@@ -448,6 +452,89 @@ struct MapCache {
     return e;
   }
 };
+
+// ---------------------------------------------------------------------------
+// Host side of one call of an allgather_gemm op (its NAME_wW_launch) and its prepare.
+// ---------------------------------------------------------------------------
+// C: the GEMM's Config at world size WORLD (templates/ops/allgather_gemm.cu.j2); OVERLAPPED: the
+// copies on side streams, the GEMM waiting per source (else gathered first, then one GEMM);
+// RESERVE_SMS: SMs the persistent GEMM leaves to the copy and signal kernels. GEMM and SYNC are
+// world size WORLD's kernels.
+template <class C, bool OVERLAPPED, int RESERVE_SMS, int WORLD, auto GEMM, auto SYNC, class T>
+static cudaError_t allgather_gemm_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls,
+                                         uint64_t count, T* a, T* b, T* c, T* a_full, uint64_t* sig,
+                                         cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  if (count > tsgen::gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  const uint32_t rows = (uint32_t)count;
+  // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
+  thread_local MapCache<4> cache;
+  const void* const key[6] = {a, a_full, b, c, (const void*)(uintptr_t)count, (const void*)(uintptr_t)rank};
+  auto* maps = cache.find(key);
+  if (!maps) {
+    maps = cache.slot(key);
+    using L = tsgen::gemm::Layout<C>;
+    constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[2], dtype, b, C::K, C::N, C::TILE_K));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[3], dtype, c, rows, C::N, 64, WORLD, true));
+    maps->valid = true;
+  }
+  unsigned grid;
+  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, RESERVE_SMS, &grid));
+  const size_t shard = (size_t)rows * C::K * sizeof(typename C::Element);
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
+  TSGEN_FUSED_TRY(cudaGetLastError());
+  [[maybe_unused]] Lanes* l = nullptr;  // the side streams: OVERLAPPED only
+  if constexpr (OVERLAPPED) {
+    TSGEN_FUSED_TRY(lanes(rank, &l));
+    TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
+    SYNC<<<1, 32, 0, l->copy>>>(peers, rank, calls, sig, WAIT_FREE, 0);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    for (int i = 1; i < WORLD; ++i) {  // rank - 1 first: its GEMM needs our rows right after its own
+      const int peer = (rank - i + WORLD) % WORLD;
+      char* dst = host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
+      TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy));
+      TSGEN_FUSED_TRY(cudaEventRecord(l->copied[i], l->copy));
+      TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
+      SYNC<<<1, 32, 0, l->signal>>>(peers, rank, calls, sig, SIGNAL, peer);
+      TSGEN_FUSED_TRY(cudaGetLastError());
+    }
+  } else {
+    SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    for (int i = 1; i < WORLD; ++i) {
+      const int peer = (rank - i + WORLD) % WORLD;
+      char* dst = host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
+      TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, stream));
+    }
+    SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+  }
+  GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
+      maps->maps[0], maps->maps[1], maps->maps[2], maps->maps[3], calls, sig, rank, count);
+  TSGEN_FUSED_TRY(cudaGetLastError());
+  if constexpr (OVERLAPPED) {
+    TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
+    TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
+  }
+  return cudaSuccess;
+}
+
+// Rank `rank`'s GEMM shared-memory opt-in (and with OVERLAPPED its side streams), made on `device`
+// before any rank's first call (the manifest's "prepare"; see lanes).
+template <class C, bool OVERLAPPED, int WORLD, auto GEMM>
+static cudaError_t allgather_gemm_prepare(int rank, int device) {
+  TSGEN_FUSED_TRY(prepare_rank(WORLD, rank, device, OVERLAPPED));
+  int ctas;
+  return tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas);
+}
 
 }  // namespace fused
 }  // namespace tsgen

@@ -1,6 +1,6 @@
-// tsgen_plan.cuh -- the interpreter of communication plans.
+// tsgen/plan.cuh -- the interpreter of communication plans.
 //
-// Hand-written; inlined into every collective after tsgen_copy.cuh.
+// Hand-written; included by every collective.
 //
 // A plan is data (see tsgen/plan.py): per rank a list of steps, per block
 // the list of step shares it executes in order. A share: wait until every
@@ -17,10 +17,24 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/copy.cuh"
+
+// The table limits: a generated source defines them from tsgen.plan.ir before its includes;
+// these defaults, the same values, serve this header used alone.
+#ifndef TSGEN_MAX_SRCS
 #define TSGEN_MAX_SRCS 8
+#endif
+#ifndef TSGEN_MAX_WAITS
 #define TSGEN_MAX_WAITS 8
+#endif
+#ifndef TSGEN_MAX_SIGNALS
 #define TSGEN_MAX_SIGNALS 8
+#endif
+#ifndef TSGEN_MAX_ALSO
 #define TSGEN_MAX_ALSO 7
+#endif
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 

@@ -1,9 +1,9 @@
-// tsgen_grid.cuh -- the communication side of the process-grid GEMMs (cannon, summa):
+// tsgen/grid.cuh -- the communication side of the process-grid GEMMs (cannon, summa):
 // the producer hook that rotates the GEMM's K loop and waits per K panel, the one-block
 // sync kernel body (entry / wait free / signal / wait ready), the copy schedule's table
 // entry and the side streams of the host launcher.
 //
-// Hand-written; inlined into grid GEMM sources after tsgen_gemm.cuh.
+// Hand-written; included by grid GEMM sources (it includes tsgen/gemm.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]      = e: rank s has entered call e (its previous GEMM, which read its
@@ -19,6 +19,10 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/gemm.cuh"
 
 namespace tsgen {
 namespace grid {

@@ -1,18 +1,21 @@
-// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+// tsgen/sync.cuh -- signals, waits with timeouts, and barriers.
 //
-// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+// Hand-written; included by every generated source.
 //
 // Signals are 64-bit epoch counters that only grow: call number `epoch`
 // (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
 // waiter waits for that value, so back-to-back calls and CUDA graph replay
-// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
-// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
-// waited for what and traps: a hang becomes an error with a diagnosis.
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS: a
+// generated source #defines it from the spec's sync.timeout_ms before its
+// includes, else 10 s; 0 = wait forever) after which it prints who waited for
+// what and traps: a hang becomes an error with a diagnosis.
 #ifndef TSGEN_SYNC_CUH
 #define TSGEN_SYNC_CUH
 
 #include <stdint.h>
 #include <stdio.h>
+
+#include "tsgen/ptx.cuh"
 
 #ifndef TSGEN_TIMEOUT_NS
 #define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
@@ -164,8 +167,8 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
-// Host launchers with side streams ("lanes": streams and events per rank, in tsgen_ce.cuh,
-// tsgen_fused.cuh, tsgen_grid.cuh): made on one device, never used on another. Sets `device`
+// Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
+// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
 // to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
 // are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {

@@ -1,8 +1,7 @@
-// tsgen_ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
+// tsgen/ptx.cuh -- hand-written PTX helpers: loads, stores, atomics,
 // reductions and fences with their memory-model semantics spelled out.
 //
-// Hand-written; inlined first into every generated source (before
-// tsgen_sync.cuh and tsgen_copy.cuh).
+// Hand-written; included by every generated source and by the other tsgen headers.
 //
 // Everything the tsgen headers declare is in namespace tsgen (this file:
 // tsgen::ptx, in scope in all of tsgen); a generated op calls these helpers

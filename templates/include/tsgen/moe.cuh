@@ -1,6 +1,6 @@
-// tsgen_moe.cuh -- MoE expert-parallel dispatch and combine: normal mode (bf16 or fp8 rows) and low-latency mode.
+// tsgen/moe.cuh -- MoE expert-parallel dispatch and combine: normal mode (bf16 or fp8 rows) and low-latency mode.
 //
-// Hand-written; inlined into generated MoE sources after tsgen_copy.cuh.
+// Hand-written; included by generated MoE sources.
 //
 // Experts are placed in contiguous runs: rank d holds experts [d * L, (d + 1) * L), L = E / W.
 // A token goes to rank d once when any of its top-k experts lives there ("its destination
@@ -37,7 +37,12 @@
 #ifndef TSGEN_MOE_CUH
 #define TSGEN_MOE_CUH
 
+#include <cuda_bf16.h>
 #include <stdint.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/copy.cuh"
 
 namespace tsgen {
 namespace moe {

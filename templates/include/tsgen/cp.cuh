@@ -1,9 +1,9 @@
-// tsgen_cp.cuh -- the communication side of context-parallel attention (cp_attention): where
+// tsgen/cp.cuh -- the communication side of context-parallel attention (cp_attention): where
 // each rank's K and V rows go in every rank's gathered buffers, the SM push kernel body, the
-// one-block signal kernel body. The attention kernel is tsgen_attention.cuh's, with its
-// per-KV-chunk waits; the side streams and the entry / FREE exchange are tsgen_fused.cuh's.
+// one-block signal kernel body. The attention kernel is tsgen/attention.cuh's, with its
+// per-KV-chunk waits; the side streams and the entry / FREE exchange are tsgen/fused.cuh's.
 //
-// Hand-written; inlined into cp_attention sources after tsgen_attention.cuh and tsgen_fused.cuh.
+// Hand-written; included by cp_attention sources after tsgen/attention.cuh (it includes tsgen/fused.cuh).
 //
 // Signals (u64 counters that only grow, in the `sig` buffer of every rank):
 //   sig[FREE + s]  = e: rank s has entered call e, so its previous call's attention no longer
@@ -25,6 +25,13 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <stdio.h>
+
+#include "tsgen/ptx.cuh"
+#include "tsgen/sync.cuh"
+#include "tsgen/attention.cuh"
+#include "tsgen/fused.cuh"
 
 namespace tsgen {
 namespace cp {
@@ -145,6 +152,109 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
   if (threadIdx.x != 0) return;
   uint64_t* at = peer_ptr(sig, peers, rank, target);
   for (int s = 0; s < segments(g); ++s) st_release_sys_global_u64(at + READY + segment(g, rank, target, s).chunk, epoch);
+}
+
+// ---------------------------------------------------------------------------
+// Host side: one call of a cp_attention op (its NAME_wW_launch) and its prepare.
+// ---------------------------------------------------------------------------
+// `Op` is what the generated source says of the op (templates/ops/cp_attention.cu.j2, struct Host):
+//   NAME (for messages), BATCH, CAUSAL, ZIGZAG, SKIP_WAIT, BLOCKS (launch.blocks, 0: every SM but
+//   RESERVE_SMS), RESERVE_SMS, SM_GATHER (push kernel, else the copy engine), GATHER_BLOCKS,
+//   GATHER_THREADS, SIGNAL_CHUNKS (the sync kernel's mode beside fused::SyncMode's), the
+//   attention `Config`, and geometry(world, count).
+// SYNC, PUSH (nullptr without SM_GATHER) and ATTENTION are the kernels of world size WORLD.
+
+// A call the launcher refuses before it starts anything, with what and where on stderr.
+template <class Op>
+static cudaError_t refused(int world, int rank, uint64_t count, const char* why, cudaError_t err) {
+  fprintf(stderr, "tsgen: %s_w%d_launch: rank %d, count %llu: %s\n", Op::NAME, world, rank, (unsigned long long)count,
+          why);
+  return err;
+}
+
+template <class Op, int WORLD, auto SYNC, auto PUSH, auto ATTENTION, class T>
+static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count,
+                          T* q, T* k, T* v, T* o, float* lse, T* k_full, T* v_full, uint64_t* sig,
+                          cudaStream_t stream) {
+  using namespace tsgen::fused;
+  if constexpr (Op::SM_GATHER) (void)peers_host;  // the push kernel addresses peers through the device table
+  if (count == 0) return cudaSuccess;
+  if (rank < 0 || rank >= WORLD) return refused<Op>(WORLD, rank, count, "rank out of range", cudaErrorInvalidValue);
+  if (count > tsgen::attention::MAX_LEN / WORLD)
+    return refused<Op>(WORLD, rank, count, "more rows per rank than tsgen::attention::MAX_LEN / world",
+                       cudaErrorInvalidValue);
+  if (Op::ZIGZAG && count % 2)
+    return refused<Op>(WORLD, rank, count, "zig-zag needs an even row count (two chunks of count / 2)",
+                       cudaErrorInvalidValue);
+  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  const Geometry g = Op::geometry(WORLD, count);
+  int device, sms;
+  TSGEN_FUSED_TRY(cudaGetDevice(&device));
+  TSGEN_FUSED_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // The persistent attention CTAs take whole SMs and wait for the gather: they must leave its SMs free.
+  const int grid = Op::BLOCKS ? Op::BLOCKS : sms - Op::RESERVE_SMS;
+  if (grid < 1 || grid > sms - Op::RESERVE_SMS)
+    return refused<Op>(WORLD, rank, count, "the attention grid (launch.blocks) must leave the gather's SMs free",
+                       cudaErrorLaunchOutOfResources);
+  // query positions: causal contiguous from rank x count; zig-zag two chunks; not causal: any
+  const int64_t c = (int64_t)count, half = c / 2;
+  const int64_t q_offset = !Op::CAUSAL ? 0 : Op::ZIGZAG ? rank * half : rank * c;
+  const int64_t q_split = Op::CAUSAL && Op::ZIGZAG ? half : c;
+  const int64_t q_offset2 = Op::CAUSAL && Op::ZIGZAG ? (2 * WORLD - 1 - rank) * half : 0;
+  const int unwaited = Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
+  TSGEN_FUSED_TRY(cudaGetLastError());
+  Lanes* l;
+  TSGEN_FUSED_TRY(lanes(rank, &l));
+  TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
+  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
+  if constexpr (Op::SM_GATHER) {
+    PUSH<<<Op::GATHER_BLOCKS, Op::GATHER_THREADS, 0, l->copy>>>(peers, rank, calls, sig, k, v, k_full, v_full, count);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+  } else {
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
+    SYNC<<<1, 32, 0, l->copy>>>(peers, rank, calls, sig, WAIT_FREE, 0, count);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    const size_t src_pitch = (size_t)count * g.row_bytes, dst_pitch = WORLD * src_pitch;
+    for (int i = 0; i < WORLD; ++i) {  // ourselves first, then rank + 1 (it reads our rows right after its own), ...
+      const int d = (rank + i) % WORLD;
+      char* kd = host_peer_ptr((char*)k_full, peers_host, rank, d);
+      char* vd = host_peer_ptr((char*)v_full, peers_host, rank, d);
+      for (int s = 0; s < segments(g); ++s) {
+        const Segment x = segment(g, rank, d, s);
+        const size_t width = (size_t)x.rows * g.row_bytes, from = (size_t)x.src_row * g.row_bytes,
+                     to = (size_t)x.dst_row * g.row_bytes;
+        TSGEN_FUSED_TRY(cudaMemcpy2DAsync(kd + to, dst_pitch, (const char*)k + from, src_pitch, width, g.lines,
+                                          cudaMemcpyDefault, l->copy));
+        TSGEN_FUSED_TRY(cudaMemcpy2DAsync(vd + to, dst_pitch, (const char*)v + from, src_pitch, width, g.lines,
+                                          cudaMemcpyDefault, l->copy));
+      }
+      TSGEN_FUSED_TRY(cudaEventRecord(l->copied[i], l->copy));
+      TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
+      SYNC<<<1, 32, 0, l->signal>>>(peers, rank, calls, sig, Op::SIGNAL_CHUNKS, d, count);
+      TSGEN_FUSED_TRY(cudaGetLastError());
+    }
+  }
+  // Its error (if any) is returned after the side streams are joined back into `stream`: a
+  // capture must not end with a fork open.
+  const cudaError_t launched = tsgen::attention::launch<typename Op::Config>(
+      ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
+      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited);
+  TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
+  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
+  if constexpr (!Op::SM_GATHER) {
+    TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
+  }
+  return launched;
+}
+
+// Rank `rank`'s side streams and the attention kernel's shared-memory opt-in, made on `device`
+// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
+template <class Op, auto ATTENTION>
+static cudaError_t prepare(int world, int rank, int device) {
+  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
+  return tsgen::attention::prepare<typename Op::Config>(reinterpret_cast<const void*>(ATTENTION));
 }
 
 }  // namespace cp
