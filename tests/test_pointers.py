@@ -20,11 +20,7 @@ TOP = ("tsgen", "tools", "specs", "suites", "examples", "docs", "templates", "te
 PATH = re.compile(r"[\w./{}<>*$-]+")
 PLACEHOLDER = re.compile(r"(^|/)(NAME|OP|SUITE)(\.|/|$)|[{}<>*$]")  # generated/NAME.cu, results/<op>/...
 # named in a section of the README that is not this test's to edit: (path, why it is still there)
-KNOWN_STALE: dict[str, str] = {
-    f"templates/include/tsgen_{name}.cuh": f"now templates/include/tsgen/{name}.cuh (issue 32); the README is "
-    "rewritten in parallel (issue 32 item 5), which drops or renames these paths"
-    for name in ("attention", "nvshmem", "plan")
-}
+KNOWN_STALE: dict[str, str] = {}
 # tsgen's CUDA headers are named as they are included, "tsgen/ptx.cuh": below templates/include/
 INCLUDE_NAME = re.compile(r"tsgen/\w+\.cuh")
 

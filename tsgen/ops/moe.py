@@ -248,7 +248,7 @@ class MoeFamily(OpFamily):
     def torch_entries(self, constants, world, buffers):
         """The module as tsgen.torch ops (tsgen/torch/signature.py): its dispatch and combine host
         launchers (`<kernel>_dispatch_launch`, `<kernel>_combine_launch`) as two ops on one heap, called
-        in turn (dispatch, combine, dispatch, ...: the kernels' protocol, tsgen_moe.cuh). A dict:
+        in turn (dispatch, combine, dispatch, ...: the kernels' protocol, tsgen/moe.cuh). A dict:
         entries: entry -> {tensor: (dims, count dim, how)}, how "in" (copied into its buffer), "out"
         (copied out of it), "shape" (checked only: combine's topk_idx, whose buffer keeps the
         dispatch's) or "arg:<dtype>" (passed by pointer after the buffers: combine's y, read in place);

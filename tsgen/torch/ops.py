@@ -513,7 +513,7 @@ def close_all() -> None:
 
 
 def timeout_lines(printed: str) -> list[str]:
-    """The timeout diagnoses a tsgen kernel printed (tsgen_sync.cuh's timeout_trap), in order."""
+    """The timeout diagnoses a tsgen kernel printed (tsgen/sync.cuh's timeout_trap), in order."""
     return [line.strip() for line in printed.splitlines() if line.lstrip().startswith("tsgen: timeout")]
 
 
