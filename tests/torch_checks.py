@@ -37,11 +37,12 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   collective twin to compare with, so every rank makes every rank's input itself (`pattern`: small
   integers from the rank and the call number, every sum exact in bf16) and the reference locally
   (`local_*`); outputs poisoned before every call. Per heap mode (--heaps, default $TSGEN_TORCH_HEAP,
-  else ipc then symm_mem; symm_mem with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1): allgather, reduce_scatter, all_to_all and the
-  Ulysses pre / post pair, 20 back-to-back calls each with fresh data (checked after the last);
-  allgather -> reduce_scatter in a CUDA graph, 20 replays with fresh data, every replay checked.
-  Where torch's symmetric memory refuses ranks sharing a GPU, `CHECK shared_symm_mem_heap SKIP`
-  says why and the ipc checks are the ones that count.
+  else ipc then symm_mem; symm_mem with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1): allgather,
+  reduce_scatter, all_to_all and the Ulysses pre / post pair, 20 back-to-back calls each with fresh
+  data (checked after the last); allgather -> reduce_scatter in a CUDA graph, 20 replays with fresh
+  data, every replay checked. Where torch's symmetric memory cannot make the heaps, `CHECK
+  shared_symm_mem_heap SKIP` says why and the ipc checks are the ones that count. Before any tsgen
+  kernel every rank runs tsgen's printf primer (prime_printf says why).
 Exit code 1 when a check fails.
 """
 
@@ -749,9 +750,35 @@ def shared_checks(mode: str, group) -> None:
             return counts
 
         wrong_y, wrong_z = replayed(call, refill, wrong, 20)
-        return wrong_y == 0 and wrong_z == 0, f"20 replays: {wrong_y} wrong allgather, {wrong_z} wrong reduce_scatter elements"
+        return wrong_y == 0 and wrong_z == 0, \
+            f"20 replays: {wrong_y} wrong allgather, {wrong_z} wrong reduce_scatter elements"
 
     graph()
+
+
+def prime_printf(dev: int) -> None:
+    """Launch tsgen's printf primer (tsgen/runtime/world.py) once in this process and wait for it,
+    before any tsgen kernel: the first printf kernel of a context waits for every kernel already
+    running on the GPU (docs/lab/shared_gpu.md, measured in one process), and a rank's first tsgen
+    kernel (they printf their timeout diagnosis) must not wait for a peer's spinning one. Whether
+    that wait crosses MPS clients is not measured: a precaution, as a shared CuPy World takes it.
+    Driver API through ctypes, in torch's (primary) context."""
+    import ctypes
+
+    from tsgen.runtime.world import _PRIME_SOURCE
+    from tsgen.toolchain import compile_source, write_cached
+    from tsgen.torch.heap import _Driver
+    from tsgen.torch.ops import _arch
+
+    cubin = compile_source(write_cached(("runtime",), "tsgen_prime_printf.cu", _PRIME_SOURCE), arch=_arch(dev)).output
+    torch.zeros(1, device=f"cuda:{dev}")  # torch's context current on this thread
+    drv, module, fn = _Driver(), ctypes.c_void_p(), ctypes.c_void_p()
+    drv.call("cuModuleLoad", ctypes.byref(module), str(cubin).encode())
+    drv.call("cuModuleGetFunction", ctypes.byref(fn), module, b"tsgen_prime_printf")
+    arg = ctypes.c_int(1)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p))
+    drv.call("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+    torch.cuda.synchronize(dev)
 
 
 def shared(modes: list[str]) -> None:
@@ -766,9 +793,18 @@ def shared(modes: list[str]) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     w = dist.get_world_size()
     ok = share_from_env() and mps_active()
-    report("shared_setup", ok, f"cuda:{dev} of {torch.cuda.device_count()} visible, world {w}, TSGEN_SHARE_GPUS="
-           f"{os.environ.get('TSGEN_SHARE_GPUS', '')!r}, MPS {'on' if mps_active() else 'off'}, "
-           f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'driver default')}")
+    primed = "printf primed"
+    if ok:
+        try:
+            prime_printf(dev)
+        except Exception as e:  # noqa: BLE001 - this rank's FAIL, agreed below
+            traceback.print_exc()
+            ok, primed = False, f"printf primer: {type(e).__name__}: {e}"
+    # every rank primed (and waited for it) before any rank loads a tsgen op: report is a collective
+    ok = report("shared_setup", ok, f"cuda:{dev} of {torch.cuda.device_count()} visible, world {w}, "
+                f"TSGEN_SHARE_GPUS={os.environ.get('TSGEN_SHARE_GPUS', '')!r}, MPS {'on' if mps_active() else 'off'}, "
+                f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'driver default')}, "
+                f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '')}, {primed}")
     if ok:
         for mode in modes:
             try:
