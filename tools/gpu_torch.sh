@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 31 on GPUs: tsgen kernels as torch ops (tsgen.torch), one process per GPU under torchrun.
-# Needs 2 GPUs (the shared step alone: 1), torch with CUDA, nvcc (and pydantic: carry it in .whl/ where the image lacks it,
-# docs/running.md). One command; every step has a timeout and the script starts no step
+# Needs 2 GPUs (the shared step alone: 1), torch with CUDA, nvcc (and pydantic: carry it in .whl/
+# where the image lacks it, docs/running.md). One command; every step has a timeout and the script starts no step
 # after BUDGET s (default 540), so it ends inside a 10-minute device call. Logs under $OUT/torch;
 # the CHECK / TIME table ($OUT/torch_checks.md) and the steps' PASS/FAIL table ($OUT/torch_summary.md)
 # last. NVLink multicast stays off
