@@ -697,3 +697,57 @@ def test_launcher_plumbing_without_a_driver():
     assert by_name["calls"] == base and by_name["dst"] == base + {s.name: s.offset for s in slots}["dst"]
     err = launch(*launcher_cargs(kernel.launcher_args, values), ctypes.c_void_p(0))
     assert err != 0  # a cudaError_t, returned rather than crashed
+
+
+# -- tests/torch_checks.py --shared: the parts that need no GPU -------------------------------------
+
+def torch_checks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_checks", ROOT / "tests" / "torch_checks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def simulated_all_to_all(sends: list[torch.Tensor]) -> list[torch.Tensor]:
+    """all_to_all_single of every rank's [W, ...] send buffer, in one process: rank j receives
+    source r's slot j at its slot r."""
+    return [torch.stack([send[j] for send in sends]) for j in range(len(sends))]
+
+
+def test_shared_device_and_pattern():
+    tc = torch_checks()
+    assert [tc.shared_device(r, 1) for r in range(4)] == [0, 0, 0, 0]
+    assert [tc.shared_device(r, 2) for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        tc.shared_device(0, 0)
+    xs = [tc.pattern(r, c, (6, 5, 7)) for r in range(8) for c in range(3)]
+    assert all(x.dtype == BF16 and x.shape == (6, 5, 7) for x in xs)
+    assert all(bool((x == x.float().round()).all()) and x.abs().max() <= 8 for x in xs)  # small integers
+    assert len({tuple(x.flatten().tolist()) for x in xs}) == len(xs)  # every rank and call its own data
+    total = torch.stack(xs[:8]).float().sum(0)
+    assert torch.equal(total.to(BF16).float(), total)  # a sum over 8 ranks is exact in bf16
+
+
+def test_shared_local_references():
+    """The local references against what the collectives mean: allgather then reduce_scatter gives W
+    times the own rows; all_to_all twice is the identity; Ulysses pre against the twin's reshape /
+    permute formula (examples/torch/twins.py) over a simulated all_to_all, post its inverse."""
+    tc = torch_checks()
+    w = 4
+    xs = [tc.pattern(r, 1, (6, 5)) for r in range(w)]
+    gathered = [tc.local_allgather(xs, r) for r in range(w)]
+    assert all(torch.equal(g, torch.cat(xs)) for g in gathered)
+    assert all(torch.equal(tc.local_reduce_scatter(gathered, r), xs[r] * w) for r in range(w))
+    ys = [tc.pattern(r, 2, (w * 3, 5)) for r in range(w)]
+    once = [tc.local_all_to_all(ys, r) for r in range(w)]
+    assert torch.equal(once[1][:3], ys[0][3:6])  # rank 1 gets rank 0's chunk 1 first
+    assert all(torch.equal(tc.local_all_to_all(once, r), ys[r]) for r in range(w))
+    b, s, h, d = 2, 3, 8, 4
+    shards = [tc.pattern(r, 3, (b, s, h, d)) for r in range(w)]
+    recv = simulated_all_to_all([x.reshape(b, s, w, h // w, d).permute(2, 0, 1, 3, 4) for x in shards])
+    twin = [t.permute(1, 0, 2, 3, 4).reshape(b, w * s, h // w, d) for t in recv]
+    pre = [tc.local_ulysses_pre(shards, r) for r in range(w)]
+    assert all(torch.equal(p, t) for p, t in zip(pre, twin))
+    assert all(torch.equal(tc.local_ulysses_post(pre, r), shards[r]) for r in range(w))

@@ -3,6 +3,7 @@ tests/test_torch_gpu.py where there are 2 GPUs and torch):
 
     torchrun --nproc-per-node 2 tests/torch_checks.py            # the checks, NCCL group
     torchrun --nproc-per-node 2 tests/torch_checks.py --probe    # a peer that never arrives, gloo group
+    TSGEN_SHARE_GPUS=1 torchrun --nproc-per-node 4 tests/torch_checks.py --shared   # 4 ranks, one GPU, MPS
 
 Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's detail):
   fused_*: allgather_gemm / gemm_reduce_scatter (the specs examples/torch/tp_mlp.py loads) against
@@ -29,6 +30,19 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   take the process down), then rank 1 stops calling: rank 0's kernel waits for it, times out after
   the spec's sync.timeout_ms (10 s), traps, and tsgen.torch.synchronize() must raise the kernel's
   diagnosis as an error on rank 0.
+--shared: W ranks (W 4 under tools/gpu_torch.sh) sharing the visible GPUs (rank on GPU
+  LOCAL_RANK % GPUs: all on one GPU where one is visible), a gloo group (NCCL refuses two ranks on
+  one GPU; no NCCL anywhere), TSGEN_SHARE_GPUS=1 and an MPS daemon running (without MPS the ranks'
+  processes are time-sliced and their kernels never resident together: tsgen.torch refuses). No
+  collective twin to compare with, so every rank makes every rank's input itself (`pattern`: small
+  integers from the rank and the call number, every sum exact in bf16) and the reference locally
+  (`local_*`); outputs poisoned before every call. Per heap mode (--heaps, default $TSGEN_TORCH_HEAP,
+  else ipc then symm_mem; symm_mem with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1): allgather,
+  reduce_scatter, all_to_all and the Ulysses pre / post pair, 20 back-to-back calls each with fresh
+  data (checked after the last); allgather -> reduce_scatter in a CUDA graph, 20 replays with fresh
+  data, every replay checked. Where torch's symmetric memory cannot make the heaps, `CHECK
+  shared_symm_mem_heap SKIP` says why and the ipc checks are the ones that count. Before any tsgen
+  kernel every rank runs tsgen's printf primer (prime_printf says why).
 Exit code 1 when a check fails.
 """
 
@@ -58,14 +72,15 @@ SHAPES = [(262147,), (1024, 513), (6, 5, 7), (2,)]  # odd sizes: element-wise ta
 RESULTS: list[bool] = []
 
 
-def report(name: str, ok: bool, detail: str = "", group=None) -> bool:
-    """Gather every rank's (ok, detail); rank 0 prints one CHECK line."""
+def report(name: str, ok: bool, detail: str = "", group=None, word: str = "PASS") -> bool:
+    """Gather every rank's (ok, detail); rank 0 prints one CHECK line (`word` where every rank is ok:
+    SKIP for a check that could not run, with the reason in the detail)."""
     results = [None] * dist.get_world_size(group)
     dist.all_gather_object(results, (bool(ok), f"r{dist.get_rank()}: {detail}" if detail else ""), group=group)
     all_ok = all(r[0] for r in results)
     if dist.get_rank() == 0:
         text = "; ".join(r[1] for r in results if r[1])
-        print(f"CHECK {name} {'PASS' if all_ok else 'FAIL'} {text}".rstrip(), flush=True)
+        print(f"CHECK {name} {word if all_ok else 'FAIL'} {text}".rstrip(), flush=True)
     RESULTS.append(all_ok)
     return all_ok
 
@@ -602,15 +617,223 @@ def probe() -> None:
     store.set("tsgen_probe_done", "PASS" if ok else "FAIL")
     os._exit(0 if ok else 1)  # the CUDA context is lost: no clean shutdown
 
+# -- --shared: ranks sharing one GPU -----------------------------------------------------------
+
+def shared_device(local_rank: int, gpus: int) -> int:
+    """The GPU of a --shared rank: LOCAL_RANK % the visible GPUs (every rank on GPU 0 where one is
+    visible: CUDA_VISIBLE_DEVICES=0)."""
+    if gpus < 1:
+        raise RuntimeError("--shared: no CUDA device is visible")
+    return local_rank % gpus
+
+
+def pattern(rank: int, call: int, shape, device=None) -> torch.Tensor:
+    """Rank `rank`'s input for call `call` (bf16, `shape`): integers in [-8, 8], a hash of the element
+    index, the rank and the call (no int64 overflow: the same on CPU and GPU), so every rank can make
+    every rank's input, inputs differ between ranks and calls, and any sum over 8 ranks is exact in bf16."""
+    n = 1
+    for d in shape:
+        n *= d
+    x = (torch.arange(n, dtype=torch.int64, device=device) * 40503 + rank * 7919 + call * 104729) & 0xFFFFFF
+    x = (x ^ (x >> 11)) * 2654435
+    x = x ^ (x >> 17)
+    return (x % 17 - 8).to(BF16).reshape(tuple(shape))
+
+
+def local_allgather(inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """What allgather gives rank `rank` (every rank's input, in rank order, along dim 0)."""
+    return torch.cat(inputs)
+
+
+def local_reduce_scatter(inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """What reduce_scatter gives rank `rank`: its 1/W of dim 0 of the sum over ranks (fp32 sum: exact
+    on `pattern` data, in any order)."""
+    total = torch.stack(inputs).float().sum(0)
+    return total.chunk(len(inputs))[rank].to(inputs[0].dtype).contiguous()
+
+
+def local_all_to_all(inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """What all_to_all gives rank `rank`: chunk `rank` of every rank's input (dim 0), in rank order."""
+    return torch.cat([x.chunk(len(inputs))[rank] for x in inputs])
+
+
+def local_ulysses_pre(inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Ulysses pre (bshd) for rank `rank`: [B, S/P, H, D] shards -> [B, S, H/P, D], its head group of
+    every token, source r's tokens at [r S/P, (r+1) S/P)."""
+    hl = inputs[0].shape[2] // len(inputs)
+    return torch.cat([x[:, :, rank * hl:(rank + 1) * hl] for x in inputs], dim=1).contiguous()
+
+
+def local_ulysses_post(inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Ulysses post (bshd) for rank `rank`, the inverse of pre: [B, S, H/P, D] -> [B, S/P, H, D], its
+    tokens of every head group, source r's heads at [r H/P, (r+1) H/P)."""
+    s = inputs[0].shape[1] // len(inputs)
+    return torch.cat([y[:, rank * s:(rank + 1) * s] for y in inputs], dim=2).contiguous()
+
+
+def shared_checks(mode: str, group) -> None:
+    """One heap mode's checks on `group` (see the module doc, --shared)."""
+    rank, w = dist.get_rank(group), dist.get_world_size(group)
+    name = f"shared_{mode}"
+    spec = {s: ROOT / "specs" / f"{s}.yaml" for s in ("allgather", "reduce_scatter", "all_to_all",
+                                                      "ulysses_pre_a2a", "ulysses_post_a2a")}
+    ag = tt.load(spec["allgather"], group, heap=mode)
+    first = pattern(rank, 0, (4099, 3), "cuda")
+    try:
+        poison(ag, first, 0xFF)
+        got = ag(first)
+    except tt.TsgenTorchError as e:
+        if mode == "symm_mem" and str(e).startswith("torch symmetric memory failed"):
+            # every rank raised the same agreed text: rank 0's alone
+            report(f"{name}_heap", True, "" if rank else f"torch {torch.__version__}'s symmetric memory cannot make "
+                   f"this group's heaps (the ipc checks count): {str(e).splitlines()[0]}", word="SKIP")
+            return
+        raise
+    good, why = compare(got, local_allgather([pattern(r, 0, (4099, 3), "cuda") for r in range(w)], rank), exact=True)
+    report(f"{name}_heap", good and ag.heap_kind == mode,
+           f"heap {ag.heap_kind} on cuda:{torch.cuda.current_device()}, first allgather: {why}")
+    rs = tt.load(spec["reduce_scatter"], group, heap=mode)
+    a2a = tt.load(spec["all_to_all"], group, heap=mode)
+    pre = tt.load(spec["ulysses_pre_a2a"], group, heap=mode)
+    post = tt.load(spec["ulysses_post_a2a"], group, heap=mode)
+    b, _, h, d = (n for _, n in pre.signature.ins[0].dims)
+
+    def back_to_back(op, local, shapes, calls=20):
+        """`calls` calls one after the other (no host wait between them), fresh data each, the heap's
+        output poisoned before each; then every output against its local reference."""
+        outs = []
+        for c in range(calls):
+            shape = shapes[c % len(shapes)]
+            x = pattern(rank, c, shape, "cuda")
+            poison(op, x, 0xFF if c % 2 else 0x7F)  # NaN patterns in bf16
+            outs.append((c, shape, op(x)))
+        ok, wrong, notes = True, 0, []
+        for c, shape, got in outs:
+            good, why = compare(got, local([pattern(r, c, shape, "cuda") for r in range(w)], rank), exact=True)
+            ok &= good
+            if not good and len(notes) < 3:
+                notes.append(f"call {c} {tuple(shape)}: {why}")
+            wrong += not good
+        return ok, f"{calls} calls, shapes {', '.join(str(tuple(s)) for s in shapes)}: {wrong} wrong" + \
+            (f" ({'; '.join(notes)})" if notes else "")
+
+    for op, local, shapes in (
+            (ag, local_allgather, [(262147,), (1024, 513), (6, 5, 7), (2,)]),
+            (rs, local_reduce_scatter, [(262147 * w,), (1024 * w, 513), (6 * w, 5, 7), (w,)]),
+            (a2a, local_all_to_all, [(4096 * w, 33), (65537 * w,), (7 * w,)]),
+            (pre, local_ulysses_pre, [(b, t, h, d) for t in (1001, 1, 64)]),
+            (post, local_ulysses_post, [(b, t * w, h // w, d) for t in (1001, 1, 64)])):
+        checked(f"{name}_{op.signature.module}_20_calls")(lambda: back_to_back(op, local, shapes))()
+
+    @checked(f"{name}_graph_20_replays")
+    def graph():
+        n, cols = 4096, 256
+        static_x = pattern(rank, 100, (n, cols), "cuda")
+        step = [100]
+
+        def call():
+            y = ag(static_x)
+            return y, rs(y)
+
+        def refill():
+            step[0] += 1
+            static_x.copy_(pattern(rank, step[0], (n, cols), "cuda"))
+            poison(ag, static_x, 0xFF)
+            poison(rs, torch.empty((n * w, cols), dtype=BF16, device="meta"), 0x7F)
+
+        def wrong(outs):  # every replay: the gathered rows, and W times this rank's rows; then poison the outputs
+            y, z = outs
+            want = local_allgather([pattern(r, step[0], (n, cols), "cuda") for r in range(w)], rank)
+            counts = int((bits(y) != bits(want)).sum().item()), int((bits(z) != bits(static_x * w)).sum().item())
+            y.fill_(float("nan"))
+            z.fill_(float("nan"))
+            return counts
+
+        wrong_y, wrong_z = replayed(call, refill, wrong, 20)
+        return wrong_y == 0 and wrong_z == 0, \
+            f"20 replays: {wrong_y} wrong allgather, {wrong_z} wrong reduce_scatter elements"
+
+    graph()
+
+
+def prime_printf(dev: int) -> None:
+    """Launch tsgen's printf primer (tsgen/runtime/world.py) once in this process and wait for it,
+    before any tsgen kernel: the first printf kernel of a context waits for every kernel already
+    running on the GPU (docs/lab/shared_gpu.md, measured in one process), and a rank's first tsgen
+    kernel (they printf their timeout diagnosis) must not wait for a peer's spinning one. Whether
+    that wait crosses MPS clients is not measured: a precaution, as a shared CuPy World takes it.
+    Driver API through ctypes, in torch's (primary) context."""
+    import ctypes
+
+    from tsgen.runtime.world import _PRIME_SOURCE
+    from tsgen.toolchain import compile_source, write_cached
+    from tsgen.torch.heap import _Driver
+    from tsgen.torch.ops import _arch
+
+    cubin = compile_source(write_cached(("runtime",), "tsgen_prime_printf.cu", _PRIME_SOURCE), arch=_arch(dev)).output
+    torch.zeros(1, device=f"cuda:{dev}")  # torch's context current on this thread
+    drv, module, fn = _Driver(), ctypes.c_void_p(), ctypes.c_void_p()
+    drv.call("cuModuleLoad", ctypes.byref(module), str(cubin).encode())
+    drv.call("cuModuleGetFunction", ctypes.byref(fn), module, b"tsgen_prime_printf")
+    arg = ctypes.c_int(1)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p))
+    drv.call("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+    torch.cuda.synchronize(dev)
+
+
+def shared(modes: list[str]) -> None:
+    """--shared: the ranks share the visible GPUs (module doc); every check on a gloo group."""
+    from tsgen.env import shared_gpu_env
+    from tsgen.runtime.placement import mps_active, share_from_env
+
+    shared_gpu_env(rank_per_process=True)  # before CUDA: eager module loading, the driver's hardware queues
+    os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    dev = shared_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    w = dist.get_world_size()
+    ok = share_from_env() and mps_active()
+    primed = "printf primed"
+    if ok:
+        try:
+            prime_printf(dev)
+        except Exception as e:  # noqa: BLE001 - this rank's FAIL, agreed below
+            traceback.print_exc()
+            ok, primed = False, f"printf primer: {type(e).__name__}: {e}"
+    # every rank primed (and waited for it) before any rank loads a tsgen op: report is a collective
+    ok = report("shared_setup", ok, f"cuda:{dev} of {torch.cuda.device_count()} visible, world {w}, "
+                f"TSGEN_SHARE_GPUS={os.environ.get('TSGEN_SHARE_GPUS', '')!r}, MPS {'on' if mps_active() else 'off'}, "
+                f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'driver default')}, "
+                f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '')}, {primed}")
+    if ok:
+        for mode in modes:
+            try:
+                shared_checks(mode, dist.new_group(list(range(w)), backend="gloo"))
+            except Exception as e:  # noqa: BLE001 - a setup failure of one mode: its FAIL, then the next mode
+                traceback.print_exc()
+                report(f"shared_{mode}", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            tt.close_all()
+    dist.barrier()
+    dist.destroy_process_group()
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--probe", action="store_true", help="the peer-never-arrives probe (see the module doc)")
+    ap.add_argument("--shared", action="store_true", help="ranks sharing one GPU, gloo group, MPS (module doc)")
+    ap.add_argument("--heaps", default=os.environ.get("TSGEN_TORCH_HEAP") or "ipc,symm_mem",
+                    help="--shared: the heap modes to check, in order (default: $TSGEN_TORCH_HEAP, else both)")
     args = ap.parse_args()
+    heaps = [m.strip() for m in args.heaps.split(",") if m.strip()]
+    if args.shared and (not heaps or set(heaps) - {"ipc", "symm_mem"}):
+        ap.error(f"--heaps {args.heaps!r}: name ipc and/or symm_mem (each checked as itself, no fallback)")
     if args.probe:
         probe()
         return 0
-    main_checks()
+    if args.shared:
+        shared(heaps)
+    else:
+        main_checks()
     return 0 if all(RESULTS) else 1
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 31 on GPUs: tsgen kernels as torch ops (tsgen.torch), one process per GPU under torchrun.
-# Needs 2 GPUs, torch with CUDA, nvcc (and pydantic: carry it in .whl/ where the image lacks it,
-# docs/running.md). One command; every step has a timeout and the script starts no step
+# Needs 2 GPUs (the shared step alone: 1), torch with CUDA, nvcc (and pydantic: carry it in .whl/
+# where the image lacks it, docs/running.md). One command; every step has a timeout and the script starts no step
 # after BUDGET s (default 540), so it ends inside a 10-minute device call. Logs under $OUT/torch;
 # the CHECK / TIME table ($OUT/torch_checks.md) and the steps' PASS/FAIL table ($OUT/torch_summary.md)
 # last. NVLink multicast stays off
@@ -20,8 +20,17 @@
 #      backward against its all_to_all_single twin, step times of both
 #   5. examples/torch/moe_layer.py: MoE layer (dispatch -> per-expert torch GEMMs -> combine) forward +
 #      backward against its all_to_all_single twin, step times of both
+#   6. tests/torch_checks.py --shared, last: 4 ranks on GPU 0 alone (CUDA_VISIBLE_DEVICES=0), a gloo
+#      group (no NCCL), TSGEN_SHARE_GPUS=1, under an MPS control daemon started for this step and
+#      stopped after it (tools/mps.sh; the steps before run without MPS): allgather / reduce_scatter /
+#      all_to_all / Ulysses pre + post, 20 calls each, and a CUDA graph of 20 replays, against local
+#      references; once with CUDA IPC heaps, once with torch symmetric memory
+#      (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1; where torch refuses, a SKIP line says why). The
+#      ranks run with CUDA_DEVICE_MAX_CONNECTIONS at the driver's default: under MPS the clients'
+#      hardware queues come out of one pool (docs/lab/shared_gpu.md: 4 clients x 32 fail).
 # Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
-# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe; default all; environment and compile always run).
+# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe shared; default all; environment and compile always
+# run). One GPU: TORCH_STEPS=shared bash tools/gpu_torch.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh
@@ -30,12 +39,15 @@ BUDGET=${BUDGET:-540}
 source tools/steps.sh
 RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 
+want() { [ -z "${TORCH_STEPS:-}" ] || [[ " $TORCH_STEPS " == *" $1 "* ]]; }
+NEED=1  # GPUs: 2 for any step with one process per GPU, 1 for the shared step alone
+for s in checks probe tp_mlp ulysses moe; do want $s && NEED=2; done
 step "environment" 60 python3 -c "
 import torch, sys
 n = torch.cuda.device_count()
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.cuda.get_device_name(i) for i in range(n)])
 print('peer access 0->1:', n > 1 and torch.cuda.can_device_access_peer(0, 1))
-sys.exit(0 if n >= 2 else 1)" || { summary "tsgen.torch on GPUs: needs 2 GPUs" torch_summary.md; exit 1; }
+sys.exit(0 if n >= $NEED else 1)" || { summary "tsgen.torch on GPUs: needs $NEED GPU(s)" torch_summary.md; exit 1; }
 cat "$LOG/environment.log"
 # render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock)
 step "compile" 150 python3 -c "
@@ -52,12 +64,27 @@ specs = [f'specs/{s}.yaml' for s in ('allgather', 'reduce_scatter', 'all_reduce_
 specs += [f'examples/torch/specs/{s}.yaml' for s in ('tp_mlp_ag_gemm', 'tp_mlp_gemm_rs')]
 with ThreadPoolExecutor(12) as pool:
     print(*pool.map(one, specs), sep='\n')"
-want() { [ -z "${TORCH_STEPS:-}" ] || [[ " $TORCH_STEPS " == *" $1 "* ]]; }
 want checks && step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py
 want probe && step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torch_checks.py --probe
 want tp_mlp && step "tp_mlp fused + collectives vs NCCL twin" 200 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
 want ulysses && step "ulysses_attention vs all_to_all_single twin" 120 $RUN examples/torch/ulysses_attention.py ${ULYSSES_ARGS:-}
 want moe && step "moe_layer vs all_to_all_single twin" 120 $RUN examples/torch/moe_layer.py ${MOE_ARGS:-}
+# last: the only step under MPS (the daemon serves GPU 0 alone, and is stopped however the step ends)
+if want shared; then
+  source tools/mps.sh
+  if CUDA_VISIBLE_DEVICES=0 mps_start; then
+    trap 'mps_stop "$OUT/torch_mps_log"' EXIT  # a script stopped inside the step stops the daemon too
+    for heap in ipc symm_mem; do
+      CUDA_VISIBLE_DEVICES=0 TSGEN_SHARE_GPUS=1 TSGEN_TORCH_HEAP=$heap step "shared GPU, 4 ranks, $heap heaps (gloo, MPS)" 150 \
+        env -u CUDA_DEVICE_MAX_CONNECTIONS python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+        tests/torch_checks.py --shared
+    done
+    mps_stop "$OUT/torch_mps_log"  # its server.log names refused clients
+    trap - EXIT
+  else
+    RESULTS+=("$(printf '%-48s FAIL  the MPS control daemon did not start' "shared GPU (MPS)")"); FAILS=$((FAILS + 1))
+  fi
+fi
 
 {
   echo "| check | result | detail |"
@@ -73,4 +100,4 @@ grep -qh "^CHECK [^ ]* FAIL" "$LOG"/*.log && FAILS=$((FAILS + 1))
 python3 tools/torch_results.py "$OUT/results" "${TSGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
   "$(nvidia-smi -L | wc -l) x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1), $(python3 -c 'import torch; print("torch", torch.__version__)')" \
   "bash tools/gpu_torch.sh" "$LOG" || FAILS=$((FAILS + 1))
-summary "tsgen.torch on 2 GPUs" torch_summary.md
+summary "tsgen.torch on GPUs" torch_summary.md

@@ -34,7 +34,8 @@ def read(log_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
 def markdown(meta: dict, checks: list[dict], times: list[dict]) -> str:
     lines = [f"# tsgen.torch on {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"Command: `{meta['command']}` (tests/torch_checks.py, its --probe, the examples/torch/ scripts); "
-             "one process per GPU under torchrun.", "",
+             "one process per GPU under torchrun (the shared_* checks: 4 processes on one GPU under MPS, "
+             "tests/torch_checks.py --shared).", "",
              "Step times: CUDA events around the steps after warm-up, one mean per variant, the variants one "
              "after the other (not interleaved); tsgen's per-call copies in and out included. A first reading, "
              "not a benchmark.", "", "| check | result | detail |", "|---|---|---|"]
