@@ -105,6 +105,15 @@ def test_results_index(tmp_path):
     assert run_cli("results", *args, "--check").code == 1
 
 
+def test_runs_of_one_day_are_ordered_by_the_time_they_record(tmp_path):
+    """Two runs of one day: the later one is the newest whatever the commit hashes' order (a gate
+    result of 23:00 at 8f624e1 was once archived under one of the morning at b8bdba7)."""
+    res = tmp_path / "results"
+    _result(res / "tests" / "gate", "2026-11-26-b8bdba7", "2026-11-26T09:00:00Z", 1.0)
+    _result(res / "tests" / "gate", "2026-11-26-8f624e1", "2026-11-26T23:00:47Z", 1.0)
+    assert [x.stem for x in scan(res)[("tests", "gate")]] == ["2026-11-26-b8bdba7", "2026-11-26-8f624e1"]
+
+
 def test_the_tables_live_where_their_markers_are(tmp_path):
     """The generated tables go to the file under docs/ that has the markers (docs/benchmarks.md),
     the README untouched, each run linked relative to that file; without markers anywhere, to

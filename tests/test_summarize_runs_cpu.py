@@ -54,7 +54,9 @@ def test_a_real_gpu_run_is_filed_under_real_gpu(tmp_path):
 
 def test_a_shared_gpu_run_is_filed_under_shared_gpu(tmp_path):
     out = _summarize(_run_dir(tmp_path, "pytest_shared.txt"), tmp_path / "results")
-    assert (tmp_path / "results" / "tests" / "shared-gpu" / "2026-11-23-abc1234.json").exists()
+    js = tmp_path / "results" / "tests" / "shared-gpu" / "2026-11-23-abc1234.json"
+    assert js.exists()  # named by the day; the run's start time is in the file, to order runs of one day
+    assert json.loads(js.read_text())["meta"]["date"] == "2026-11-23T20:14:37Z"
     assert "GPU suite on one GPU (shared-GPU worlds)" in out and "vendoring example" in out
 
 

@@ -87,7 +87,8 @@ def tally(text: str) -> dict:
 def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     device = (run / "device.txt").read_text().splitlines() if (run / "device.txt").exists() else []
     stamp = next((i for i, ln in enumerate(device) if re.match(r"\d{4}-\d\d-\d\dT", ln)), None)
-    date = device[stamp][:10] if stamp is not None else "unknown"
+    started = device[stamp].strip() if stamp is not None else None  # the run's start, ISO 8601: orders runs of one day
+    date = started[:10] if started else "unknown"
     device = device[:stamp]  # what came before the date: a line per GPU (gpu_real.sh), or GPU, libraries, nvcc
     real = (run / "pytest_real.txt").exists()
     log = run / ("pytest_real.txt" if real else "pytest_shared.txt")
@@ -123,7 +124,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
                             "worlds": sorted({int(r["world"]) for r in rows if r.get("world") is not None})}
                      for kind, rows in families.items()},
     }
-    meta = {"date": date, "commit": commit, "command": command, "device": device,
+    meta = {"date": started or date, "commit": commit, "command": command, "device": device,
             "mode": "one GPU per rank (TSGEN_SHARE_GPUS unset): worlds larger than the GPU count skip" if real else
                     "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"}
     title = "GPU suite, one GPU per rank" if real else "GPU suite on one GPU (shared-GPU worlds)"
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kind {kind!r}: a folder name (letters, digits, '.', '_', '-')")
     folder = results / "tests" / kind
     folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"{data['meta']['date']}-{commit}"
+    stem = folder / f"{data['meta']['date'][:10]}-{commit}"
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     stem.with_suffix(".md").write_text(md)
     print(md)
