@@ -173,16 +173,16 @@ def split_longest(items: list[Item], above: int) -> list[Item]:
     return out
 
 
-@dataclass(frozen=True)
-class Timing:
-    block_us: float = 1.70  # one KV block of one tile on one SM (see `block_us_at`)
-    tile_overhead: float = 1.0  # blocks' worth per item: Q load, pipeline fill, epilogue
-    merge_blocks: float = 0.5  # blocks' worth per split half: writing and merging its partial O / LSE
-
-
 def block_us_at(tflops: float, sms: int = 132, tile_m: int = 128, tile_n: int = 128, head_dim: int = 128) -> float:
     """Microseconds per KV block per SM when a whole GPU of `sms` SMs runs at `tflops`."""
     return FLOPS_PER_BLOCK_ELEMENT * tile_m * tile_n * head_dim / (tflops * 1e12 / sms) * 1e6
+
+
+@dataclass(frozen=True)
+class Timing:
+    block_us: float = block_us_at(650.0)  # one KV block of one tile on one SM (1.70 us: the GPU at 650 TFLOP/s)
+    tile_overhead: float = 1.0  # blocks' worth per item: Q load, pipeline fill, epilogue
+    merge_blocks: float = 0.5  # blocks' worth per split half: writing and merging its partial O / LSE
 
 
 @dataclass(frozen=True)
@@ -237,6 +237,9 @@ def simulate(p: Problem, items: list[Item], ctas: int, scheduler: str, timing: T
     chunk = p.kv_chunk
     cost = timing.block_us
 
+    def extra(it: Item) -> float:  # blocks' worth beyond the item's KV blocks
+        return timing.tile_overhead + (timing.merge_blocks if it.merge else 0.0)
+
     def run_item(t: float, it: Item) -> tuple[float, float]:
         waited = 0.0
         j = it.hi
@@ -252,9 +255,9 @@ def simulate(p: Problem, items: list[Item], ctas: int, scheduler: str, timing: T
                     t = need
             t += (j - lo) * cost
             j = lo
-        return t + (timing.tile_overhead + (timing.merge_blocks if it.merge else 0.0)) * cost, waited
+        return t + extra(it) * cost, waited
 
-    busy = sum((it.blocks + timing.tile_overhead + (timing.merge_blocks if it.merge else 0.0)) * cost for it in items)
+    busy = sum((it.blocks + extra(it)) * cost for it in items)
     waited = 0.0
     if scheduler == "static":
         end = 0.0
@@ -356,11 +359,29 @@ def table(seqs=(16384, 32768), world: int = 2, timing: Timing = Timing(), gather
         ideal = ideal_run(flat, timing)
         run, rank = cp_run(flat, VARIANTS[1], timing, gather)
         lines.append(f"  not causal (contiguous, 8 KV heads), today: ideal efficiency {ideal.efficiency:.3f}; cp rank "
-                     f"{rank} efficiency {run.efficiency:.3f}, waits {run.waited / run.ctas:5.1f} us per CTA, "
+                     f"{rank} makespan {run.makespan:.0f} us, efficiency {run.efficiency:.3f}, waits {run.waited / run.ctas:5.1f} us per CTA, "
                      f"fraction of ideal {ideal.makespan / (world * run.makespan):.3f}")
         lines.append("")
     return "\n".join(lines)
 
 
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tsgen.ops.cp_schedule", description=table.__doc__)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--seqs", default="16384,32768", help="whole-sequence lengths, comma-separated")
+    ap.add_argument("--tflops", type=float, default=650.0, help="the GPU's rate while every SM works (block_us)")
+    ap.add_argument("--tile-overhead", type=float, default=Timing.tile_overhead, help="blocks' worth per item")
+    ap.add_argument("--merge", type=float, default=Timing.merge_blocks, help="blocks' worth per split half")
+    ap.add_argument("--nvlink", type=float, default=Gather.nvlink_GBps, help="GB/s of one copy to a peer")
+    ap.add_argument("--hbm-copy", type=float, default=Gather.hbm_copy_GBps, help="GB/s of the copy to itself")
+    ap.add_argument("--signal-us", type=float, default=Gather.signal_us, help="us per signal kernel")
+    a = ap.parse_args(argv)
+    timing = Timing(block_us=block_us_at(a.tflops), tile_overhead=a.tile_overhead, merge_blocks=a.merge)
+    print(table(tuple(int(x) for x in a.seqs.split(",")), a.world, timing,
+                Gather(nvlink_GBps=a.nvlink, hbm_copy_GBps=a.hbm_copy, signal_us=a.signal_us)))
+
+
 if __name__ == "__main__":
-    print(table())
+    main()
