@@ -108,7 +108,7 @@ def test_positions_and_chunks_match_cp_attention(world, zigzag):
 
 
 @pytest.mark.parametrize("n_items, ctas", [(1, 4), (7, 7), (8, 7), (100, 13), (2048, 130), (130, 130)])
-@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("scheduler", ["static", "snake", "dynamic"])
 def test_equal_items_take_ceil_rounds(n_items, ctas, scheduler):
     p = cs.single_problem(cs.Shape(seq=4096, world=2, causal=False))
     items = [cs.Item(0, 0, 0, 0, 5)] * n_items
@@ -116,6 +116,15 @@ def test_equal_items_take_ceil_rounds(n_items, ctas, scheduler):
     run = cs.simulate(p, items, ctas, scheduler, timing)
     assert run.makespan == pytest.approx(math.ceil(n_items / ctas) * 6 * 2.0)
     assert run.busy == pytest.approx(n_items * 6 * 2.0) and run.waited == 0
+
+
+@pytest.mark.parametrize("n, ctas", [(10, 3), (9, 3), (2048, 130), (5, 8)])
+def test_static_shares_take_every_item_once(n, ctas):
+    for snake in (False, True):
+        shares = [cs.static_share(n, ctas, c, snake) for c in range(ctas)]
+        assert sorted(i for s in shares for i in s) == list(range(n))
+    assert cs.static_share(10, 3, 0, False) == [0, 3, 6, 9]
+    assert cs.static_share(10, 3, 0, True) == [0, 5, 6]  # rounds 0-2, 3-5 backwards, 6-8, 9-11 backwards
 
 
 def test_waits_follow_the_chunk_arrivals():
@@ -147,6 +156,9 @@ def test_static_stride_leaves_the_tail_and_longest_first_closes_it():
     lpt, _ = cs.cp_run(shape, cs.Variant("lpt", order="longest_first", scheduler="dynamic", gather=False), timing,
                        gather)
     assert lpt.efficiency > 0.97
+    snake, _ = cs.cp_run(shape, cs.Variant("snake", order="longest_first", scheduler="snake", gather=False), timing,
+                         gather)
+    assert snake.efficiency > 0.97
     assert cs.ideal_run(shape, timing).efficiency > 0.99
 
 

@@ -229,10 +229,22 @@ class Run:
         return self.busy / (self.ctas * self.makespan)
 
 
+def static_share(n: int, ctas: int, c: int, snake: bool) -> list[int]:
+    """The items CTA c of a static grid takes: c, c + ctas, ... (snake: every other round
+    backwards, c, 2 ctas - 1 - c, 2 ctas + c, ...)."""
+    out = []
+    for k in range(0, n, ctas):
+        i = k + (ctas - 1 - c if snake and k // ctas % 2 else c)
+        if i < n:
+            out.append(i)
+    return out
+
+
 def simulate(p: Problem, items: list[Item], ctas: int, scheduler: str, timing: Timing,
              ready: np.ndarray | None = None) -> Run:
     """Run `items` on `ctas` CTAs. scheduler "static": CTA c takes items c, c + ctas, ... (the
-    cp kernel today); "dynamic": the next item in order goes to the CTA that frees first (an
+    cp kernel today); "snake": static, every other round backwards (CTA c takes c, 2 ctas - 1 - c,
+    2 ctas + c, ...); "dynamic": the next item in order goes to the CTA that frees first (an
     atomic tile counter, or the hardware's dispatch of a plain grid)."""
     chunk = p.kv_chunk
     cost = timing.block_us
@@ -259,17 +271,17 @@ def simulate(p: Problem, items: list[Item], ctas: int, scheduler: str, timing: T
 
     busy = sum((it.blocks + extra(it)) * cost for it in items)
     waited = 0.0
-    if scheduler == "static":
+    if scheduler in ("static", "snake"):
         end = 0.0
         for c in range(min(ctas, len(items))):
             t = 0.0
-            for it in items[c::ctas]:
+            for it in (items[i] for i in static_share(len(items), ctas, c, scheduler == "snake")):
                 t, w = run_item(t, it)
                 waited += w
             end = max(end, t)
         return Run(end, busy, waited, ctas)
     if scheduler != "dynamic":
-        raise ValueError(f"scheduler {scheduler!r}: static or dynamic")
+        raise ValueError(f"scheduler {scheduler!r}: static, snake or dynamic")
     free = [(0.0, c) for c in range(ctas)]
     end = 0.0
     for it in items:
@@ -287,7 +299,7 @@ class Variant:
 
     name: str
     order: str = "kernel"  # kernel | longest_first
-    scheduler: str = "static"
+    scheduler: str = "static"  # static | snake | dynamic (see simulate)
     split_above: int | None = None  # blocks; None: no split
     reserve_sms: int = 2  # the gather's SMs (copy engine: the signal kernels')
     gather: bool = True  # model the KV arrival (False: every chunk there at the start)
@@ -330,6 +342,7 @@ VARIANTS = (
     Variant("today (kernel order, static stride, 130 CTAs)"),
     Variant("kernel order, dynamic counter", scheduler="dynamic"),
     Variant("longest first, static stride", order="longest_first"),
+    Variant("longest first, snake stride", order="longest_first", scheduler="snake"),
     Variant("longest first, dynamic counter", order="longest_first", scheduler="dynamic"),
     Variant("longest first, dynamic, split > 64 blocks", order="longest_first", scheduler="dynamic", split_above=64),
     Variant("longest first, dynamic, 132 CTAs (gather on no SM)", order="longest_first", scheduler="dynamic",
