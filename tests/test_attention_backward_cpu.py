@@ -161,3 +161,28 @@ def test_tolerance_holds_the_kernels_rounding_and_catches_wrong_gradients():
                                             True)
     for name, got, want, tol in zip(("dk", "dv"), one_head[1:], ref[1:], tols[1:]):
         assert (np.abs(got - want) > tol).mean() > 0.5, (name, "the GQA sum dropped")
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("contiguous", False)])
+def test_context_parallel_backward_is_local_backward_then_reduce_scatter(layout, causal):
+    """cp_attention's backward as docs/design/attention.md plans it: each rank runs the backward of
+    its own query rows (its positions) against the whole gathered K and V, with its rows of O, dO
+    and the LSE: its dQ is final; its dK and dV are partial sums over the whole sequence, and
+    summing them over the ranks (the reduce-scatter, the adjoint of the forward's all-gather)
+    gives the whole sequence's gradients."""
+    from tsgen.ops.cp_attention import positions as cp_positions
+
+    world, count = 4, 6
+    q, k, v, g = problem(21, 1, world * count, world * count, 4, 2)
+    o, lse = attention_reference(q, k, v, SCALE, causal)
+    dq, dk, dv = attention_backward_reference(q, k, v, o, g, lse, SCALE, causal)
+    dk_sum, dv_sum = np.zeros_like(dk), np.zeros_like(dv)
+    for rank in range(world):
+        pos = cp_positions(layout, world, count, rank)
+        local = attention_backward_reference(q[:, pos], k, v, o[:, pos], g[:, pos], lse[:, :, pos], SCALE, causal,
+                                             q_pos=pos)
+        np.testing.assert_allclose(local[0], dq[:, pos], rtol=1e-12, atol=1e-12)
+        dk_sum += local[1]
+        dv_sum += local[2]
+    np.testing.assert_allclose(dk_sum, dk, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dv_sum, dv, rtol=1e-10, atol=1e-12)

@@ -28,6 +28,10 @@ registers (exp2, scale * log2 e folded in), and O += P V with P in registers; S 
 block is issued with P V of the current one (intra-warpgroup overlap) and the two
 warpgroups take turns at the tensor cores (ping-pong). Causal: only blocks that cross the
 diagonal are masked, blocks past it are never loaded. O leaves through TMA stores.
+
+The backward (dQ, dK, dV) has its reference here (attention_backward_reference, the algorithm
+the kernel will run, with per-element tolerances through o_tolerance); its kernel is designed in
+docs/design/attention.md and not built yet.
 """
 
 from __future__ import annotations
