@@ -77,6 +77,12 @@ def test_against_finite_differences(sq, skv, kv_heads, causal):
     want = finite_differences(q, k, v, g, causal, qp, kp)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
+    # the same tensors in the bhsd layout: the gradients come back in it
+    bhsd = attention_backward_reference(*(from_bshd(x, "bhsd") for x in (q, k, v, o, g)), lse, SCALE, causal, qp,
+                                        kp, layout="bhsd")
+    for name, a, b in zip(("dq", "dk", "dv"), bhsd, got):
+        assert a.shape == from_bshd(b, "bhsd").shape, name
+        np.testing.assert_allclose(a, from_bshd(b, "bhsd"), rtol=1e-13, atol=1e-15, err_msg=name)
     if causal and sq > 1:  # rows at positions 1 and 2 saw no key: zero dQ
         assert np.isneginf(lse[:, :, :2]).all() and (got[0][:, :2] == 0).all()
 
