@@ -28,6 +28,10 @@ registers (exp2, scale * log2 e folded in), and O += P V with P in registers; S 
 block is issued with P V of the current one (intra-warpgroup overlap) and the two
 warpgroups take turns at the tensor cores (ping-pong). Causal: only blocks that cross the
 diagonal are masked, blocks past it are never loaded. O leaves through TMA stores.
+
+The backward (dQ, dK, dV) has its reference here (attention_backward_reference, the algorithm
+the kernel will run, with per-element tolerances through o_tolerance); its kernel is designed in
+docs/design/attention.md and not built yet.
 """
 
 from __future__ import annotations
@@ -333,7 +337,7 @@ def attention_reference(q, k, v, scale: float, causal: bool, q_pos=None, k_pos=N
     group = h // hkv
     qp = np.arange(sq) if q_pos is None else np.asarray(q_pos)
     kp = np.arange(skv) if k_pos is None else np.asarray(k_pos)
-    visible = (kp[None, :] <= qp[:, None]) if causal else np.ones((sq, skv), dtype=bool)
+    visible = _visible(qp, kp, causal)
     o = np.zeros((b, sq, h, d))
     o_abs = np.zeros((b, sq, h, d)) if with_abs else None
     lse = np.full((b, h, sq), -np.inf)
@@ -354,13 +358,86 @@ def attention_reference(q, k, v, scale: float, causal: bool, q_pos=None, k_pos=N
     return (o, lse, o_abs) if with_abs else (o, lse)
 
 
+def _visible(qp: np.ndarray, kp: np.ndarray, causal: bool) -> np.ndarray:
+    """[len(qp), len(kp)]: which keys each query sees (causal: positions <= its own)."""
+    return (kp[None, :] <= qp[:, None]) if causal else np.ones((len(qp), len(kp)), dtype=bool)
+
+
+def _probs_and_ds(q, k, v, do, lse, dsum, visible, scale):
+    """One block of the backward, as the kernel computes it: P = exp(scale q k^T - LSE) from the
+    forward's LSE (not normalised again), 0 where masked or where the query saw no key
+    (LSE = -inf); dS = P * (dO v^T - D)."""
+    seen = np.isfinite(lse)
+    s = np.where(visible & seen[:, None], scale * (q @ k.T), -np.inf)
+    p = np.exp(s - np.where(seen, lse, 0)[:, None])
+    return p, p * (do @ v.T - dsum[:, None])
+
+
+def attention_backward_reference(q, k, v, o, do, lse, scale: float, causal: bool, q_pos=None, k_pos=None, *,
+                                 layout: str = "bshd", q_rows=None, kv_rows=None, dtype=np.float64,
+                                 chunk: int = 1024, with_abs: bool = False):
+    """The gradients of attention_reference's O: dQ, dK, dV from Q, K, V, O, dO and the forward's
+    LSE [b, h, sq], by the algorithm of FlashAttention-2/3's backward (the kernel's): D =
+    rowsum(dO * O) from the O given, P from the LSE, dV = P^T dO, dS = P * (dO V^T - D), dQ =
+    scale dS K, dK = scale dS^T Q. GQA: dK and dV of a KV head summed over its query heads.
+    A query that saw no key (LSE = -inf) contributes nothing and gets dQ = 0.
+
+    q, o, do [b, sq, h, d] and k, v [b, skv, hkv, d] in `layout` ("bshd"; "bhsd": heads before
+    sequence); the gradients come back in it. q_pos / k_pos: positions as attention_reference's.
+    dtype: float64, or float32 for long sequences. Rows: q_rows (indices into sq) gives dQ of
+    those rows only, kv_rows dK and dV of those keys only, each from every key (query) in blocks
+    of `chunk`: a check of sampled rows costs O(rows x length) and never holds an sq x skv matrix.
+    Returns dQ [b, rows, h, d], dK, dV [b, rows, hkv, d]; with_abs: also |.| sums of the terms of
+    each (sum_j |dS_ij| |k_j| scale, sum_i |dS_ij| |q_i| scale, sum_i P_ij |dO_i|) for
+    grad_tolerance, in the same order and layout."""
+    # to bshd (the transposition is its own inverse)
+    q, k, v, o, do = (from_bshd(x, layout).astype(dtype, copy=False) for x in (q, k, v, o, do))
+    lse = np.asarray(lse, dtype=dtype)
+    b, sq, h, d = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    qp = np.arange(sq) if q_pos is None else np.asarray(q_pos)
+    kp = np.arange(skv) if k_pos is None else np.asarray(k_pos)
+    qi = np.arange(sq) if q_rows is None else np.asarray(q_rows)
+    kj = np.arange(skv) if kv_rows is None else np.asarray(kv_rows)
+    dsum = np.einsum("bshd,bshd->bhs", do, o)  # D: the kernel's preprocessing pass
+    dq = np.zeros((b, len(qi), h, d), dtype)
+    dk = np.zeros((b, len(kj), hkv, d), dtype)
+    dv = np.zeros((b, len(kj), hkv, d), dtype)
+    absum = [np.zeros_like(x) for x in (dq, dk, dv)] if with_abs else None
+    for bi in range(b):
+        for hi in range(h):
+            g = hi // group
+            qh, kh, vh, doh = q[bi, :, hi], k[bi, :, g], v[bi, :, g], do[bi, :, hi]
+            for c in range(0, skv, chunk):  # dQ of rows qi: every key, a block at a time
+                keys = slice(c, c + chunk)
+                _, ds = _probs_and_ds(qh[qi], kh[keys], vh[keys], doh[qi], lse[bi, hi, qi], dsum[bi, hi, qi],
+                                      _visible(qp[qi], kp[keys], causal), scale)
+                dq[bi, :, hi] += scale * (ds @ kh[keys])
+                if with_abs:
+                    absum[0][bi, :, hi] += scale * (np.abs(ds) @ np.abs(kh[keys]))
+            for c in range(0, sq, chunk):  # dK, dV of keys kj: every query, a block at a time
+                rows = slice(c, c + chunk)
+                p, ds = _probs_and_ds(qh[rows], kh[kj], vh[kj], doh[rows], lse[bi, hi, rows], dsum[bi, hi, rows],
+                                      _visible(qp[rows], kp[kj], causal), scale)
+                dk[bi, :, g] += scale * (ds.T @ qh[rows])
+                dv[bi, :, g] += p.T @ doh[rows]
+                if with_abs:
+                    absum[1][bi, :, g] += scale * (np.abs(ds).T @ np.abs(qh[rows]))
+                    absum[2][bi, :, g] += p.T @ np.abs(doh[rows])
+    grads = tuple(from_bshd(x, layout) for x in (dq, dk, dv))
+    return (grads + tuple(from_bshd(x, layout) for x in absum)) if with_abs else grads
+
+
 def o_tolerance(o: np.ndarray, o_abs: np.ndarray, dtype: str) -> np.ndarray:
     """How far the kernel's 16-bit O may be from the float64 reference, element by element: one
     unit of the output's rounding (2^-7 / 2^-10 relative at most, bf16 / fp16) plus the rounding
     of P to 16 bits before P V, each term at most half a unit: 2^-8 (2^-11) of sum_j p_ij |v_j|,
     given four times that here. Bounded per element, not by max|v| over the tensor: a zero or a
     stale V chunk then shows (at world 8 the old bound, 2 units of max|v|, let an all-zero O pass
-    in most elements)."""
+    in most elements). The backward's gradients are held to the same bound over the |.| sums of
+    their own products (attention_backward_reference's with_abs: P dO with P rounded to 16 bits,
+    dS Q and dS K with dS rounded), each gradient rounded once to 16 bits."""
     ulp = 2.0**-7 if dtype == "bfloat16" else 2.0**-10
     return ulp * np.abs(o) + 2 * ulp * o_abs + 1e-6
 
