@@ -13,7 +13,7 @@ import pytest
 
 from bench_fakes import install
 from conftest import ROOT, run_cli
-from tsgen.bench.index import BEGIN, END, latest_md, readme_block, scan, tables_file
+from tsgen.bench.index import BEGIN, END, latest_md, readme_block, scan, tables_file, update_readme
 from tsgen.bench.legacy import normalize
 from tsgen.bench.runner import SHARED_NOTE
 from tsgen.bench.suites import list_suites, load_suite
@@ -137,6 +137,26 @@ def test_the_tables_live_where_their_markers_are(tmp_path):
     assert run_cli("results", *args, "--check").code == 0
     bench.write_text("# b\n")
     assert tables_file(readme, docs) == readme
+
+
+def test_a_page_that_quotes_the_markers_holds_no_tables(tmp_path):
+    """Only the markers on lines of their own make the block: a page (sorted before the tables'
+    page) that names them in its prose is neither chosen nor rewritten; two blocks are an error."""
+    from tsgen.errors import RuntimeSetupError
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    readme, bench, guide = tmp_path / "README.md", docs / "benchmarks.md", docs / "a_guide.md"
+    readme.write_text("# x\n")
+    bench.write_text(f"# b\n\n{BEGIN}\nold\n{END}\n")
+    quoting = f"The tables sit between `{BEGIN}` and `{END}`; edit nothing there.\n"
+    guide.write_text(quoting)
+    assert tables_file(readme, docs) == bench
+    assert update_readme(guide, f"{BEGIN}\nnew\n{END}").startswith(quoting)  # no block: appended, prose kept
+    assert update_readme(bench, f"{BEGIN}\nnew\n{END}") == f"# b\n\n{BEGIN}\nnew\n{END}\n"
+    guide.write_text(f"{BEGIN}\n{END}\n")
+    with pytest.raises(RuntimeSetupError, match="a_guide.md, .*benchmarks.md|benchmarks.md, .*a_guide.md"):
+        tables_file(readme, docs)
 
 
 def test_repository_results_index_is_current():

@@ -47,6 +47,25 @@ def test_help_lists_commands():
         assert any(line.split()[:1] == [cmd] for line in r.stdout.splitlines()), (cmd, r.stdout)
 
 
+
+def test_every_option_says_what_it_does_in_help():
+    """`tsgen CMD --help` explains every option it lists (a flag shown with no words is one a user
+    has to read the source for)."""
+    import click
+
+    from tsgen.cli import main
+
+    def commands(group, path):
+        for name, cmd in group.commands.items():
+            if isinstance(cmd, click.Group):
+                yield from commands(cmd, path + [name])
+            else:
+                yield path + [name], cmd
+
+    bare = [f"{' '.join(path)} {'/'.join(p.opts)}" for path, cmd in commands(main, ["tsgen"])
+            for p in cmd.params if isinstance(p, click.Option) and not p.hidden and not (p.help or "").strip()]
+    assert not bare, bare
+
 def test_list():
     r = run_cli("list")
     assert r.code == 0, r

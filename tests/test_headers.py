@@ -102,6 +102,22 @@ def test_library_digest_covers_exactly_the_headers_a_source_includes(tmp_path):
     assert library_digest("int x;\n", root) != before
 
 
+
+@pytest.mark.parametrize("spelling", ['#include "tsgen/b.cuh"  // the tables', '  #include "tsgen/b.cuh"',
+                                      '# include "tsgen/b.cuh"', '#include "tsgen/b.cuh" /* why */'])
+def test_every_spelling_of_an_include_reaches_the_digest_and_the_one_file_form(tmp_path, spelling):
+    """nvcc includes the header however the line is spelled: the cache key must change with it, and
+    the one-file form must inline it (else a header edit reuses a stale binary, and the vendored
+    file still needs the include path)."""
+    root = _library(tmp_path, a=spelling + "\nint a;\n", b="int b;\n")
+    text = '#include "tsgen/a.cuh"\n'
+    assert closure(text, root) == ["tsgen/b.cuh", "tsgen/a.cuh"]
+    before = library_digest(text, root)
+    (root / "tsgen" / "b.cuh").write_text("int b2;\n")
+    assert library_digest(text, root) != before
+    code = [line for line in amalgamate(text, root).split("\n") if line and not line.startswith("//")]
+    assert code == ["int b2;", "int a;"]
+
 # ---------------------------------------------------------------------------
 # Thin generated sources and the one-file form (docs/design/headers.md)
 # ---------------------------------------------------------------------------

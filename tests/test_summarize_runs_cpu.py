@@ -189,6 +189,25 @@ def test_gpu_kind_and_the_visible_gpus(tmp_path):
     assert all(line.startswith("-i 3 ") for line in (tmp_path / "one" / "smi_args").read_text().splitlines())
 
 
+def test_gpu_vendor_example_builds_in_a_private_folder_it_removes(tmp_path):
+    """The vendoring example builds in a fresh folder only this user reads (mktemp), not a fixed
+    /tmp name that another user could own or that an earlier run left; the folder goes after."""
+    env = _fake_gpu_tools(tmp_path, "80000\n", 16, "NVIDIA H200\n")
+    seen = tmp_path / "seen"
+    # cmake -B DIR records DIR's mode and writes the demo there; the build step does nothing
+    (tmp_path / "bin" / "cmake").write_text(
+        "#!/bin/sh\n"
+        "if [ \"$1\" = -S ]; then d=$4; stat -c '%a' \"$d\" > " + str(seen) + "; echo \"$d\" >> " + str(seen) + "\n"
+        "  printf '#!/bin/sh\\necho demo $1\\n' > \"$d/allgather_demo\"; chmod +x \"$d/allgather_demo\"; fi\n")
+    (tmp_path / "bin" / "cmake").chmod(0o755)
+    env["TMPDIR"] = str(tmp_path)
+    log = tmp_path / "vendor.txt"
+    _gpu_lib(env, f"gpu_vendor_example {log} 2 3")
+    mode, folder = seen.read_text().split()
+    assert mode == "700" and folder.startswith(str(tmp_path / "tsgen-vendor.")), (mode, folder)
+    assert log.read_text() == "demo 2\ndemo 3\n"
+    assert not Path(folder).exists()
+
 def test_the_gpu_scripts_share_one_library():
     """The gate, the shared-GPU and the real-GPU scripts size their workers, describe the device and
     build the vendoring example through tools/gpu_lib.sh, not each its own copy."""

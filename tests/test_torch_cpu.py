@@ -568,6 +568,12 @@ def test_moe_combine_checks_y(moe):
                         torch.empty(100, 8, dtype=torch.int32, device="cuda"))
 
 
+def test_moe_combine_has_no_heap_input_to_make(moe):
+    """combine reads y where it is: op.empty names that, rather than sizing a heap with no count."""
+    with pytest.raises(TsgenArgumentError, match=r"tsgen::moe_combine on rank 0: argument y: op.empty makes the first "
+                                                 r"input in the op's heap, but \[recv 2048, hidden 2048\] is read where it is"):
+        moe.combine.empty(2048, 2048)
+
 def test_moe_call_order(moe):
     """dispatch, combine, dispatch, ...: on one heap an op out of turn raises, naming the order."""
     from types import SimpleNamespace

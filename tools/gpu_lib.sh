@@ -10,8 +10,9 @@
 #                          WORKER_MIB (default 10240: on one H200, 17 workers ran contexts out of
 #                          memory, 14 did not; with eager module loading every worker's context holds
 #                          all its libraries' kernels), at least 1, and at most the cores less 2
-#   gpu_vendor_example LOG WORLD...   build examples/vendor (no Python) and run allgather_demo at each
-#                          world size, output appended to LOG; status 1 when the build or a run failed
+#   gpu_vendor_example LOG WORLD...   build examples/vendor (no Python, in a fresh private folder, removed
+#                          after) and run allgather_demo at each world size, output appended to LOG;
+#                          status 1 when the build or a run failed
 #   gpu_outcome LOG [N]    the last N (default 25) failure and tally lines of a pytest log
 
 gpu_smi() { nvidia-smi ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} "$@"; }
@@ -50,14 +51,17 @@ gpu_workers() {
 }
 
 gpu_vendor_example() {
-  local log=$1 dir=/tmp/tsgen-vendor code=0 w
+  local log=$1 dir code=0 w
   shift
+  # a private build folder of its own (not a fixed /tmp name another user could own or plant)
+  dir=$(mktemp -d "${TMPDIR:-/tmp}/tsgen-vendor.XXXXXX") || { echo "vendoring example: no build folder" >> "$log"; return 1; }
   if cmake -S examples/vendor -B "$dir" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" >/dev/null \
      && cmake --build "$dir" >/dev/null; then
     for w in "$@"; do timeout 120 "$dir/allgather_demo" "$w" 1000003 20 >> "$log" 2>&1 || code=1; done
   else
     echo "vendoring example: build FAILED" >> "$log"; code=1
   fi
+  rm -rf "$dir"
   return "$code"
 }
 

@@ -203,8 +203,9 @@ SHARE_OPTION = click.option(
 @BACKEND_OPTION
 @click.option("--count", type=int, default=None, help="elements (or bytes) per rank; default from the spec")
 @click.option("--iters", type=int, default=None, help="back-to-back calls; default from the spec")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--arch", default="sm_90a", show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="seed of every call's random inputs (the same on every rank)")
+@click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture the source is compiled for")
 @click.option("--probe-timeout", is_flag=True,
               help="launch only rank 0 with a signal that never comes; expect the timeout message")
 @SHARE_OPTION
@@ -262,7 +263,8 @@ def world_sizes(text: str) -> list[int]:
               help="world sizes, LO..HI or a list (2..8, 2,3,4), each one every spec is compiled for "
                    "[default: each spec's own world_sizes]")
 @click.option("--schedules", type=click.IntRange(min=1), default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="seed of the random interleavings (the same seed replays the same schedules)")
 @_jobs_option("processes verifying at once")
 @_reports_errors
 def verify(paths, worlds, schedules, seed, jobs):

@@ -11,8 +11,10 @@ import hashlib
 import re
 from pathlib import Path
 
-# An include of the library, as the library and the generated sources write it.
-INCLUDE = re.compile(r'^#include "(tsgen/\w+\.cuh)"$')
+# An include of the library, in any spelling the preprocessor takes as one (`#include "tsgen/X.cuh"`,
+# indented, `# include`, a comment after it): a spelling this missed would leave the header out of
+# the compile cache's key (library_digest) and out of the one-file form (amalgamate).
+INCLUDE = re.compile(r'^\s*#\s*include\s*"(tsgen/\w+\.cuh)"\s*(?://.*|/\*.*\*/\s*)?$')
 # The line the one-file form opens each inlined header with (render.with_contents maps them).
 INLINED = re.compile(r"^// Inlined from templates/include/(\S+)$")
 

@@ -81,7 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank (at most the spec's capacity)")
     ap.add_argument("--ffn", type=int, default=1024, help="each expert's inner size")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="timed forward + backward steps per variant")
     args = ap.parse_args()
 
     rank, w, dev = init()

@@ -80,7 +80,7 @@ class FusedTPMLP(TPMLP):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192, help="S: sequence length over all ranks")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="timed forward + backward steps per variant")
     ap.add_argument("--compile", action="store_true", help="also the fused block under torch.compile(fullgraph=True)")
     args = ap.parse_args()
 

@@ -61,10 +61,11 @@ def _markdown(title: str, meta: dict, rows: list[dict], errors: list[str], notes
               "communication, rows M for GEMMs (default: the op's)")
 @click.option("--iters", type=int, default=20, show_default=True, help="calls per sample (at least)")
 @click.option("--reps", type=int, default=7, show_default=True, help="samples; the median is reported")
-@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=3, show_default=True, help="untimed calls before the samples")
 @click.option("--pattern", "patterns", multiple=True, type=click.Choice(["pair", "ring"]),
               help="copies: pair (rank 0 only) and/or ring (every rank); default both")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="also write the rows and errors (and the run's meta) to this JSON file")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="draw busbw / GB/s / TFLOP/s against size, tsgen and the baselines (needs matplotlib)")
 @click.option("--no-baselines", is_flag=True, help="time tsgen only")
@@ -77,7 +78,7 @@ def _markdown(title: str, meta: dict, rows: list[dict], errors: list[str], notes
               help="break the timing on purpose (no launch after the warm-up / events on other streams): exit 0 "
                    "when the guard turns every result into an error, 1 when a number got through")
 @click.option("--list-suites", is_flag=True, help="list suites/*.yaml and exit")
-@click.option("--arch", default="sm_90a", show_default=True)
+@click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture the sources are compiled for")
 def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json_path, plot_path, no_baselines,
           share_gpus, results_dir, control, list_suites, arch):
     """Time SPEC (or a --suite) against its baselines in the same run: copies against
@@ -183,12 +184,15 @@ def _finish(rows: list[dict], errors: list[str], control: str | None) -> None:
 
 @click.command("results")
 @click.option("--results", "results_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results"),
-              show_default=True)
-@click.option("--readme", type=click.Path(dir_okay=False, path_type=Path), default=Path("README.md"), show_default=True)
+              show_default=True, help="the results folder (results/<op>/<suite>/<date>-<commit>.json) to index")
+@click.option("--readme", type=click.Path(dir_okay=False, path_type=Path), default=Path("README.md"), show_default=True,
+              help="the README: its figures are checked, and it holds the generated tables unless a file of --docs "
+                   "has the tsgen-results markers")
 @click.option("--suites", "suites_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("suites"),
-              show_default=True)
+              show_default=True, help="the suites (NAME.yaml) whose readme: sections say which tables to write")
 @click.option("--docs", "docs_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="--check: the Markdown files under it are checked with the README (default: docs/ beside the README)")
+              help="the Markdown files under it: the one with the tsgen-results markers holds the tables; --check "
+                   "checks them all with the README (default: docs/ beside the README)")
 @click.option("--check", is_flag=True, help="write nothing; exit 1 when latest.md or the generated tables are stale, "
               "when a performance figure in the README or docs/ is in no results file its section cites, or when a "
               "relative link leads nowhere; warn when no GPU test run in results/tests/ has seen the newest change "

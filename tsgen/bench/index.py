@@ -208,23 +208,33 @@ def readme_block(results: Path, suites_dir: Path, folder: Path | None = None) ->
     return "\n".join(parts)
 
 
+# The generated block: the two markers each on a line of its own (a page that quotes a marker in
+# its prose, `<!-- tsgen-results:begin -->` in backticks, holds no block).
+_BLOCK = re.compile(rf"^{re.escape(BEGIN)}$.*?^{re.escape(END)}$", re.M | re.S)
+
+
 def tables_file(readme: Path, docs: Path | None = None) -> Path:
-    """The Markdown file that holds the generated tables: the first of the README and the files
-    under `docs` (default: docs/ beside the README; sorted) with the tsgen-results markers; the
-    README where none has them (update_readme then appends the block to it)."""
+    """The Markdown file that holds the generated tables: the one of the README and the files
+    under `docs` (default: docs/ beside the README) with the tsgen-results block (_BLOCK); the
+    README where none has it (update_readme then appends the block to it). RuntimeSetupError
+    when several have one: which to write would be a guess."""
+    from ..errors import RuntimeSetupError
+
     docs = Path(readme).parent / "docs" if docs is None else Path(docs)
-    for path in [Path(readme)] + sorted(docs.rglob("*.md") if docs.is_dir() else []):
-        if path.is_file() and BEGIN in path.read_text():
-            return path
-    return Path(readme)
+    holders = [path for path in [Path(readme)] + sorted(docs.rglob("*.md") if docs.is_dir() else [])
+               if path.is_file() and _BLOCK.search(path.read_text())]
+    if len(holders) > 1:
+        raise RuntimeSetupError(f"the generated tables' markers ({BEGIN} ... {END}) are in "
+                                f"{', '.join(map(str, holders))}: the tables live in one file; remove the others' block")
+    return holders[0] if holders else Path(readme)
 
 
 def update_readme(readme: Path, block: str) -> str:
-    """README text with its generated block replaced (appended where it has none)."""
+    """README text with its generated block (_BLOCK) replaced (appended where it has none)."""
     text = Path(readme).read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        return head + block + rest.split(END, 1)[1]
+    m = _BLOCK.search(text)
+    if m:
+        return text[:m.start()] + block + text[m.end():]
     return text.rstrip() + "\n\n" + block + "\n"
 
 

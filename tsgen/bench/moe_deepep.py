@@ -489,11 +489,11 @@ def main(argv=None) -> int:
     from .suites import load_suite
 
     ap = argparse.ArgumentParser(prog="python -m tsgen.bench.moe_deepep", description=main.__doc__)
-    ap.add_argument("--suite", default="moe-w2")
+    ap.add_argument("--suite", default="moe-w2", help="suites/NAME.yaml whose moe entries are timed")
     ap.add_argument("--gpus", type=int, default=None, help="world size (default: the suite's)")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20, help="calls per sample")
+    ap.add_argument("--reps", type=int, default=7, help="samples; the median is reported")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed calls before the samples")
     ap.add_argument("--jsonl", default=None, help="append the rows here")
     args = ap.parse_args(argv)
     table, bad, timed = [], 0, 0

@@ -368,11 +368,18 @@ class TorchOp:
         """An input tensor of `shape` that lives in this op's symmetric heap: the op reads it where it
         is (no copy in). A collective the first time a shape is used (it makes the heap). Valid until
         close(); the op's next call with this shape reads whatever it holds then. The op's first
-        input (x)."""
+        input (x); an op whose first input lives in no heap (MoE combine's y, read where it is) or
+        has no run-time count to size one says so (TsgenArgumentError)."""
         sig = self.signature
         shape = sig.input_shape_for(shape)
         dtype = TORCH_DTYPES[sig.input.dtype]
         count = sig.count_of(sig.arg_names[0], shape, dtype, True)
+        first = sig.ins[0] if hasattr(sig, "ins") else None
+        if first is not None and (first.how != "in" or first.count_dim is None):
+            why = ("is read where it is, in no heap (any CUDA tensor of that shape does)" if first.how == "arg" else
+                   "sizes no heap (its shape is fixed)")
+            raise TsgenArgumentError(f"{sig.where(sig.arg_names[0])}: op.empty makes the first input in the op's heap, "
+                                     f"but {first.described()} {why}")
         self._need_gpu()
         numel = 1
         for n in shape:
