@@ -530,3 +530,28 @@ def test_a_suite_loads_each_spec_once(monkeypatch):
         run_cli("bench", "--suite", "large-w4")
     assert len(entries) == 6 and needed == 24
     assert sum(built) == needed, f"{sum(built)} plans built for {needed} needed ({len(built)} validations)"
+
+
+def test_deepep_is_compared_at_its_fastest_sm_count(monkeypatch):
+    """Normal mode is timed at several SM counts; tsgen's pair is compared with the fastest pair of
+    each size, the slower pairs stay rows beside it (named by their SM count, not compared)."""
+    import tsgen.bench.workers as W
+    from tsgen.bench.moe_deepep import NORMAL_SMS_SWEEP, sms_sweep
+
+    def pair(sms, t, tokens=4096):
+        return {"time_us": t, "samples_us": [t, t], "calls": 10, "mode": "eager", "problems": [], "phase": "pair",
+                "tokens": tokens, "ep_mode": "normal", "payload": "bf16", "sms": sms, "wrong": 0,
+                "deepep_bytes": 9000, "link_bytes": 4500}
+
+    rows = [pair(24, 790.0), pair(48, 520.0), pair(64, 560.0), pair(24, 90.0, tokens=128)]
+    monkeypatch.setattr(W, "launch_workers", lambda cfg, world: rows)
+    spec = spec_variant(load_spec("specs/moe.yaml"), {"params": {"experts": 32, "hidden": 7168}}).model
+    ms = B.deepep(["deepep"], get_family("moe"), spec, 2, [4096, 128], 10, 5, 3)
+    assert [(m.impl, m.compare) for m in ms] == [
+        ("DeepEP normal dispatch+combine (bf16, 24 SMs)", False), ("DeepEP normal dispatch+combine (bf16, 48 SMs)", True),
+        ("DeepEP normal dispatch+combine (bf16, 64 SMs)", False), ("DeepEP normal dispatch+combine (bf16, 24 SMs)", True)]
+    assert [m.role for m in ms] == ["pair", "", "pair", ""]
+    assert sms_sweep({}) == NORMAL_SMS_SWEEP and sms_sweep({"sms": 32}) == (32,) and sms_sweep({"sms": [24, 24, 8]}) == (24, 8)
+    for bad in (23, 0, [24, -2], True):
+        with pytest.raises(ValueError, match="even positive"):
+            sms_sweep({"sms": bad})

@@ -208,15 +208,18 @@ DEEPEP_FIELDS = ("wrong", "phase", "ep_mode", "payload", "sms", "config", "impl_
 def deepep(names, family, spec, world: int, sizes: list[int], iters: int, reps: int, warmup: int) -> list[Measured]:
     """MoE dispatch, combine and the pair through DeepEP, and the peer-copy ceiling
     (tsgen/bench/moe_deepep.py), each row with its own bytes (DeepEP's count as the bandwidth
-    bytes, the rows over the link as the guard's); the pair is compared with tsgen's pair, the
-    phases and the ceiling are rows beside it. Without deep_ep: notes, and the ceiling."""
+    bytes, the rows over the link as the guard's); normal mode at each SM count of its sweep
+    (moe_deepep.NORMAL_SMS_SWEEP), the fastest pair compared with tsgen's pair, the other pairs, the
+    phases and the ceiling rows beside it. Without deep_ep: notes, and the ceiling."""
     from .workers import launch_workers
 
     p = spec.params
     cfg = {"worker": "tsgen.bench.moe_deepep:deepep_worker", "sizes": sizes, "experts": p.experts, "topk": p.topk,
            "hidden": p.hidden, "mode": p.mode, "payload": p.payload, "iters": iters, "reps": reps, "warmup": warmup}
     out = []
-    for r in launch_workers(cfg, world):
+    rows = launch_workers(cfg, world)
+    best = _fastest_pairs(rows)
+    for r in rows:
         size = r["tokens"] or sizes[0]  # the ceiling row sits beside the first size
         if r.get("skipped"):
             out.append(Measured("DeepEP", size, None, skipped=r["skipped"]))
@@ -229,10 +232,24 @@ def deepep(names, family, spec, world: int, sizes: list[int], iters: int, reps: 
                     f"({r['payload']}, {r['sms']} SMs)")
         case = BenchCase(size, size, link_bytes=float(r["link_bytes"]), bw_bytes=float(r["deepep_bytes"]),
                          note="bytes: DeepEP's count (its tests), the rank that moves most")
-        out.append(Measured(impl, size, _timing(r), case=case, compare=phase == "pair",
-                            role="" if phase == "pair" else phase,
+        compared = phase == "pair" and id(r) in best
+        out.append(Measured(impl, size, _timing(r), case=case, compare=compared,
+                            role="" if compared else ("pair" if phase == "pair" else phase),
                             extra={k: r[k] for k in DEEPEP_FIELDS if k in r}))
     return out
+
+
+def _fastest_pairs(rows: list[dict]) -> set[int]:
+    """The ids of the pair rows tsgen is compared with: per size and mode, the fastest of DeepEP's
+    SM counts (the others stay rows beside it, with their SM count in the name)."""
+    fastest: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("skipped") or r.get("phase") != "pair" or r.get("time_us") is None:
+            continue
+        key = (r["tokens"], r.get("ep_mode"))
+        if key not in fastest or r["time_us"] < fastest[key]["time_us"]:
+            fastest[key] = r
+    return {id(r) for r in fastest.values()}
 
 
 def runner(baseline: Baseline):

@@ -43,7 +43,23 @@ from .timing import TorchClock, time_calls
 from .workers import BaselineRunError, nccl_process
 
 NVL_BUFFER_BYTES = int(1e9)  # DeepEP's intranode buffer per rank (its tests use 1-2 GB)
-NORMAL_SMS = 24  # DeepEP's test_intranode.py and its published intranode numbers
+# Normal mode is timed at each of these SM counts (24: DeepEP's test_intranode.py and its published
+# intranode numbers; Buffer.set_num_sms: DeepEP's configs for a world
+# size scale their channels with it; even counts only) and tsgen's pair is compared with the
+# fastest: 24 is tuned for 8 ranks, and at 2 ranks it used less than half the link (docs/lab/deepep.md).
+NORMAL_SMS_SWEEP = (24, 48, 64)
+
+
+def sms_sweep(cfg: dict) -> tuple[int, ...]:
+    """The normal-mode SM counts to time: cfg["sms"] (a count or a list) or NORMAL_SMS_SWEEP; each
+    even and positive (DeepEP runs a channel on each pair of SMs)."""
+    asked = cfg.get("sms")
+    asked = NORMAL_SMS_SWEEP if asked is None else asked
+    counts = tuple(dict.fromkeys(asked if isinstance(asked, (list, tuple)) else (asked,)))
+    bad = [n for n in counts if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or n % 2]
+    if bad:
+        raise ValueError(f"DeepEP SM counts must be even positive integers; got {bad}")
+    return counts
 CEILING_BYTES = 256 << 20
 FP8_MAX = 448.0  # e4m3
 
@@ -286,9 +302,13 @@ def _routing(torch, dev, rank, world, experts, topk, tokens):
 
 
 def _normal(run: _Run, deep_ep, tokens: int) -> list[dict]:
+    """Normal mode's rows at every SM count of the sweep, a buffer of its own for each."""
+    return [r for sms in sms_sweep(run.cfg) for r in _normal_at(run, deep_ep, tokens, sms)]
+
+
+def _normal_at(run: _Run, deep_ep, tokens: int, sms: int) -> list[dict]:
     torch, dev, world, cfg, me = run.torch, run.dev, run.world, run.cfg, run.rank
     experts, hidden, fp8 = cfg["experts"], cfg["hidden"], cfg["payload"] == "fp8"
-    sms = cfg.get("sms") or NORMAL_SMS
     deep_ep.Buffer.set_num_sms(sms)
     buffer = deep_ep.Buffer(run.dist.group.WORLD, NVL_BUFFER_BYTES, 0, explicitly_destroy=True)
     dcfg, ccfg = deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)
