@@ -27,19 +27,11 @@ from __future__ import annotations
 from typing import Callable
 
 from .timing import TorchClock, time_calls
+from .torch_ops import cuda_torch
 from .workers import launch_workers, nccl_process
 
 # the zig-zag baseline's output against the naive one (both bf16 attention of the same inputs)
 CP_MAX_REL_ERR = 2e-2
-
-
-def _torch():
-    try:
-        import torch
-
-        return torch
-    except ImportError:
-        return None
 
 
 # ---------------------------------------------------------------------------
@@ -63,9 +55,9 @@ def sdpa(world, rank: int, spec, seq: int) -> list[Candidate]:
     """PyTorch's scaled_dot_product_attention of the attention spec's shape at sequence length
     `seq` on rank's GPU and stream, once with each of its flash and cuDNN backends. Grouped-query
     heads through enable_gqa, else K and V expanded to every query head (said in the impl)."""
-    torch = _torch()
+    torch, why = cuda_torch()
     if torch is None:
-        return [("torch SDPA", None, "torch is not installed")]
+        return [("torch SDPA", None, why)]
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -158,9 +150,9 @@ def _cudnn_graph(cudnn, torch, dev: int, args: dict):
 def cudnn_frontend(world, rank: int, spec, seq: int) -> list[Candidate]:
     """cuDNN's SDPA forward through cudnn-frontend on rank's GPU and stream (the handle's stream
     is the World's); its output checked once against torch SDPA before it is timed."""
-    torch = _torch()
+    torch, why = cuda_torch()
     if torch is None:
-        return [("cudnn-frontend SDPA", None, "torch is not installed (cudnn-frontend runs on torch's cuDNN)")]
+        return [("cudnn-frontend SDPA", None, f"{why} (cudnn-frontend runs on torch's cuDNN)")]
     try:
         import cudnn
     except Exception as e:  # noqa: BLE001 - not installed, or no cuDNN library to load

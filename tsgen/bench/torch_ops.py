@@ -19,13 +19,17 @@ from .timing import Timing, TorchClock, time_calls
 from .workers import launch_workers, nccl_process
 
 
-def _torch():
+def cuda_torch():
+    """(torch, None) when torch is installed and sees a CUDA GPU, else (None, why): a torch without
+    CUDA (a CPU build) cannot time anything here, so the baselines say why they did not run and
+    cuBLAS falls back to CuPy."""
     try:
         import torch
-
-        return torch
     except ImportError:
-        return None
+        return None, "torch is not installed"
+    if not torch.cuda.is_available():
+        return None, f"torch {torch.__version__} sees no CUDA GPU"
+    return torch, None
 
 
 def cublas(world, rank: int, m: int, n: int, k: int, dtype: str, *, iters: int, reps: int, warmup: int,
@@ -34,7 +38,7 @@ def cublas(world, rank: int, m: int, n: int, k: int, dtype: str, *, iters: int, 
     from .timing import CupyClock
 
     cp, stream, dev = world.cp, world.streams[rank], world.devices[rank]
-    torch = _torch()
+    torch, _ = cuda_torch()
     if torch is not None:
         tdt = getattr(torch, dtype)
         with torch.cuda.device(dev):
@@ -59,7 +63,7 @@ def cublas(world, rank: int, m: int, n: int, k: int, dtype: str, *, iters: int, 
             with cp.cuda.Device(dev), stream:
                 cp.matmul(a, b, out=c)
 
-        impl = "cuBLAS (cupy.matmul, float16: no torch)"
+        impl = "cuBLAS (cupy.matmul, float16: no torch with CUDA)"
     timing = time_calls(CupyClock(world), [rank], world.streams, enqueue, calls=iters, reps=reps, warmup=warmup,
                         graphs=False, label=label)
     return impl, timing
