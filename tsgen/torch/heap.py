@@ -61,13 +61,12 @@ def agree(group: Any, problem: str | None) -> None:
 
 @dataclass
 class Heap:
-    """One rank's symmetric heap: `tensor` (uint8, the heap's bytes on this GPU) and `peers`, every
-    rank's heap base as mapped in this process; `peer_table` is that table on the device (the
-    kernels' `peers`), `host_table` in host memory (`peers_host`, copy-engine launchers)."""
+    """One rank's symmetric heap: `tensor` (uint8, the heap's bytes on this GPU); every rank's heap
+    base as mapped in this process in `peer_table` on the device (the kernels' `peers`) and in
+    `host_table` in host memory (`peers_host`, copy-engine launchers)."""
 
     kind: str
     tensor: torch.Tensor
-    peers: list[int]
     peer_table: torch.Tensor
     host_table: Any
     _close: Callable[[], None] | None = field(default=None, repr=False)
@@ -134,7 +133,7 @@ def _symm_mem_heap(nbytes: int, group: Any, device: int, init: Callable[[torch.T
     def close() -> None:
         keep.clear()  # torch frees the allocation with the last reference
 
-    return Heap("symm_mem", tensor, peers, table, host, close)
+    return Heap("symm_mem", tensor, table, host, close)
 
 
 # -- CUDA IPC through the driver API ----------------------------------------------------------
@@ -234,7 +233,7 @@ def _ipc_heap(nbytes: int, group: Any, device: int, init: Callable[[torch.Tensor
         release(barrier=False)
         raise
     table, host = _tables(peers, device)
-    return Heap("ipc", tensor, peers, table, host, lambda: release(barrier=True))
+    return Heap("ipc", tensor, table, host, lambda: release(barrier=True))
 
 
 # -- the choice --------------------------------------------------------------------------------
