@@ -32,7 +32,7 @@ def read(log_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
 
 
 def markdown(meta: dict, checks: list[dict], times: list[dict]) -> str:
-    lines = [f"# tsgen.torch on {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
+    lines = [f"# tsgen.torch on {meta['device']}, {meta['date'][:10]}, commit {meta['commit']}", "",
              f"Command: `{meta['command']}` (tests/torch_checks.py, its --probe, the examples/torch/ scripts); "
              "one process per GPU under torchrun (the shared_* checks: 4 processes on one GPU under MPS, "
              "tests/torch_checks.py --shared).", "",
@@ -55,11 +55,11 @@ def main(argv: list[str]) -> int:
     if not checks:
         print(f"torch_results: no CHECK line in {', '.join(map(str, log_dirs))}", file=sys.stderr)
         return 1
-    date = datetime.date.today().isoformat()
-    meta = {"date": date, "commit": commit, "command": command, "device": device}
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # orders runs of one day
+    meta = {"date": started, "commit": commit, "command": command, "device": device}
     out = results / "torch"
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{date}-{commit}"
+    stem = out / f"{started[:10]}-{commit}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "checks": checks, "times": times}, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(meta, checks, times))
     print(f"torch_results: {len(checks)} checks, {len(times)} step times -> {stem}.{{json,md}}")
