@@ -3,7 +3,8 @@
 #                              digits, '.', '-' -> _: the device tool brings back plain names only); PASS when it
 #                              exits 0; no step starts once the script has used BUDGET seconds
 #   summary TITLE FILE         print the PASS/FAIL table (also to $OUT/FILE); returns non-zero on a failure
-# The caller sets LOG (a folder) and may set BUDGET (seconds, default 285).
+# The caller sets LOG (a folder) and may set BUDGET (seconds, default 285). STEPS (an extended regular
+# expression, optional) runs only the steps whose names match it; the others are listed as not selected.
 BUDGET=${BUDGET:-285}
 RESULTS=()
 FAILS=0
@@ -13,6 +14,9 @@ step() {
   local name=$1 limit=$2; shift 2
   local safe; safe=$(printf '%s' "$name" | tr -c 'A-Za-z0-9.-' _)
   local log="$LOG/$safe.log" left=$((BUDGET - SECONDS)) t0=$SECONDS rc
+  if [ -n "${STEPS:-}" ] && ! printf '%s' "$name" | grep -Eq -- "$STEPS"; then
+    RESULTS+=("$(printf '%-48s not selected (STEPS)' "$name")"); return 0
+  fi
   if [ "$left" -lt 10 ]; then RESULTS+=("$(printf '%-48s SKIP (out of time)' "$name")"); FAILS=$((FAILS + 1)); return 1; fi
   [ "$limit" -gt "$left" ] && limit=$left
   timeout -k 30 "$limit" "$@" > "$log" 2>&1  # -k 30: a stopped suite writes what it finished (SIGTERM)
