@@ -225,13 +225,15 @@ def test_torch_results_turns_check_and_time_lines_into_a_results_file(tmp_path):
     logs = tmp_path / "torch"
     logs.mkdir()
     (logs / "a.log").write_text("noise\nCHECK grad PASS r0: max |diff| 0\nCHECK ipc FAIL rank 1: boom\n"
-                                "TIME tp_mlp S=8 W=2 tsgen eager: 6.268 ms/step (0.86x the twin)\n")
+                                "TIME tp_mlp S=8 W=2 tsgen eager: 6.268 ms/step (0.86x the twin)\n"
+                                "allgather: PASS on 2 GPUs (nvshmem: one process per rank) (6.4 s)\n")
     tool = [sys.executable, str(ROOT / "tools" / "torch_results.py"), str(tmp_path / "res"), "abc1234", "2 x H200", "cmd"]
     done = subprocess.run(tool + [str(logs)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (js,) = (tmp_path / "res" / "torch").glob("*-abc1234.json")
     data = json.loads(js.read_text())
-    assert [(c["check"], c["result"]) for c in data["checks"]] == [("grad", "PASS"), ("ipc", "FAIL")]
+    assert [(c["check"], c["result"]) for c in data["checks"]] == [("grad", "PASS"), ("ipc", "FAIL"),
+                                                                    ("torchrun-tsgen-test-nvshmem-allgather", "PASS")]
     assert data["times"] == [{"example": "tp_mlp", "variant": "S=8 W=2 tsgen eager", "ms_per_step": 6.268, "vs_twin": 0.86}]
     assert "max \\|diff\\| 0" in js.with_suffix(".md").read_text()
     empty = tmp_path / "empty"

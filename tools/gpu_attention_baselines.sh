@@ -11,7 +11,7 @@
 #       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
 #       ~90 s, two worker launches (NCCL start ~15 s each), ~40 s of timing]
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
-# fails. Logs under $OUT/attn_logs, results under $OUT (TSGEN_RESULTS_DIR), a table of ratios last.
+# fails. Logs under $OUT/attn_logs, results in the index layout in $OUT/results.tgz (tar xzf it into results/, then `tsgen results`), a table of ratios last.
 set -uo pipefail
 MODE=${1:-attention}
 source "$(dirname "$0")/device_env.sh"
@@ -26,11 +26,11 @@ step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/t
 case "$MODE" in
   attention)
     step "precompile" 150 python3 tools/precompile_suites.py attention attention-gqa64
-    step "bench attention" 200 python3 -m tsgen bench --suite attention
-    step "bench attention-gqa64" 150 python3 -m tsgen bench --suite attention-gqa64 ;;
+    step "bench attention" 200 python3 -m tsgen bench --suite attention --results "$OUT/results"
+    step "bench attention-gqa64" 150 python3 -m tsgen bench --suite attention-gqa64 --results "$OUT/results" ;;
   cp)
     step "precompile" 150 python3 tools/precompile_suites.py cp-w2
-    step "bench cp-w2" 300 python3 -m tsgen bench --suite cp-w2 ;;
+    step "bench cp-w2" 300 python3 -m tsgen bench --suite cp-w2 --results "$OUT/results" ;;
   *) echo "usage: $0 attention|cp" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
@@ -50,3 +50,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).rglob("*.json")):
         print(f"{r.get('label') or r.get('spec')} S={r['size']} {r.get('TFLOPs', 0):.0f} TFLOP/s | " + " | ".join(cells))
 PY
 summary "attention baselines ($MODE)" attn_summary.txt
+rc=$?
+# the device tool brings back folders a few levels deep only: the results index travels as one archive
+[ -d "$OUT/results" ] && tar czf "$OUT/results.tgz" -C "$OUT/results" . && rm -rf "$OUT/results"
+exit $rc

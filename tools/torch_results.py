@@ -2,7 +2,8 @@
 
 Usage: python tools/torch_results.py RESULTS_DIR COMMIT DEVICE COMMAND LOG_DIR...
 
-Each LOG_DIR holds steps' logs (tools/gpu_torch.sh's, tools/gpu_torchrun.sh's): their `CHECK name RESULT detail` lines become the checks table and
+Each LOG_DIR holds steps' logs (tools/gpu_torch.sh's, tools/gpu_torchrun.sh's): their `CHECK name RESULT detail`
+lines and `tsgen test`'s closing `SPEC: PASS on N GPUs (...)` lines become the checks table and
 their `TIME label: X ms/step (R x the twin)` lines the step times (each example's twin and tsgen
 variants, one mean per variant, one after the other: a first reading, not a benchmark, as the
 file says). Exit 1 when the logs hold no CHECK line at all (nothing was checked).
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 CHECK = re.compile(r"^CHECK (\S+) ([A-Z]+) ?(.*)$")
+# `tsgen test`'s last line (tools/gpu_torchrun.sh runs it under torchrun): "SPEC: PASS on 2 GPUs (BACKEND: ...) (6.4 s)"
+TSGEN_TEST = re.compile(r"^(\S+): (PASS|FAIL) on (\d+) GPUs \((\w+): (.+)\) \(([0-9.]+) s\)$")
 TIME = re.compile(r"^TIME (\S+) (.+?): ([0-9.]+) ms/step \(([0-9.]+)x the twin\)$")
 
 
@@ -26,6 +29,9 @@ def read(log_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
         for line in log.read_text(errors="replace").splitlines():
             if m := CHECK.match(line):
                 checks.append({"check": m[1], "result": m[2], "detail": m[3]})
+            elif m := TSGEN_TEST.match(line):
+                checks.append({"check": f"torchrun-tsgen-test-{m[4]}-{m[1]}", "result": m[2],
+                               "detail": f"tsgen test under torchrun, {m[3]} GPUs, {m[4]}: {m[5]} ({m[6]} s)"})
             elif m := TIME.match(line):
                 times.append({"example": m[1], "variant": m[2], "ms_per_step": float(m[3]), "vs_twin": float(m[4])})
     return checks, times
