@@ -104,6 +104,11 @@ def test_world_size_per_backend():
 
 def test_pick_device():
     assert pick_device(3, 4) == 3
+    # a process group made by hand on a second host: rank 9 is no GPU index here, and the error says why
+    with pytest.raises(RuntimeSetupError, match="rank 9 has no local rank .* set LOCAL_RANK"):
+        pick_device(9, 8, {}, guessed=True)
+    assert process_env({}, group=(9, 16)).local_guessed
+    assert not process_env({"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}, group=(9, 16)).local_guessed
     assert pick_device(3, 1) == 0  # the launcher bound one GPU to this process
     assert pick_device(0, 8) == 0
     with pytest.raises(RuntimeSetupError) as e:
@@ -405,7 +410,7 @@ def test_a_peer_that_never_publishes_its_handle():
         for r in (0, 1):
             assert isinstance(got[r], StoreError)
             assert str(got[r]).startswith(f"rank {r} waited 0.5 s in 'heap 0: CUDA IPC handles' for rank 2 (key "
-                                          "tsgen/1/2 in the tsgen store"), got[r]
+                                          "tsgen/0/1/2 in the tsgen store"), got[r]
     finally:
         close_ranks(rvs)
 

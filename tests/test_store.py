@@ -61,7 +61,7 @@ def test_timeout_names_the_missing_rank_and_key():
         got = _together(rvs[:2], lambda r, rv: rv.barrier("call 7 loaded"))
         for r, e in enumerate(got):
             assert isinstance(e, StoreError), e
-            assert str(e).startswith(f"rank {r} waited 0.5 s in 'call 7 loaded' for rank 2 (key tsgen/0/2 in the "
+            assert str(e).startswith(f"rank {r} waited 0.5 s in 'call 7 loaded' for rank 2 (key tsgen/0/0/2 in the "
                                      "tsgen store at 127.0.0.1:"), e
     finally:
         _close(rvs)
@@ -214,10 +214,10 @@ def test_rendezvous_is_usable_over_any_keyvalue():
 
     rv = Rendezvous(Dict(), 0, 1)
     assert rv.all_gather("solo", b"x") == [b"x"]
-    for rank_serves, left in ((True, ["tsgen/left/1"]), (False, [])):  # leaving is said only to a rank serving
+    for rank_serves, left in ((True, ["tsgen/0/left/1"]), (False, [])):  # leaving is said only to a rank serving
         peer = Rendezvous(Dict(), 1, 2, rank_serves=rank_serves)
         peer.close()
-        assert [k for k in peer.kv if k.startswith("tsgen/left/")] == left
+        assert [k for k in peer.kv if "/left/" in k] == left
     rv.barrier("solo 2")
     assert rv.aborted() is None
     rv.abort("because")
@@ -243,7 +243,9 @@ def test_a_collective_completed_before_an_abort_stands():
     """The last rank arrives, then leaves the world and aborts before a waiting rank looks again:
     the waiting rank sees the abort, but its collective is complete, so it returns (it raised
     before: a CI run under load failed tests/test_ipc_cpu.py so, 2026-11-26)."""
-    from tsgen.runtime.store import ABORT_KEY, Rendezvous
+    from tsgen.runtime.store import Rendezvous
+
+    ABORT_KEY = "tsgen/0/abort"  # generation 0: a store without add
 
     class Kv:  # rank 1's key lands, and the abort with it, between rank 0's two looks
         where = "fake store"
@@ -262,9 +264,53 @@ def test_a_collective_completed_before_an_abort_stands():
             if keys != [ABORT_KEY]:
                 self.looks += 1
                 if self.looks == 1:  # just after rank 0's first look
-                    self.data["tsgen/0/1"] = b"step\0"
+                    self.data["tsgen/0/0/1"] = b"step\0"
                     self.data[ABORT_KEY] = b"rank 1: RuntimeError: broke"
             return seen
 
     rv = Rendezvous(Kv(), 0, 2, timeout=5)
     assert rv.all_gather("step", b"x") == [b"x", b""]
+
+
+def test_a_store_that_outlives_a_rendezvous_gives_the_next_one_fresh_keys():
+    """A torch store can outlive a process group (destroyed and made again over the same store
+    and prefix, e.g. torchrun's agent's): the second rendezvous of the same ranks must not read
+    the first one's values or its abort. Every rank of every rendezvous adds 1 to one counter,
+    in any order; the n-th rendezvous of `size` ranks takes generation n."""
+    from tsgen.runtime.store import Rendezvous
+
+    class Kv:  # a store with torch's add(), shared by every rank (one process here)
+        where = "fake torch store"
+
+        def __init__(self):
+            self.data = {}
+
+        def set(self, key, value):
+            self.data[key] = value
+
+        def get(self, key):
+            return self.data[key]
+
+        def check(self, keys):
+            return all(k in self.data for k in keys)
+
+        def add(self, key, amount):
+            self.data[key] = int(self.data.get(key, 0)) + amount
+            return self.data[key]
+
+        def close(self):
+            pass
+
+    kv = Kv()
+    first = [Rendezvous(kv, r, 2, timeout=0.2) for r in (1, 0)][::-1]  # ranks join in any order
+    for r, rv in enumerate(first):
+        kv.set(f"{rv.space}/0/{r}", b"heap\0old handle")  # the first rendezvous's first all_gather
+    first[1].abort("RuntimeError: the old job failed")
+    second = [Rendezvous(kv, r, 2, timeout=0.2) for r in (0, 1)]
+    assert [rv.space for rv in first + second] == ["tsgen/0", "tsgen/0", "tsgen/1", "tsgen/1"]
+    assert second[0].aborted() is None  # the old abort stays with the old rendezvous
+    for r, rv in enumerate(second):
+        kv.set(f"{rv.space}/0/{r}", b"heap\0new handle")
+    assert second[0].all_gather("heap", b"new handle") == [b"new handle", b"new handle"]
+    # without the store's counter both would share one key space: the old job's abort would end the new one
+    assert Rendezvous.generation(type("NoAdd", (), {})(), 2) == 0

@@ -46,6 +46,7 @@ class ProcessInfo:
     master_port: int
     launcher: str
     size_var: str  # the variable `size` came from, for messages
+    local_guessed: bool = False  # no launcher variable gave the local rank: it is the group's rank
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
@@ -104,7 +105,7 @@ def process_env(env: Mapping[str, str], group: tuple[int, int] | None = None) ->
                 "it with the launcher's rank and world size (init_method='env://')")
         local_rank = launched.local_rank if launched is not None else rank
         return ProcessInfo(rank, size, local_rank, *_master(env), TORCH_GROUP,
-                           "torch.distributed.get_world_size()")
+                           "torch.distributed.get_world_size()", local_guessed=launched is None)
     if launched is not None:
         return launched
     names = ", ".join(f"{r}/{s} ({launcher})" for launcher, r, s, _ in LAUNCHERS)
@@ -125,16 +126,25 @@ def launcher_world(env: Mapping[str, str], size: int | None = None) -> ProcessIn
     return info
 
 
-def pick_device(local_rank: int, visible: int, env: Mapping[str, str] | None = None, share: bool = False) -> int:
+def pick_device(local_rank: int, visible: int, env: Mapping[str, str] | None = None, share: bool = False,
+                guessed: bool = False) -> int:
     """The GPU of a process with this local rank that sees `visible` GPUs: the only one
     when the launcher bound one GPU per process, else GPU `local_rank` (`share`: GPU
-    local_rank % visible). Pure."""
+    local_rank % visible). `guessed`: no launcher variable gave the local rank (a process
+    group made by hand): it is the group's rank, right on one host only, and the error says so.
+    Pure."""
     if visible == 1:
         return 0
     if local_rank < visible or share:
         return local_rank % visible
     env = os.environ if env is None else env
     shown = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
+    if guessed:
+        raise RuntimeSetupError(
+            f"torch.distributed rank {local_rank} has no local rank (no LOCAL_RANK or other launcher variable is "
+            f"set), so tsgen took the rank as this host's GPU index, but this process sees {visible} GPUs{shown}: "
+            "set LOCAL_RANK to the GPU index of this process on its host (torchrun sets it), or bind one GPU per "
+            "process with CUDA_VISIBLE_DEVICES")
     raise RuntimeSetupError(
         f"local rank {local_rank} needs GPU {local_rank}, but this process sees {visible} GPUs{shown}: "
         f"start at most {visible} ranks on this host"
@@ -217,7 +227,8 @@ class IpcBackend:
         info = launcher_world(env, size)
         self.cp, self.rank, self.size = cp, info.rank, info.size
         rt = cp.cuda.runtime
-        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env, share=share_gpus)
+        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env, share=share_gpus,
+                                  guessed=info.local_guessed)
         self.devices = {self.rank: self.device}
         self.store = rendezvous or store_mod.shared(info.master_addr, info.master_port, info.rank, info.size)
         self._heaps: dict[int, _Heap] = {}  # by own base address

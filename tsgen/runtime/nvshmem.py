@@ -143,7 +143,7 @@ class NvshmemBackend:
         self.lib = lib or import_nvshmem()
         self.core, self.bindings = self.lib.core, self.lib.bindings
         rt = cp.cuda.runtime
-        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env)
+        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env, guessed=info.local_guessed)
         self.devices = {self.rank: self.device}
         self.store = rendezvous or store_mod.shared(info.master_addr, info.master_port, info.rank, info.size)
         self._heaps: dict[int, Any] = {}  # own base -> the nvshmem array holding it

@@ -52,7 +52,7 @@ from ..errors import RuntimeSetupError
 from .store_server import MAX_PART, NONCE, Malformed, _recv, _send, proof
 
 DEFAULT_TIMEOUT = 300.0  # seconds; TSGEN_STORE_TIMEOUT overrides (torch's default is the same)
-ABORT_KEY = "tsgen/abort"
+JOINED_KEY = "tsgen/joined"  # a counter every rendezvous on a torch store adds 1 to: its generation
 
 
 class StoreError(RuntimeSetupError):
@@ -268,6 +268,10 @@ class TorchStore:
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", keys))
 
+    def add(self, key: str, amount: int) -> int:
+        """The counter at `key` after adding `amount` (atomic in the store)."""
+        return int(self._call("add", key, amount))
+
     def close(self) -> None:
         self.store = None
 
@@ -287,13 +291,25 @@ class Rendezvous:
         # some rank serves the store and waits for the others to leave (else torch serves it: the
         # process group's or torchrun's store, and no rank needs to hear who left)
         self.rank_serves = rank_serves
+        self.space = f"tsgen/{self.generation(kv, size)}"  # every key of this rendezvous starts with it
         self._seq = 0
         self.closed = False
+
+    @staticmethod
+    def generation(kv: KeyValue, size: int) -> int:
+        """Which rendezvous on this store this is: 0 on a store of its own (tsgen's, a TCPStore of
+        tsgen's making); on a torch store that outlives a process group (a group destroyed and
+        made again over the same store and prefix, e.g. torchrun's agent's), every rank of every
+        rendezvous adds 1 to one counter, so the n-th rendezvous of `size` ranks reads a sum in
+        (n size, (n + 1) size] whatever the ranks' order, and its keys never meet an earlier
+        one's (stale values, an old abort)."""
+        add = getattr(kv, "add", None)
+        return 0 if add is None else (add(JOINED_KEY, 1) - 1) // size
 
     def all_gather(self, label: str, value: bytes = b"", timeout: float | None = None) -> list[bytes]:
         """Every rank's `value`, in rank order. `label` says what the step is for messages."""
         seq, self._seq = self._seq, self._seq + 1
-        keys = [f"tsgen/{seq}/{r}" for r in range(self.size)]
+        keys = [f"{self.space}/{seq}/{r}" for r in range(self.size)]
         self.kv.set(keys[self.rank], label.encode() + b"\0" + value)
         self._wait(keys, label, self.timeout if timeout is None else timeout)
         out = []
@@ -316,13 +332,14 @@ class Rendezvous:
     def abort(self, message: str) -> None:
         """Tell every rank waiting in (or later entering) a collective to give up."""
         try:
-            self.kv.set(ABORT_KEY, f"rank {self.rank}: {message}".encode())
+            self.kv.set(f"{self.space}/abort", f"rank {self.rank}: {message}".encode())
         except StoreError:
             pass  # the store is gone: the others time out instead
 
     def aborted(self) -> str | None:
         try:
-            return self.kv.get(ABORT_KEY).decode() if self.kv.check([ABORT_KEY]) else None
+            key = f"{self.space}/abort"
+            return self.kv.get(key).decode() if self.kv.check([key]) else None
         except StoreError:
             return None
 
@@ -355,11 +372,11 @@ class Rendezvous:
         try:
             if self.serves:
                 deadline = time.monotonic() + self.linger
-                left = [f"tsgen/left/{r}" for r in range(self.size) if r != self.rank]
+                left = [f"{self.space}/left/{r}" for r in range(self.size) if r != self.rank]
                 while not self.kv.check(left) and self.aborted() is None and time.monotonic() < deadline:
                     time.sleep(0.01)
             elif self.rank_serves:
-                self.kv.set(f"tsgen/left/{self.rank}", b"")
+                self.kv.set(f"{self.space}/left/{self.rank}", b"")
         except StoreError:
             pass
         finally:
