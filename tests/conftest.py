@@ -27,9 +27,19 @@ def gpu_count() -> int:
         return 0
 
 
+# TSGEN_SPREAD_GPUS=0,1 (tools/gpu_gate.sh SPREAD=1 on a machine of several GPUs, with TSGEN_SHARE_GPUS=1):
+# each pytest-xdist worker sees one of those GPUs, round robin, before anything touches CUDA, so the
+# shared-GPU suite (every world on one GPU) runs on all of them at once, each GPU with its own turn lock.
+_SPREAD = os.environ.get("TSGEN_SPREAD_GPUS", "")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _SPREAD and _WORKER.startswith("gw"):
+    _gpus = _SPREAD.split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(_WORKER[2:]) % len(_gpus)]
+
 if os.environ.get("TSGEN_SHARE_GPUS") == "1":
     # test processes (pytest -n N) compile in parallel and take turns on the shared GPU (harness.gpu_turn)
-    os.environ.setdefault("TSGEN_GPU_LOCK", f"/tmp/tsgen-gpu-{os.getuid()}.lock")
+    _gpu = f"-gpu{os.environ['CUDA_VISIBLE_DEVICES']}" if _SPREAD and _WORKER else ""
+    os.environ.setdefault("TSGEN_GPU_LOCK", f"/tmp/tsgen-gpu-{os.getuid()}{_gpu}.lock")
     from tsgen.env import shared_gpu_env
 
     shared_gpu_env()  # before any CUDA call: queues and eager module loading (tsgen/env.py)

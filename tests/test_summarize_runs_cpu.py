@@ -177,6 +177,8 @@ def test_gpu_workers_follow_the_free_memory(tmp_path, free, cores, jobs, expecte
     env["WORKER_MIB"] = "5120"
     if not jobs and free == "143000\n120000\n":
         assert _gpu_lib(env, "gpu_workers") == "14"  # 23 by memory, 14 cores
+        env["WORKER_MIB"] = "20480"
+        assert _gpu_lib(env, "gpu_workers 2") == "10"  # the gate's SPREAD: 5 workers per GPU on each of 2
 
 
 def test_gpu_kind_and_the_visible_gpus(tmp_path):

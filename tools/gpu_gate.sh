@@ -5,7 +5,10 @@
 #   one visible GPU:  the whole GPU suite with every rank sharing it (worlds 2, 3, 4, 8), and the
 #                     vendoring example at W = 2, 3, 4 on it;
 #   2 or more GPUs:   the suite one GPU per rank (worlds up to the GPU count), and the vendoring
-#                     example at W = 2 .. the GPU count.
+#                     example at W = 2 .. the GPU count;
+#   SPREAD=1, 2+ GPUs: the one-GPU gate (every world on one GPU) with the pytest workers spread over the
+#                     GPUs, each worker seeing one of them (tests/conftest.py TSGEN_SPREAD_GPUS): the same
+#                     tests in about 1 / GPUs of the time; recorded under the one-GPU kind.
 # Then tools/summarize_shared.py writes results/tests/<kind>/<date>-<commit>.{json,md} under
 # $OUT/results (failed test ids, skip reasons, every negative control's detection rate), and the
 # logs go into $OUT/gate_logs.tgz.   bash tools/gpu_gate.sh [PYTEST_ARGS...]
@@ -21,9 +24,15 @@ gpus=$(gpu_count)
 kind=$(gpu_kind)
 free=$(gpu_free_mib)
 jobs=$(gpu_workers)
+if [ "${SPREAD:-0}" = 1 ] && [ "$gpus" -gt 1 ]; then  # the one-GPU gate on each of the GPUs at once
+  export TSGEN_SPREAD_GPUS=$(seq -s , 0 $((gpus - 1)))
+  kind=$(CUDA_VISIBLE_DEVICES=0 gpu_kind)
+  jobs=$(gpu_workers "$gpus")
+  gpus=1  # every world on one GPU
+fi
 commit=${TSGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 gpu_device_info "$run/device.txt"
-echo "gate: $kind, $gpus GPU(s), $jobs workers (free $free MiB), commit $commit" | tee -a "$run/gate.txt"
+echo "gate: $kind, $gpus GPU(s)${TSGEN_SPREAD_GPUS:+ per world, workers spread over GPUs $TSGEN_SPREAD_GPUS}, $jobs workers (free $free MiB), commit $commit" | tee -a "$run/gate.txt"
 # per-process GPU memory once a second: the measured worker footprint for WORKER_MIB
 ( while sleep 1; do gpu_smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits; done ) \
   > "$run/apps_mem.txt" 2>/dev/null &
@@ -43,9 +52,13 @@ echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$run/
 peak=$(awk -F', *' '{ if ($2 > m) m = $2 } END { print m + 0 }' "$run/apps_mem.txt")
 echo "largest test process on the GPU: $peak MiB" | tee -a "$run/gate.txt"
 # the vendoring example (examples/vendor, no Python): W ranks on the visible GPUs
-gpu_vendor_example "$run/vendor.txt" $worlds || code=1
+if [ -n "${TSGEN_SPREAD_GPUS:-}" ]; then  # the example's ranks on one GPU, as in the one-GPU gate
+  CUDA_VISIBLE_DEVICES=0 gpu_vendor_example "$run/vendor.txt" $worlds || code=1
+else
+  gpu_vendor_example "$run/vendor.txt" $worlds || code=1
+fi
 # (--require-controls: a negative control that missed at any call fails the gate)
-python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" "bash tools/gpu_gate.sh $*" --kind "$kind" \
+python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" "${TSGEN_SPREAD_GPUS:+SPREAD=1 }bash tools/gpu_gate.sh $*" --kind "$kind" \
   --require-controls | tee -a "$run/gate.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
 gpu_outcome "$run/$log" 25

@@ -9,7 +9,8 @@
 #   gpu_workers            pytest-xdist workers: JOBS where set, else the least free GPU memory over
 #                          WORKER_MIB (default 10240: on one H200, 17 workers ran contexts out of
 #                          memory, 14 did not; with eager module loading every worker's context holds
-#                          all its libraries' kernels), at least 1, and at most the cores less 2
+#                          all its libraries' kernels), at least 1, and at most the cores less 2;
+#                          gpu_workers N: N GPUs' worth of workers (each worker on one of N GPUs)
 #   gpu_vendor_example LOG WORLD...   build examples/vendor (no Python, in a fresh private folder, removed
 #                          after) and run allgather_demo at each world size, output appended to LOG;
 #                          status 1 when the build or a run failed
@@ -45,7 +46,7 @@ gpu_workers() {
   local free cores by_memory
   free=$(gpu_free_mib)
   cores=$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))
-  by_memory=$(( ${free:-10240} / ${WORKER_MIB:-10240} ))
+  by_memory=$(( ${free:-10240} / ${WORKER_MIB:-10240} * ${1:-1} ))
   [ "$by_memory" -ge 1 ] || by_memory=1
   echo "${JOBS:-$(( cores < by_memory ? cores : by_memory ))}"
 }
