@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -126,7 +127,9 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     }
     meta = {"date": started or date, "commit": commit, "command": command, "device": device,
             "mode": "one GPU per rank (TSGEN_SHARE_GPUS unset): worlds larger than the GPU count skip" if real else
-                    "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"}
+                    "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"
+                    + (f"; the test processes spread over GPUs {os.environ['TSGEN_SPREAD_GPUS']}, each seeing one of them "
+                       "(tools/gpu_gate.sh SPREAD=1)" if os.environ.get("TSGEN_SPREAD_GPUS") else "")}
     title = "GPU suite, one GPU per rank" if real else "GPU suite on one GPU (shared-GPU worlds)"
     timings = "" if real else " Timings of ranks sharing a GPU measure nothing about the ops; none are reported."
     md = [f"# {title}, {date}, commit {commit}", "",
