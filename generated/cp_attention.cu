@@ -41,10 +41,10 @@
 //   59: the hand-written library, included: tsgen/ptx.cuh 59, tsgen/sync.cuh 60, tsgen/copy.cuh 61, tsgen/gemm.cuh 62, tsgen/attention.cuh 63, tsgen/fused.cuh 64, tsgen/cp.cuh 65
 //   70: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 194, cp_attention_w2_sync 204, cp_attention_w4_sync 216
-//     cp_attention_w8_sync 228, cp_attention_w2_prepare 252, cp_attention_w2_launch 253
-//     cp_attention_w4_prepare 254, cp_attention_w4_launch 255, cp_attention_w8_prepare 256
-//     cp_attention_w8_launch 257
+//     cp_attention_attention 195, cp_attention_w2_sync 205, cp_attention_w4_sync 217
+//     cp_attention_w8_sync 229, cp_attention_w2_prepare 254, cp_attention_w2_launch 255
+//     cp_attention_w4_prepare 256, cp_attention_w4_launch 257, cp_attention_w8_prepare 258
+//     cp_attention_w8_launch 259
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -90,6 +90,7 @@ constexpr int THREADS = 384;
 constexpr int BLOCKS = 0;
 constexpr int SMEM_BYTES = 164952;
 constexpr int SIGNALS = 33;
+constexpr int TRACE = 0;
 
 // Flash attention: head dim 128, 32 query heads over 8 KV heads, not causal,
 // softmax scale 0.08838834764831843; tiles of 128 queries x blocks of 128 keys, 2 stage(s) of K and V,
@@ -245,6 +246,7 @@ struct Host {  // what tsgen::cp::launch needs to know of this op
   static constexpr bool SM_GATHER = false;
   static constexpr int GATHER_BLOCKS = cp_attention::GATHER_BLOCKS, GATHER_THREADS = cp_attention::GATHER_THREADS;
   static constexpr int SIGNAL_CHUNKS = cp_attention::SIGNAL_CHUNKS;
+  static constexpr int TRACE = cp_attention::TRACE;  // trace records after sig's signals (test-only)
   static tsgen::cp::Geometry geometry(int world, uint64_t count) { return cp_attention::geometry(world, count); }
 };
 }  // namespace cp_attention

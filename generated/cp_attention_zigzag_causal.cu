@@ -42,11 +42,11 @@
 //   61: the hand-written library, included: tsgen/ptx.cuh 61, tsgen/sync.cuh 62, tsgen/copy.cuh 63, tsgen/gemm.cuh 64, tsgen/attention.cuh 65, tsgen/fused.cuh 66, tsgen/cp.cuh 67
 //   72: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_attention 196, cp_attention_zigzag_causal_w2_sync 206
-//     cp_attention_zigzag_causal_w4_sync 218, cp_attention_zigzag_causal_w8_sync 230
-//     cp_attention_zigzag_causal_w2_prepare 254, cp_attention_zigzag_causal_w2_launch 255
-//     cp_attention_zigzag_causal_w4_prepare 256, cp_attention_zigzag_causal_w4_launch 257
-//     cp_attention_zigzag_causal_w8_prepare 258, cp_attention_zigzag_causal_w8_launch 259
+//     cp_attention_zigzag_causal_attention 197, cp_attention_zigzag_causal_w2_sync 207
+//     cp_attention_zigzag_causal_w4_sync 219, cp_attention_zigzag_causal_w8_sync 231
+//     cp_attention_zigzag_causal_w2_prepare 256, cp_attention_zigzag_causal_w2_launch 257
+//     cp_attention_zigzag_causal_w4_prepare 258, cp_attention_zigzag_causal_w4_launch 259
+//     cp_attention_zigzag_causal_w8_prepare 260, cp_attention_zigzag_causal_w8_launch 261
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -92,6 +92,7 @@ constexpr int THREADS = 384;
 constexpr int BLOCKS = 0;
 constexpr int SMEM_BYTES = 164952;
 constexpr int SIGNALS = 33;
+constexpr int TRACE = 0;
 
 // Flash attention: head dim 128, 32 query heads over 4 KV heads, causal,
 // softmax scale 0.08838834764831843; tiles of 128 queries x blocks of 128 keys, 2 stage(s) of K and V,
@@ -247,6 +248,7 @@ struct Host {  // what tsgen::cp::launch needs to know of this op
   static constexpr bool SM_GATHER = false;
   static constexpr int GATHER_BLOCKS = cp_attention_zigzag_causal::GATHER_BLOCKS, GATHER_THREADS = cp_attention_zigzag_causal::GATHER_THREADS;
   static constexpr int SIGNAL_CHUNKS = cp_attention_zigzag_causal::SIGNAL_CHUNKS;
+  static constexpr int TRACE = cp_attention_zigzag_causal::TRACE;  // trace records after sig's signals (test-only)
   static tsgen::cp::Geometry geometry(int world, uint64_t count) { return cp_attention_zigzag_causal::geometry(world, count); }
 };
 }  // namespace cp_attention_zigzag_causal

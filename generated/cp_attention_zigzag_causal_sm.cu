@@ -41,13 +41,13 @@
 //   62: the hand-written library, included: tsgen/ptx.cuh 62, tsgen/sync.cuh 63, tsgen/copy.cuh 64, tsgen/gemm.cuh 65, tsgen/attention.cuh 66, tsgen/fused.cuh 67, tsgen/cp.cuh 68
 //   73: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_sm_attention 197, cp_attention_zigzag_causal_sm_w2_sync 207
-//     cp_attention_zigzag_causal_sm_w2_push 217, cp_attention_zigzag_causal_sm_w4_sync 227
-//     cp_attention_zigzag_causal_sm_w4_push 237, cp_attention_zigzag_causal_sm_w8_sync 247
-//     cp_attention_zigzag_causal_sm_w8_push 257, cp_attention_zigzag_causal_sm_w2_prepare 279
-//     cp_attention_zigzag_causal_sm_w2_launch 280, cp_attention_zigzag_causal_sm_w4_prepare 281
-//     cp_attention_zigzag_causal_sm_w4_launch 282, cp_attention_zigzag_causal_sm_w8_prepare 283
-//     cp_attention_zigzag_causal_sm_w8_launch 284
+//     cp_attention_zigzag_causal_sm_attention 198, cp_attention_zigzag_causal_sm_w2_sync 208
+//     cp_attention_zigzag_causal_sm_w2_push 218, cp_attention_zigzag_causal_sm_w4_sync 228
+//     cp_attention_zigzag_causal_sm_w4_push 238, cp_attention_zigzag_causal_sm_w8_sync 248
+//     cp_attention_zigzag_causal_sm_w8_push 258, cp_attention_zigzag_causal_sm_w2_prepare 281
+//     cp_attention_zigzag_causal_sm_w2_launch 282, cp_attention_zigzag_causal_sm_w4_prepare 283
+//     cp_attention_zigzag_causal_sm_w4_launch 284, cp_attention_zigzag_causal_sm_w8_prepare 285
+//     cp_attention_zigzag_causal_sm_w8_launch 286
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -93,6 +93,7 @@ constexpr int THREADS = 384;
 constexpr int BLOCKS = 0;
 constexpr int SMEM_BYTES = 164952;
 constexpr int SIGNALS = 33;
+constexpr int TRACE = 0;
 
 // Flash attention: head dim 128, 32 query heads over 4 KV heads, causal,
 // softmax scale 0.08838834764831843; tiles of 128 queries x blocks of 128 keys, 2 stage(s) of K and V,
@@ -272,6 +273,7 @@ struct Host {  // what tsgen::cp::launch needs to know of this op
   static constexpr bool SM_GATHER = true;
   static constexpr int GATHER_BLOCKS = cp_attention_zigzag_causal_sm::GATHER_BLOCKS, GATHER_THREADS = cp_attention_zigzag_causal_sm::GATHER_THREADS;
   static constexpr int SIGNAL_CHUNKS = cp_attention_zigzag_causal_sm::SIGNAL_CHUNKS;
+  static constexpr int TRACE = cp_attention_zigzag_causal_sm::TRACE;  // trace records after sig's signals (test-only)
   static tsgen::cp::Geometry geometry(int world, uint64_t count) { return cp_attention_zigzag_causal_sm::geometry(world, count); }
 };
 }  // namespace cp_attention_zigzag_causal_sm

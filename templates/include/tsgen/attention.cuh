@@ -37,6 +37,13 @@
 // location's order), so it holds 0 at the next kernel's start (stream order; CUDA graph
 // replay too). Each caller owns its counter (cp_attention: the rank's own `sig` slot, also
 // when ranks share a GPU).
+// Test-only trace (the code exists only where TSGEN_ATTENTION_TRACE is defined before this
+// header: cp_attention's params.trace): with Problem::trace set, the producer thread appends one
+// record per tile, trace[0] counting them (atomic; records past trace_records are counted, not
+// written), record i at trace + 2 + 4 i: {smid << 48 | blockIdx.x << 32 | tile, start, end,
+// waited}, globaltimer ns: start when the producer begins the tile (the consumers released the
+// previous tile's Q), end when the consumers release this tile's Q (its epilogue is done), waited
+// the time its KV-chunk waits took (tsgen/ops/cp_attention.py trace_table reads them).
 //
 // One CTA (384 threads):
 //   * warpgroup 0, the producer, keeps 40 registers (setmaxnreg.dec); one thread loads
@@ -212,6 +219,8 @@ struct Problem {
   uint32_t m_tiles, tiles;                          // query tiles per head; tiles in all
   uint32_t head_group;  // (batch, head) pairs per group of the longest-first order (0: head-major)
   uint64_t* work;       // the dynamic schedule's tile counter, 0 at the start (nullptr: static stride)
+  uint64_t* trace;      // TSGEN_ATTENTION_TRACE: the records (see the top of this file); else unused
+  uint32_t trace_records;
 };
 
 // Query heads per group of the dynamic schedule's order: as many KV heads as have their K and
@@ -338,6 +347,21 @@ static __device__ __forceinline__ uint32_t next_tile(const Problem& p, uint32_t 
   return i < (uint64_t)p.tiles ? (uint32_t)(gridDim.x + i) : p.tiles;  // i < tiles: no overflow
 }
 
+#ifdef TSGEN_ATTENTION_TRACE
+// The trace record of one tile (the producer thread).
+static __device__ __forceinline__ void trace_tile(const Problem& p, uint32_t tile, uint64_t start, uint64_t end,
+                                                  uint64_t waited) {
+  if (p.trace == nullptr) return;
+  const uint64_t i = atom_add_relaxed_gpu_global_u64(p.trace, 1ull);
+  if (i >= p.trace_records) return;
+  uint32_t smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  uint64_t* r = p.trace + 2 + 4 * i;
+  r[0] = (uint64_t)smid << 48 | (uint64_t)blockIdx.x << 32 | tile;
+  r[1] = start, r[2] = end, r[3] = waited;
+}
+#endif
+
 template <class C>
 static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                const CUtensorMap* v_map, uint32_t smem, const Problem& p) {
@@ -345,11 +369,22 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
   uint32_t count = 0, tiles = 0;  // KV blocks and tiles loaded so far
   const uint64_t expected = C::KV_WAITS && p.kv_epoch != nullptr ? ld_relaxed_gpu_global_u64(p.kv_epoch) : p.kv_expected;
   const bool dynamic = p.work != nullptr;
+#ifdef TSGEN_ATTENTION_TRACE
+  uint64_t trace_start = 0, trace_waited = 0;
+  uint32_t trace_last = 0;
+#endif
   for (uint32_t t = blockIdx.x;; ++tiles) {
     if (!dynamic && t >= p.tiles) break;  // static: the consumers count the same tiles
     // Q: the consumers are done with the previous tile's Q (and the O stores staged in it),
     // and have read its number
     mbar_wait(smem + L::Q_EMPTY, (tiles & 1) ^ 1);
+#ifdef TSGEN_ATTENTION_TRACE
+    {
+      const uint64_t now = globaltimer_ns();
+      if (tiles > 0) trace_tile(p, trace_last, trace_start, now, trace_waited);
+      trace_start = now, trace_waited = 0, trace_last = t;
+    }
+#endif
     if (dynamic) {
       st_shared_u32(smem + L::TILE, t);  // released to the consumers by the arrive on q_full
       if (t >= p.tiles) {                // the end: q_full completes with no bytes
@@ -369,7 +404,13 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
     for (int32_t i = 0; i <= tile.blocks; ++i) {
       if (i < tile.blocks) {
         const int32_t j = tile.blocks - 1 - i;
+#ifdef TSGEN_ATTENTION_TRACE
+        const uint64_t before = globaltimer_ns();
         wait_chunks<C>(p, expected, j, waited);
+        trace_waited += globaltimer_ns() - before;
+#else
+        wait_chunks<C>(p, expected, j, waited);
+#endif
         const Ring<C> r(count + i);
         const uint32_t full = smem + L::K_FULL + 8 * r.stage;
         mbar_wait(smem + L::K_EMPTY + 8 * r.stage, r.phase ^ 1);  // a fresh barrier passes parity 1
@@ -397,7 +438,12 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
   // Tail: wait (with the timeout) until the consumers have released every stage and the last
   // Q, so that a consumer stuck on a load that never lands makes the kernel trap, not hang
   // (dynamic: the wait before publishing the end did it for Q).
-  if (!dynamic && tiles > 0) mbar_wait(smem + L::Q_EMPTY, (tiles - 1) & 1);
+  if (!dynamic && tiles > 0) {
+    mbar_wait(smem + L::Q_EMPTY, (tiles - 1) & 1);
+#ifdef TSGEN_ATTENTION_TRACE
+    trace_tile(p, trace_last, trace_start, globaltimer_ns(), trace_waited);
+#endif
+  }
   for (uint32_t c = count > C::STAGES ? count - C::STAGES : 0; c < count; ++c) {
     const Ring<C> r(c);
     mbar_wait(smem + L::K_EMPTY + 8 * r.stage, r.phase);
@@ -810,14 +856,15 @@ static cudaError_t prepare(const void* kernel) {
 // device) before KV chunk c (kv_chunk rows) unless kv_signal is null; chunk kv_unwaited
 // (test-only; -1: none) is not waited for. `work` (a u64 holding 0, owned by this caller):
 // the dynamic schedule, longest first in head groups sized by this device's L2 (see the top
-// of this file); nullptr: tiles c, c + grid, ... per CTA.
+// of this file); nullptr: tiles c, c + grid, ... per CTA. `trace` (trace_records records):
+// the test-only trace where TSGEN_ATTENTION_TRACE is defined.
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
                           uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
                           int64_t q_offset2, int64_t kv_offset, const uint64_t* kv_signal, uint64_t kv_chunk,
                           uint64_t kv_expected, int blocks, cudaStream_t stream,
                           const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1,
-                          uint64_t* work = nullptr) {
+                          uint64_t* work = nullptr, uint64_t* trace = nullptr, uint32_t trace_records = 0) {
   using L = Layout<C>;
   if (batch == 0 || q_len == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
@@ -843,6 +890,8 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   if (tiles > 0x7FFFFFFFull) return cudaErrorInvalidValue;
   p.tiles = (uint32_t)tiles;
   p.work = work;
+  p.trace = trace;
+  p.trace_records = trace_records;
   p.head_group = 0;
   if (work != nullptr) {
     int device, l2;

@@ -163,7 +163,8 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
 // `Op` is what the generated source says of the op (templates/ops/cp_attention.cu.j2, struct Host):
 //   NAME (for messages), BATCH, CAUSAL, ZIGZAG, SKIP_WAIT, BLOCKS (launch.blocks, 0: every SM but
 //   RESERVE_SMS), RESERVE_SMS, SM_GATHER (push kernel, else the copy engine), GATHER_BLOCKS,
-//   GATHER_THREADS, SIGNAL_CHUNKS (the sync kernel's mode beside fused::SyncMode's), the
+//   GATHER_THREADS, SIGNAL_CHUNKS (the sync kernel's mode beside fused::SyncMode's), TRACE (room
+//   for trace records after sig's signals: tsgen/attention.cuh's test-only trace; 0: none), the
 //   attention `Config`, and geometry(world, count).
 // SYNC, PUSH (nullptr without SM_GATHER) and ATTENTION are the kernels of world size WORLD.
 
@@ -242,7 +243,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   // capture must not end with a fork open.
   const cudaError_t launched = tsgen::attention::launch<typename Op::Config>(
       ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
-      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited, Op::CAUSAL ? sig + WORK : nullptr);
+      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited, Op::CAUSAL ? sig + WORK : nullptr,
+      Op::TRACE ? sig + SIGNALS : nullptr, (uint32_t)Op::TRACE);
   TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
   if constexpr (!Op::SM_GATHER) {
