@@ -15,8 +15,9 @@ What it models, from the source (templates/include/tsgen/attention.cuh, tsgen/cp
   from 0 (`single_problem`).
 * **The grid.** cp_attention: a persistent grid of SMs - RESERVE_SMS CTAs (copy-engine gather:
   2 SMs for the signal kernels; SM gather: gather_blocks), and CTA c takes items c, c + G,
-  c + 2G, ... (a **static stride**: `for (t = blockIdx.x; t < tiles; t += gridDim.x)` in both
-  the producer and the consumers; there is no atomic counter). The single-GPU kernel (the
+  c + 2G, ... (a **static stride**, in both the producer and the consumers): not causal, and
+  causal before issue 33; causal since, CTA c takes item c and then the next item of an atomic
+  counter whenever it is done (`Variant(order="groups", scheduler="dynamic")`). The single-GPU kernel (the
   suite's ideal) is a plain grid, one CTA per item, one CTA per SM (its shared memory): the
   hardware hands the next CTA in blockIdx order to the first SM that frees, which is the
   **dynamic** scheduler here (an assumption: the order CUDA dispatches a grid in is not
