@@ -265,3 +265,118 @@ def test_launcher_refuses_bad_calls_with_a_message_before_touching_cuda(capfd):
         in capfd.readouterr().err
     assert call(2, 334) == 1
     assert "rank 2, count 334: rank out of range" in capfd.readouterr().err
+
+
+def test_check_rows_fails_an_output_that_drops_the_last_keys():
+    """cp_attention's bench check at 16K causal zig-zag over 2 ranks: O computed as if every key
+    past 0.75 S did not exist fails, the true O (bf16) passes (issue 33 item 4)."""
+    from tsgen.bench.runner import MAX_REL_ERR
+    from tsgen.ops.attention import attention_reference, check_query_rows
+    from tsgen.ops.collectives import from_f64
+
+    seq, kept, world, d = 16384, 12288, 2, 128
+    count = seq // world
+    loaded = variant("chk", base="cp_attention_zigzag_causal", params={"heads": 2, "kv_heads": 1})
+    family = get_family("cp_attention")
+    rng = np.random.default_rng(7)
+    raw = {n: [from_f64(rng.standard_normal(count * h * d), "bfloat16") for _ in range(world)]
+           for n, h in (("q", 2), ("k", 1), ("v", 1))}
+    pos = [positions("zigzag", world, count, r) for r in range(world)]
+    k, v = (np.zeros((1, seq, 1, d)) for _ in range(2))
+    for r in range(world):
+        k[:, pos[r]] = to_f64(raw["k"][r], "bfloat16").reshape(1, count, 1, d)
+        v[:, pos[r]] = to_f64(raw["v"][r], "bfloat16").reshape(1, count, 1, d)
+    rows = check_query_rows(count)
+    outputs = {}
+    for name, keys in (("true", seq), ("drops keys", kept)):
+        outputs[name] = []
+        for r in range(world):
+            q = to_f64(raw["q"][r], "bfloat16").reshape(1, count, 2, d)
+            o = np.zeros((1, count, 2, d))
+            o[:, rows] = attention_reference(q[:, rows], k[:, :keys], v[:, :keys], 1 / math.sqrt(d), True,
+                                             q_pos=pos[r][rows])[0]
+            outputs[name].append(from_f64(o.reshape(-1), "bfloat16"))
+
+    def check(o):
+        bufs = {**raw, "o": o}
+        return family.bench.check_rows(family, loaded.model, world, count, lambda n, r, a, b: bufs[n][r][a:b])
+
+    assert check(outputs["true"]) <= MAX_REL_ERR
+    assert check(outputs["drops keys"]) > 10 * MAX_REL_ERR
+
+
+# ---------------------------------------------------------------------------
+# The test-only trace (params.trace; tools/attention_trace.py)
+# ---------------------------------------------------------------------------
+
+
+def _trace_words(records, count=None, room=None):
+    """sig's words after the signals holding `records` [(sm, cta, tile, start, end, waited)]."""
+    from tsgen.ops.cp_attention import trace_words
+
+    w = np.zeros(trace_words(room or len(records)), np.uint64)
+    w[0] = len(records) if count is None else count
+    for i, (sm, cta, tile, start, end, waited) in enumerate(records):
+        w[2 + 4 * i:6 + 4 * i] = [sm << 48 | cta << 32 | tile, start, end, waited]
+    return w
+
+
+def test_trace_table_and_summary():
+    from tsgen.ops.cp_attention import trace_summary, trace_table
+
+    # 2 CTAs, 3 tiles: CTA 0 runs tile 0 (0-100 us, waited 5), then tile 2 (100-150); CTA 1 tile 1 (0-120)
+    us = 1000
+    recs = [(7, 1, 1, 10 * us, 130 * us, 0), (3, 0, 2, 110 * us, 160 * us, 0), (3, 0, 0, 10 * us, 110 * us, 5 * us)]
+    table = trace_table(_trace_words(recs))
+    assert table["count"] == 3 and [r["tile"] for r in table["records"]] == [1, 0, 2]  # by start
+    assert table["records"][0] == {"sm": 7, "cta": 1, "tile": 1, "start": 10 * us, "end": 130 * us, "waited": 0}
+    s = trace_summary(table, 3)
+    assert s["complete"] and s["tiles_once"] and s["ctas"] == 2
+    assert s["span_us"] == pytest.approx(150) and s["efficiency"] == pytest.approx(270 / 300)
+    assert s["busy_us"] == pytest.approx({"max": 150, "mean": 135, "min": 120})
+    assert s["tail_us"] == pytest.approx(30) and s["waited_us_per_cta"] == pytest.approx(2.5)
+    assert not trace_summary(table, 4)["tiles_once"]  # a tile missing
+    assert not trace_summary(trace_table(_trace_words(recs + recs[:1])), 3)["tiles_once"]  # a tile twice
+    lost = trace_table(_trace_words(recs[:2], count=3, room=2))  # the kernel made 3, there was room for 2
+    assert lost["count"] == 3 and not trace_summary(lost, 3)["complete"]
+
+
+def test_trace_is_only_in_the_trace_variant():
+    """The shipped sources define no TSGEN_ATTENTION_TRACE (so the header's trace code does not
+    exist there) and keep sig at its signals; params.trace adds both."""
+    from tsgen.ops.cp_attention import SIGNALS, trace_words
+
+    for name in SHIPPED:
+        assert "#define TSGEN_ATTENTION_TRACE" not in (ROOT / "generated" / f"{name}.cu").read_text()
+    loaded = variant("tr", base="cp_attention_zigzag_causal_sm", params={"trace": 100})
+    rendered = render(loaded)
+    assert "#define TSGEN_ATTENTION_TRACE 1" in rendered.source
+    sig = [b for b in rendered.lowered.manifest.buffers if b.name == "sig"][0]
+    assert trace_words(100) == 402 and sig.fixed == SIGNALS + 402
+
+
+@needs_nvcc
+def test_trace_variant_compiles_without_spills(tmp_path):
+    loaded = variant("tr", base="cp_attention_zigzag_causal_sm", params={"trace": 100})
+    res = compile_source(rendered_source(loaded, tmp_path), mode="shared")
+    entry = res.report["tr_attention"]
+    assert entry["registers"] == 168 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, entry
+
+
+def test_trace_tool_reports_without_a_gpu():
+    """tools/attention_trace.py's parts that need no GPU: the tile count and the printed report."""
+    import importlib.util
+
+    from tsgen.ops.cp_attention import CpAttentionParams, trace_summary, trace_table
+
+    spec = importlib.util.spec_from_file_location("attention_trace", ROOT / "tools" / "attention_trace.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.tiles_per_rank(CpAttentionParams(heads=32, kv_heads=4), 8192) == 64 * 32
+    table = trace_table(_trace_words([(0, 0, 0, 0, 5000, 0), (1, 1, 1, 0, 4000, 1000)]))
+    result = {"spec": "s", "world": 2, "seq": 512, "tiles_per_rank": 2, "calls": 1, "row_error": 1e-3,
+              "row_error_ok": True, "ranks": {0: {"summary": trace_summary(table, 2)},
+                                              1: {"summary": trace_summary(trace_table(_trace_words([(0, 0, 0, 0, 1, 0)], 2, 1)), 2)}}}
+    text = tool.report(result)
+    assert "rank 0: every tile once: True; 2 CTAs; span 5 us; efficiency 0.900" in text
+    assert "rank 1: trace incomplete: 1 records kept of 2" in text

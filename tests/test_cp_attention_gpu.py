@@ -44,6 +44,38 @@ def test_cp_attention(case, world):
     assert ok, "\n".join(lines)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["zigzag_causal_gqa", "contiguous_full_gqa"])
+def test_trace_shows_every_tile_once(case, world):
+    """3 attention CTAs a rank, so each takes several tiles (the shipped grids take one each at
+    these sizes): causal, drawn from the dynamic schedule's counter, which must be back at 0 after
+    each of the 20 calls (else the next would skip tiles and leave poison); not causal, the static
+    stride. The outputs are right, and the test-only trace (params.trace, tools/attention_trace.py)
+    shows every rank ran each of its tiles exactly once in every call, on at most 3 CTAs."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from attention_trace import read_trace, tiles_per_rank
+    from tsgen.ops.cp_attention import CpAttentionParams, trace_summary
+
+    params, count = CASES[case]
+    need_gpus(world)
+    tiles = tiles_per_rank(CpAttentionParams(**params), count)
+    seen = []
+
+    def after_call(call, w, bufs):
+        for rank, table in read_trace(w, bufs).items():
+            s = trace_summary(table, tiles)
+            seen.append((call, rank, s["complete"] and s["tiles_once"] and s["ctas"] <= 3))
+
+    lines = []
+    ok = run_test(SM_SPEC, world, count=count, iters=20, echo=lines.append, after_call=after_call,
+                  variant={"name": f"cp_trace_{case}", "params": {**params, "trace": tiles},
+                           "launch": {"blocks": 3}, "sync": {"timeout_ms": 3000}})
+    assert ok, "\n".join(lines)
+    assert len(seen) == 20 * world and all(good for _, _, good in seen), [x for x in seen if not x[2]]
+
+
 @pytest.mark.parametrize("world,skew", [(4, 3), (8, 3), (4, "lag")])
 def test_cp_attention_with_rank_skew(world, skew):
     """The seeded skew, and the negative control's lag schedule with the wait compiled in."""

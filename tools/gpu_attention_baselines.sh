@@ -9,7 +9,8 @@
 #   tools/gpu_attention_baselines.sh cp          TWO GPUs: suite cp-w2 (cp_attention at S = 16K, 32K against
 #       the naive all_gather + masked SDPA and the zig-zag per-chunk SDPA + LSE merge; the ideal entries
 #       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
-#       ~90 s, two worker launches (NCCL start ~15 s each), ~40 s of timing]
+#       ~90 s, two worker launches (NCCL start ~15 s each), ~40 s of timing]; then, if time is left (alone:
+#       STEPS=trace), tools/attention_trace.py's per-tile timeline at 16K and 32K (each ~30 s, a guess)
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
 # fails. Logs under $OUT/attn_logs, results in the index layout in $OUT/results.tgz (tar xzf it into results/, then `tsgen results`), a table of ratios last.
 set -uo pipefail
@@ -30,7 +31,11 @@ case "$MODE" in
     step "bench attention-gqa64" 150 python3 -m tsgen bench --suite attention-gqa64 --results "$OUT/results" ;;
   cp)
     step "precompile" 150 python3 tools/precompile_suites.py cp-w2
-    step "bench cp-w2" 300 python3 -m tsgen bench --suite cp-w2 --results "$OUT/results" ;;
+    step "bench cp-w2" 300 python3 -m tsgen bench --suite cp-w2 --results "$OUT/results"
+    # the per-tile timeline of the shipped zig-zag causal spec (tools/attention_trace.py; alone: STEPS=trace)
+    step "trace 16K" 90 python3 tools/attention_trace.py "$OUT/trace_16k" --seq 16384
+    step "trace 32K" 90 python3 tools/attention_trace.py "$OUT/trace_32k" --seq 32768
+    tail -n 4 "$LOG"/trace_*.log 2>/dev/null ;;
   *) echo "usage: $0 attention|cp" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"

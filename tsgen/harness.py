@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -148,6 +148,7 @@ def run_test(
     skew: int | str | None = None,
     variant: dict | None = None,
     report: dict | None = None,
+    after_call: Callable[[int, Any, Any], None] | None = None,
 ) -> bool:
     """True when every output of every call on every rank matched. `mutate`
     edits the generated source before compiling: negative controls use it to
@@ -166,7 +167,8 @@ def run_test(
     {"world_sizes": [8]} to run a spec at a world size it does not ship for. `report`, if given, gets
     "calls" (the calls run) and "calls_wrong" (those with a wrong element on some rank): a negative
     control's detection rate over its calls, each call a new skew schedule (the skew hashes the call
-    number)."""
+    number). `after_call(call, world, buffers)` runs once each call's kernels are done on every
+    rank, before its outputs are checked (tools/attention_trace.py reads the kernel's trace there)."""
     from .runtime import World
     from .runtime.backends import world_size
 
@@ -218,6 +220,8 @@ def run_test(
             except KernelFailed as e:
                 raise KernelFailed(f"{spec.name}, call {call} of {iters}: {e}{printed.diagnosis()}") from None
             world.barrier(f"call {call}: every kernel done")
+            if after_call is not None:
+                after_call(call, world, bufs)
             poison_call = call if poison_survives else None  # see OpFamily.poison_survives
             for rank in world.ranks:
                 for s in outputs:

@@ -46,15 +46,64 @@ from pydantic import Field
 from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
-from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_reference, flops, from_bshd,
-                        o_tolerance, scale_of, scale_vars, shape_key, smem_bytes, to_bshd)
+from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_reference, check_query_rows, flops,
+                        from_bshd, o_tolerance, scale_of, scale_vars, shape_key, smem_bytes, to_bshd,
+                        worst_row_error)
 from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
-from .conventions import Baseline, BenchCase, BenchConventions, rel_err, sample_rows
+from .conventions import Baseline, BenchCase, BenchConventions
 
 MAX_WORLD = 8  # tsgen::cp::MAX_WORLD
-SIGNALS = 4 * MAX_WORLD  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
+SIGNALS = 4 * MAX_WORLD + 1  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8], WORK
 ENTRY_SMS = 1  # gather sm: the SM the launcher's one-block entry kernel needs beside the push and the attention
+TRACE_WORDS = 4  # u64 words per trace record (tsgen/attention.cuh)
+
+
+def trace_words(records: int) -> int:
+    """sig words after the signals for `records` trace records: a count, a spare word, the records."""
+    return 2 + TRACE_WORDS * records if records else 0
+
+
+def trace_table(words) -> dict:
+    """The trace after sig's signals (`trace_words` u64 words) -> {"count": records the kernel
+    made (more than were kept if the room ran out), "records": [{"sm", "cta", "tile", "start",
+    "end", "waited"} ...] (ns, globaltimer) by start}."""
+    w = np.asarray(words, dtype=np.uint64)
+    count = int(w[0])
+    kept = min(count, (len(w) - 2) // TRACE_WORDS)
+    out = []
+    for r in w[2:2 + TRACE_WORDS * kept].reshape(kept, TRACE_WORDS):
+        head = int(r[0])
+        out.append({"sm": head >> 48, "cta": (head >> 32) & 0xFFFF, "tile": head & 0xFFFFFFFF, "start": int(r[1]),
+                    "end": int(r[2]), "waited": int(r[3])})
+    return {"count": count, "records": sorted(out, key=lambda x: x["start"])}
+
+
+def trace_summary(table: dict, tiles: int) -> dict:
+    """What a trace (`trace_table`) says of one call, in the terms of tsgen/ops/cp_schedule.py:
+    whether every tile ran exactly once, the span (first start to last end, us), the CTAs' busy
+    time over CTAs x span ("efficiency", the model's), each CTA's busy time (max / mean / min,
+    us), the tail (the first CTA to finish to the last, us) and the chunk waits (us per CTA)."""
+    recs = table["records"]
+    if table["count"] != len(recs) or not recs:
+        return {"complete": False, "records": len(recs), "count": table["count"]}
+    t0, t1 = min(r["start"] for r in recs), max(r["end"] for r in recs)
+    busy, last, waited = {}, {}, {}
+    for r in recs:
+        c = r["cta"]
+        busy[c] = busy.get(c, 0) + r["end"] - r["start"]
+        last[c] = max(last.get(c, 0), r["end"])
+        waited[c] = waited.get(c, 0) + r["waited"]
+    span = t1 - t0
+    us = 1e-3
+    return {"complete": True, "records": len(recs), "tiles_once": sorted(r["tile"] for r in recs) == list(range(tiles)),
+            "ctas": len(busy), "span_us": span * us,
+            "efficiency": sum(busy.values()) / (len(busy) * span) if span else 1.0,
+            "busy_us": {"max": max(busy.values()) * us, "mean": sum(busy.values()) / len(busy) * us,
+                        "min": min(busy.values()) * us},
+            "tail_us": (t1 - min(last.values())) * us, "waited_us_per_cta": sum(waited.values()) / len(busy) * us}
+
+
 CE_RESERVE_SMS = 2  # gather copy_engine: SMs the attention leaves to the one-block signal kernels
 
 
@@ -81,6 +130,10 @@ class CpAttentionParams(StrictModel):
     skip_wait: bool = Field(
         False, description="test-only negative control: the attention kernel does not wait for the first remote "
         "KV chunk it reads (a correct run must then fail under rank skew); never in a shipped spec")
+    trace: int = Field(
+        0, ge=0, le=1 << 20, description="test-only: room for this many per-tile records of the attention "
+        "kernel's timeline (tsgen/attention.cuh's trace, compiled in only then; tools/attention_trace.py "
+        "draws it), after the signals in sig; 0: no trace code")
 
 
 class CpAttentionLaunch(StrictModel):
@@ -172,8 +225,10 @@ class CpAttentionBench(BenchConventions):
         return shape_key(spec.params)
 
     def check_rows(self, family, spec, world, count, fetch):
-        """O at sampled rows of sequence 0 of each rank against float32 attention of those
-        queries over every rank's K and V at their positions."""
+        """O at rows of sequence 0 of each rank spread over its rows (`check_query_rows`; the
+        sequence's last positions are rank 0's last rows zig-zag, rank W - 1's contiguous)
+        against float32 attention of those queries over every rank's K and V at their positions:
+        the worst row's relative error (`worst_row_error`)."""
         p = spec.params
 
         def tensor(name, r, heads):
@@ -186,11 +241,11 @@ class CpAttentionBench(BenchConventions):
         for r in range(world):
             k[:, pos[r]], v[:, pos[r]] = tensor("k", r, p.kv_heads), tensor("v", r, p.kv_heads)
         worst = 0.0
+        rows = check_query_rows(count)
         for r in range(world):
-            rows = sample_rows(count)
             ref, _ = attention_reference(tensor("q", r, p.heads)[:, rows], k, v, scale_of(spec), p.causal,
                                          q_pos=pos[r][rows])
-            worst = max(worst, rel_err(tensor("o", r, p.heads)[:, rows], ref))
+            worst = max(worst, worst_row_error(tensor("o", r, p.heads)[:, rows], ref))
         return worst
 
 
@@ -268,7 +323,7 @@ class CpAttentionFamily(OpFamily):
             Buffer("lse", "float32", "output", per_count=p.batch * p.heads),
             Buffer("k_full", spec.dtype, "scratch", per_count=0, per_world_count=kv),  # the whole sequence's K
             Buffer("v_full", spec.dtype, "scratch", per_count=0, per_world_count=kv),
-            Buffer("sig", "uint64", "signal", per_count=0, fixed=SIGNALS),
+            Buffer("sig", "uint64", "signal", per_count=0, fixed=SIGNALS + trace_words(p.trace)),
         )
 
     def constants(self, spec):
@@ -293,6 +348,8 @@ class CpAttentionFamily(OpFamily):
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
+            "SIGNALS": SIGNALS,
+            "TRACE": p.trace,
         }
 
     def abi(self, spec):
