@@ -30,8 +30,8 @@ warpgroups take turns at the tensor cores (ping-pong). Causal: only blocks that 
 diagonal are masked, blocks past it are never loaded. O leaves through TMA stores.
 
 The backward (dQ, dK, dV) has its reference here (attention_backward_reference, the algorithm
-the kernel will run, with per-element tolerances through o_tolerance); its kernel is designed in
-docs/design/attention.md and not built yet.
+the kernel runs, with per-element tolerances through o_tolerance); its op is `attention_backward`
+(tsgen/ops/attention_backward.py), designed in docs/design/attention.md.
 """
 
 from __future__ import annotations
@@ -117,14 +117,19 @@ class AttentionLaunch(StrictModel):
     threads: Literal[384] = Field(384, description="one producer + two consumer warpgroups")
 
 
-class AttentionSpec(SpecBase):
-    """Spec of op `attention`: flash-attention forward, O and LSE."""
+class OneGpuAttentionSpec(SpecBase):
+    """What the forward's and the backward's specs share: one GPU, a 16-bit element type."""
 
-    op: Literal["attention"]
     world_sizes: Annotated[
         list[Literal[1]], BeforeValidator(_as_list), Field(min_length=1, max_length=1)
     ] = Field(description="attention runs on one GPU: [1]")
     dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Q, K, V and O element type")
+
+
+class AttentionSpec(OneGpuAttentionSpec):
+    """Spec of op `attention`: flash-attention forward, O and LSE."""
+
+    op: Literal["attention"]
     params: AttentionParams = AttentionParams()
     launch: AttentionLaunch = AttentionLaunch()
 

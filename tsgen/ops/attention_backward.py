@@ -31,20 +31,19 @@ Host entry points (host_launch):
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 import numpy as np
-from pydantic import BeforeValidator, Field
+from pydantic import Field
 
-from ..spec_types import SpecBase, StrictModel, _as_list
-from .attention import (AttentionShape, attention_backward_reference, attention_reference, from_bshd,
-                        heads_problems, o_tolerance, scale_of, scale_vars, to_bshd)
+from ..spec_types import StrictModel
+from .attention import (AttentionShape, OneGpuAttentionSpec, attention_backward_reference, attention_reference,
+                        from_bshd, heads_problems, o_tolerance, scale_of, scale_vars, to_bshd)
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
 
 BLOCK_M = 64  # query rows per step (tsgen::attention_bwd::BLOCK_M)
 BLOCK_N = 64  # keys per CTA (BLOCK_N)
-THREADS = 128  # 4 warps (THREADS)
 GRADS = ("dq", "dk", "dv")
 
 
@@ -53,14 +52,11 @@ class AttentionBackwardLaunch(StrictModel):
     blocks: Literal[0] = Field(0, description="one CTA per (block of 64 keys, KV head, sequence): a plain grid")
 
 
-class AttentionBackwardSpec(SpecBase):
-    """Spec of op `attention_backward`: dQ, dK and dV of the flash-attention forward."""
+class AttentionBackwardSpec(OneGpuAttentionSpec):
+    """Spec of op `attention_backward`: dQ, dK and dV of the flash-attention forward (dtype: also
+    dO's and the gradients')."""
 
     op: Literal["attention_backward"]
-    world_sizes: Annotated[
-        list[Literal[1]], BeforeValidator(_as_list), Field(min_length=1, max_length=1)
-    ] = Field(description="the backward runs on one GPU: [1]")
-    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Q, K, V, O, dO and the gradients' type")
     params: AttentionShape = AttentionShape()
     launch: AttentionBackwardLaunch = AttentionBackwardLaunch()
 
@@ -69,7 +65,7 @@ def smem_bytes(spec: AttentionBackwardSpec) -> int:
     """K, V, Q and dO tiles of 64 rows padded by 8 elements, dS^T (64 x 72), LSE2 and D of 64
     rows (tsgen::attention_bwd::Layout asserts the same)."""
     pitch = spec.params.head_dim + 8
-    return 2 * (4 * 64 * pitch + BLOCK_N * (BLOCK_M + 8)) + 2 * 4 * BLOCK_M
+    return 2 * ((2 * BLOCK_N + 2 * BLOCK_M) * pitch + BLOCK_N * (BLOCK_M + 8)) + 2 * 4 * BLOCK_M
 
 
 def backward_inputs(spec, count: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

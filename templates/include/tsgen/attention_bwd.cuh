@@ -45,7 +45,6 @@
 #ifndef TSGEN_ATTENTION_BWD_CUH
 #define TSGEN_ATTENTION_BWD_CUH
 
-#include <atomic>
 #include <math.h>
 #include <stdint.h>
 
@@ -383,20 +382,6 @@ __device__ void convert(const Problem& p) {
   }
 }
 
-// The shared-memory opt-in, once per device.
-template <class C>
-static cudaError_t prepare(const void* kernel) {
-  constexpr int MAX_DEVICES = 64;
-  static std::atomic<int> done[MAX_DEVICES];
-  int device;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < MAX_DEVICES && done[device].load()) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<C>::SMEM_BYTES);
-  if (err == cudaSuccess && device < MAX_DEVICES) done[device].store(1);
-  return err;
-}
-
 // One backward call: the three kernels on `stream`. Workspace: dq_accum (batch * q_len * HEADS *
 // HEAD_DIM floats), dsum and lse2 (batch * HEADS * q_len floats each). Positions as the forward's
 // (q_split >= q_len: one query segment).
@@ -422,7 +407,9 @@ static cudaError_t launch(Pre pre, Main main, Convert conv, const Problem& given
   const uint64_t pre_blocks = (rows * (C::HEAD_DIM / 8) + PRE_THREADS - 1) / PRE_THREADS;
   const uint64_t ctas = (uint64_t)p.kv_blocks * C::KV_HEADS * batch;
   if (pre_blocks > 0x7FFFFFFFull || ctas > 0x7FFFFFFFull) return cudaErrorInvalidValue;
-  cudaError_t err = prepare<C>(reinterpret_cast<const void*>(main));
+  // the shared-memory opt-in: per call (a host call of microseconds, against milliseconds of work)
+  cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(main),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<C>::SMEM_BYTES);
   if (err != cudaSuccess) return err;
   if (rows > 0) pre<<<(unsigned)pre_blocks, PRE_THREADS, 0, stream>>>(p);
   if (ctas > 0) main<<<(unsigned)ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(p);

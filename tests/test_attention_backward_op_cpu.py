@@ -1,0 +1,219 @@
+"""The `attention_backward` op on the CPU: spec errors, rendering and the manifest, the family's
+inputs / reference / tolerance (what `tsgen test` and the GPU sweep check the kernel against),
+and the sm_90a build of its three kernels (no spills). Needs nvcc for the build checks, no GPU;
+the kernel itself is checked on a GPU by tests/test_gpu.py's one-GPU sweep (the shipped specs
+through the harness) and tools/gpu_attention_bwd.sh."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_problems
+from tsgen.ops import get_family
+from tsgen.ops.attention import attention_backward_reference, attention_reference, from_bshd, to_bshd
+from tsgen.ops.attention_backward import flops, smem_bytes
+from tsgen.ops.collectives import to_f64
+from tsgen.render import render
+from tsgen.shipped import shipped_specs
+from tsgen.spec import load_spec, spec_variant
+from tsgen.toolchain import compile_module, compile_source, find_nvcc
+
+SPEC = ROOT / "specs" / "attention_backward_hd128.yaml"
+SHIPPED = [p.stem for p in shipped_specs(op="attention_backward")]
+BWD = "name: a\nop: attention_backward\nworld_sizes: [1]\n"
+NO_NVCC = missing_tool(find_nvcc)
+needs_nvcc = compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
+
+
+def variant(name, **changes):
+    return spec_variant(load_spec(SPEC), {**changes, "name": name})
+
+
+BAD = [
+    ("kv_heads_divide", BWD + "params:\n  heads: 32\n  kv_heads: 5\n",
+     ["7:3: params.kv_heads: 5 KV heads do not divide 32 query heads"]),
+    ("kv_heads_more", BWD + "params:\n  kv_heads: 64\n",
+     ["6:3: params.kv_heads: 64 KV heads do not divide 32 query heads"]),
+    ("head_dim_96", BWD + "params:\n  head_dim: 96\n", ["6:3: params.head_dim: Input should be 64 or 128"]),
+    ("dtype", BWD + "dtype: float32\n", ["5:1: dtype: Input should be 'bfloat16' or 'float16'"]),
+    ("world_size", "name: a\nop: attention_backward\nworld_sizes: [2]\n", ["4:15: world_sizes[0]: Input should be 1"]),
+    ("forward_tiles", BWD + "params:\n  stages: 2\n", ["6:3: params.stages: unknown key"]),
+    ("threads", BWD + "launch:\n  threads: 384\n", ["6:3: launch.threads: Input should be 128"]),
+    ("scale", BWD + "params:\n  softmax_scale: 0\n", ["6:3: params.softmax_scale: Input should be greater than 0"]),
+]
+
+
+@pytest.mark.parametrize("text,expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_spec(tmp_path, text, expected):
+    assert spec_problems(tmp_path, text) == expected
+
+
+def test_shipped_specs_and_sizes():
+    assert sorted(SHIPPED) == ["attention_backward_hd128", "attention_backward_hd64_causal_gqa"]
+    for name in SHIPPED:
+        spec = load_spec(ROOT / "specs" / f"{name}.yaml").model
+        assert spec.test.count % 64 != 0, f"{name}: the harness's count must leave a tail of query and key rows"
+    gqa = load_spec(ROOT / "specs" / "attention_backward_hd64_causal_gqa.yaml").model.params
+    assert gqa.causal and gqa.heads // gqa.kv_heads == 4 and gqa.head_dim == 64
+    # K, V, Q, dO tiles of 64 rows x (128 + 8) elements, dS^T 64 x 72, LSE2 and D of 64 rows
+    assert smem_bytes(load_spec(SPEC).model) == 2 * (4 * 64 * 136 + 64 * 72) + 512 == 79360
+    assert flops(1, 4096, 4096, 32, 128, False) == 2.5 * 4 * 4096 * 4096 * 32 * 128
+    assert flops(1, 4096, 4096, 32, 128, True) == flops(1, 4096, 4096, 32, 128, False) / 2
+
+
+def test_render_and_manifest():
+    loaded = load_spec(SPEC)
+    assert get_family("attention_backward").launched_from_host(loaded.model)
+    r = render(loaded, base=ROOT)
+    for name in SHIPPED:
+        rr = render(load_spec(ROOT / "specs" / f"{name}.yaml"), base=ROOT)
+        assert rr.files() == {n: (ROOT / "generated" / n).read_text() for n in rr.files()}, "generated/ is stale"
+    m = json.loads(r.manifest)
+    assert m["host_launch"] and m["world_sizes"] == [1] and m["count_unit"] == "rows"
+    per, lse = 32 * 128, 32
+    assert [(b["name"], b["dtype"], b["role"], b["elems"]["per_count"]) for b in m["buffers"]] == [
+        ("calls", "uint64", "signal", 0), ("q", "bfloat16", "input", per), ("k", "bfloat16", "input", per),
+        ("v", "bfloat16", "input", per), ("o", "bfloat16", "input", per), ("dout", "bfloat16", "input", per),
+        ("lse", "float32", "input", lse), ("dq", "bfloat16", "output", per), ("dk", "bfloat16", "output", per),
+        ("dv", "bfloat16", "output", per), ("dq_accum", "float32", "scratch", per),
+        ("dsum", "float32", "scratch", lse), ("lse2", "float32", "scratch", lse)]
+    (k,) = m["kernels"]
+    assert k["shared_bytes"] == m["constants"]["SMEM_BYTES"] == smem_bytes(loaded.model)
+    assert k["block"] == [128, 1, 1]
+    for entry in ("_w1_preprocess(", "_w1_main(", "_w1_convert(", "_w1_backward(const void* q"):
+        assert f"attention_backward_hd128{entry}" in r.source, entry
+    assert "#include \"tsgen/attention_bwd.cuh\"" in r.source
+    assert "static constexpr bool BF16 = true;" in r.source
+    assert f"SCALE = {1 / math.sqrt(128)!r}f" in r.source
+    assert f"SCALE_LOG2 = {1 / math.sqrt(128) * math.log2(math.e)!r}f" in r.source
+    f16 = render(variant("b16", dtype="float16", params={"head_dim": 64, "layout": "bhsd"}), base=ROOT).source
+    assert "using Element = __half;" in f16 and "static constexpr bool BF16 = false;" in f16
+
+
+# ---------------------------------------------------------------------------
+# What the harness checks the kernel against
+# ---------------------------------------------------------------------------
+
+
+def tiny(layout="bshd", causal=True):
+    return variant("tiny", params={"heads": 4, "kv_heads": 2, "head_dim": 64, "causal": causal, "batch": 2,
+                                   "layout": layout}).model
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_inputs_are_the_forwards_and_the_reference_is_the_backwards(layout):
+    spec, count = tiny(layout), 7
+    family = get_family("attention_backward")
+    inputs = family.make_inputs(spec, 1, count, np.random.default_rng(3), pattern=False)
+    assert sorted(inputs) == ["dout", "k", "lse", "o", "q", "v"]
+
+    def shaped(name, heads):
+        return to_bshd(to_f64(inputs[name][0], "bfloat16"), 2, count, heads, 64, layout)
+
+    q, o, do = (shaped(n, 4) for n in ("q", "o", "dout"))
+    k, v = shaped("k", 2), shaped("v", 2)
+    want_o, want_lse = attention_reference(q, k, v, 1 / 8, True)
+    np.testing.assert_allclose(o, want_o, rtol=2**-8, atol=1e-6)  # O rounded to bf16, as the forward writes it
+    np.testing.assert_allclose(inputs["lse"][0], want_lse.reshape(-1), rtol=1e-6)
+    ref = family.reference(spec, 1, count, inputs)
+    grads = attention_backward_reference(q, k, v, o, do, inputs["lse"][0].reshape(2, 4, count), 1 / 8, True)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        np.testing.assert_allclose(to_f64(ref[name][0], "bfloat16"), from_bshd(g, layout).reshape(-1),
+                                   rtol=2**-8, atol=1e-6, err_msg=name)
+
+
+def test_tolerance_catches_missing_gradients():
+    """The per-element bounds the harness applies: the reference passes them; all-zero gradients,
+    dK / dV of one query head of the group only (the GQA sum missing) and dQ without the scale
+    fail in most elements."""
+    spec, count = tiny(causal=False), 9
+    family = get_family("attention_backward")
+    inputs = family.make_inputs(spec, 1, count, np.random.default_rng(5), pattern=False)
+    ref = {n: to_f64(x[0], "bfloat16") for n, x in family.reference(spec, 1, count, inputs).items()}
+    tol = {n: t[0] for n, t in family.tolerance(spec, 1, count, inputs).items()}
+
+    def failing(name, got):
+        return np.mean(np.abs(got - ref[name]) > tol[name])
+
+    for name in ("dq", "dk", "dv"):
+        assert failing(name, ref[name]) == 0
+        assert failing(name, np.zeros_like(ref[name])) > 0.9, name
+    assert failing("dq", ref["dq"] * 8) > 0.9  # 1 / scale: the scale folded in twice or not at all
+    # GQA: the gradient of query head 0 alone for KV head 0 (heads 0 and 1 share it)
+    q = to_bshd(to_f64(inputs["q"][0], "bfloat16"), 2, count, 4, 64, "bshd")
+    k = to_bshd(to_f64(inputs["k"][0], "bfloat16"), 2, count, 2, 64, "bshd")
+    v = to_bshd(to_f64(inputs["v"][0], "bfloat16"), 2, count, 2, 64, "bshd")
+    o = to_bshd(to_f64(inputs["o"][0], "bfloat16"), 2, count, 4, 64, "bshd")
+    do = to_bshd(to_f64(inputs["dout"][0], "bfloat16"), 2, count, 4, 64, "bshd")
+    lse = inputs["lse"][0].reshape(2, 4, count).astype(np.float64)
+    keep = np.array([1.0, 0.0, 1.0, 0.0])[None, None, :, None]  # every group's second head dropped
+    _, dk, dv = attention_backward_reference(q, k, v, o, do * keep, lse, 1 / 8, False)
+    assert failing("dk", dk.reshape(-1)) > 0.5 and failing("dv", dv.reshape(-1)) > 0.5
+
+
+# ---------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", SHIPPED)
+def test_compiles_without_spills(name):
+    """As the runtime loads it (the launchers' shared library): the three kernels, no local memory."""
+    res = compile_module(ROOT / "generated" / f"{name}.cu")
+    for kernel in ("preprocess", "main", "convert"):
+        entry = res.report[f"{name}_w1_{kernel}"]
+        assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, (kernel, entry)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("changes", [
+    {"dtype": "float16", "params": {"causal": True}},
+    {"params": {"layout": "bhsd", "kv_heads": 4, "head_dim": 64}},
+], ids=["f16_causal", "bhsd_gqa8_hd64"])
+def test_variants_compile(tmp_path, changes, monkeypatch):
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    res = compile_source(rendered_source(variant("v", **changes), tmp_path))
+    entry = res.report["v_w1_main"]
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+
+
+# ---------------------------------------------------------------------------
+# tools/gpu_attention_bwd.py (the GPU script the lead runs)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_attention_bwd", ROOT / "tools" / "gpu_attention_bwd.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_tool_variants_are_valid_specs(tool):
+    from tsgen.spec import merge
+
+    for name, changes in tool.VARIANTS.items():
+        spec_variant(load_spec(SPEC), merge(changes, {"name": f"attbwd_{name}"}))  # raises SpecError if invalid
+    assert set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS) <= set(tool.VARIANTS)
+
+
+def test_gpu_tool_report(tool):
+    case = {"case": {"batch": 2, "q_len": 1000, "kv_len": 1000}, "calls": 20, "pass": False,
+            "dq": {"wrong": 3, "of": 100, "rel_err": 2e-3}, "dk": {"wrong": 0, "of": 50, "rel_err": 1e-3},
+            "dv": {"wrong": 0, "of": 50, "rel_err": 1e-3}}
+    summary = {"device": "NVIDIA H200", "date": "2026-11-27", "command": "python tools/gpu_attention_bwd.py out",
+               "checks": {"a": {"pass": False, "cases": [case]}, "b": {"pass": False, "error": "timed out after 120 s"}},
+               "bench": {"rows": [{"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 200.0},
+                                   "sdpa_cudnn": {"tflops": 500.0, "ratio": 2.5}}]}}
+    text = tool.markdown(summary)
+    assert "| a | b2 q1000 kv1000 | 20 | 3 / 100 | 0 / 50 | 0 / 50 | 2.0e-03 / 1.0e-03 / 1.0e-03 | NO |" in text
+    assert "| b | timed out after 120 s |" in text
+    assert "| v | 4096 | 200 | - | - | 500 | 2.50 |" in text
