@@ -217,3 +217,60 @@ def test_gpu_tool_report(tool):
     assert "| a | b2 q1000 kv1000 | 20 | 3 / 100 | 0 / 50 | 0 / 50 | 2.0e-03 / 1.0e-03 / 1.0e-03 | NO |" in text
     assert "| b | timed out after 120 s |" in text
     assert "| v | 4096 | 200 | - | - | 500 | 2.50 |" in text
+
+
+def test_gpu_tool_reference_is_the_familys(tool):
+    """The GPU script's float32 torch reference (run here on the CPU) against the float64 NumPy
+    one: causal with a query offset (q_len < kv_len, bottom-right aligned) and GQA 4:2."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    q, do = rng.standard_normal((2, 2, 5, 4, 16))
+    k, v = rng.standard_normal((2, 2, 9, 2, 16))
+    scale, offset = 0.3, 4
+    as_t = [torch.tensor(x, dtype=torch.float32) for x in (q, k, v, do)]
+    o, lse, grads = tool.reference(torch, *as_t, scale, True, q_offset=offset)
+    qpos = offset + np.arange(5)
+    want_o, want_lse = attention_reference(q, k, v, scale, True, q_pos=qpos)
+    np.testing.assert_allclose(o.numpy(), want_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5)
+    got = grads(o)
+    want = attention_backward_reference(q, k, v, o.numpy().astype(np.float64), do, lse.numpy().astype(np.float64),
+                                        scale, True, q_pos=qpos, with_abs=True)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-4, atol=1e-5)
+
+
+class FakeOp:
+    """The GPU script's Op, on the CPU: the gradients from its own reference (`wrong`: dK / dV of
+    the first query head of each group only, or nothing written to dQ)."""
+
+    def __init__(self, tool, torch, layout="bshd", causal=True, dtype="bfloat16", wrong=None):
+        self.tool, self.torch, self.wrong = tool, torch, wrong
+        self.head_dim, self.heads, self.kv_heads, self.causal = 16, 4, 2, causal
+        self.bhsd, self.dtype, self.scale = layout == "bhsd", dtype, 0.25
+
+    def workspace(self, torch, batch, q_len, device="cuda"):
+        return (torch.empty(batch * q_len * self.heads * self.head_dim, device=device),)
+
+    def __call__(self, t, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0):
+        torch, tool = self.torch, self.tool
+        q, k, v, do = (tool.to_bshd(t[n], self.bhsd).float() for n in ("q", "k", "v", "do"))
+        if self.wrong == "gqa":
+            do = do * torch.tensor([1.0, 0.0] * (self.heads // 2))[None, None, :, None]
+        _, lse, grads = tool.reference(torch, q, k, v, do, self.scale, self.causal, q_offset=q_offset)
+        for name, g in zip(("dq", "dk", "dv"), grads(tool.to_bshd(t["o"], self.bhsd).float())):
+            if not (self.wrong == "no_dq" and name == "dq"):
+                t[name].copy_(tool.to_bshd(g, self.bhsd))
+
+
+@pytest.mark.parametrize("layout,dtype", [("bshd", "bfloat16"), ("bhsd", "float16")])
+def test_gpu_tool_case_passes_the_right_gradients_and_fails_wrong_ones(tool, layout, dtype):
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    for case in ({"batch": 2, "q_len": 7, "kv_len": 7}, {"batch": 1, "q_len": 5, "kv_len": 11, "calls": 3}):
+        r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype), case, gen, device="cpu")
+        assert r["pass"], r
+    r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype, wrong="gqa"), case, gen, device="cpu")
+    assert not r["pass"] and r["dk"]["wrong"] > 0 and r["dv"]["wrong"] > 0 and r["dq"]["wrong"] > 0, r
+    r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype, wrong="no_dq"), case, gen, device="cpu")
+    assert not r["pass"] and r["dq"]["wrong"] == r["dq"]["of"] and r["dq"]["nan"] == r["dq"]["of"], r

@@ -98,8 +98,8 @@ class Op:
         u64, i64, vp = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
         self.fn.argtypes = [vp] * 12 + [u64, u64, u64, i64, i64, i64, i64, vp]
 
-    def workspace(self, torch, batch, q_len):
-        f32 = dict(device="cuda", dtype=torch.float32)
+    def workspace(self, torch, batch, q_len, device="cuda"):
+        f32 = dict(device=device, dtype=torch.float32)
         return (torch.empty(batch * q_len * self.heads * self.head_dim, **f32),
                 torch.empty(batch * self.heads * q_len, **f32), torch.empty(batch * self.heads * q_len, **f32))
 
@@ -129,8 +129,8 @@ def reference(torch, q, k, v, do, scale, causal, q_offset=0, kv_offset=0):
     B, Sq, H, D = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
     g = H // Hkv
-    qp = q_offset + torch.arange(Sq, device="cuda")
-    kp = kv_offset + torch.arange(Skv, device="cuda")
+    qp = q_offset + torch.arange(Sq, device=q.device)
+    kp = kv_offset + torch.arange(Skv, device=q.device)
     hidden = (kp[None, :] > qp[:, None]) if causal else None
 
     def scores(b, h):
@@ -138,7 +138,7 @@ def reference(torch, q, k, v, do, scale, causal, q_offset=0, kv_offset=0):
         return s.masked_fill(hidden, -math.inf) if causal else s
 
     o = torch.zeros_like(q)
-    lse = torch.empty(B, H, Sq, device="cuda")
+    lse = torch.empty(B, H, Sq, device=q.device)
     for b in range(B):
         for h in range(H):
             s = scores(b, h)
@@ -172,14 +172,16 @@ def tolerance(torch, ref, absum, dtype: str):
     return ulp * ref.abs() + 2 * ulp * absum + 1e-6
 
 
-def run_case(torch, op: Op, case: dict, gen) -> dict:
+def run_case(torch, op: Op, case: dict, gen, device: str = "cuda") -> dict:
+    """One case: random inputs, the reference, `calls` calls of `op` on poisoned outputs and
+    workspace, the per-element check (device "cpu": the tests' fake ops)."""
     batch, q_len, kv_len, calls = case["batch"], case["q_len"], case["kv_len"], case.get("calls", 1)
     dt = torch_dtype(torch, op.dtype)
     # causal with q_len != kv_len: bottom-right aligned (the last query sees every key)
     q_offset = kv_len - q_len if op.causal else 0
 
     def randn(rows, heads):
-        return torch.randn(batch, rows, heads, op.head_dim, device="cuda", generator=gen).to(dt)
+        return torch.randn(batch, rows, heads, op.head_dim, device=device, generator=gen).to(dt)
 
     q, k, v, do = randn(q_len, op.heads), randn(kv_len, op.kv_heads), randn(kv_len, op.kv_heads), randn(q_len, op.heads)
     f32 = [x.float() for x in (q, k, v, do)]
@@ -194,18 +196,20 @@ def run_case(torch, op: Op, case: dict, gen) -> dict:
     t = {"q": layout(q), "k": layout(k), "v": layout(v), "o": layout(o), "do": layout(do), "lse": lse.contiguous()}
     flat = {}
     for name, like in (("dq", q), ("dk", k), ("dv", v)):
-        flat[name] = torch.empty(like.numel() + guard, device="cuda", dtype=dt)
+        flat[name] = torch.empty(like.numel() + guard, device=device, dtype=dt)
         t[name] = flat[name][:like.numel()].view(layout(like).shape)
-    ws = op.workspace(torch, batch, q_len)
-    stream = torch.cuda.Stream()
+    ws = op.workspace(torch, batch, q_len, device)
+    stream = torch.cuda.Stream() if device == "cuda" else None
     for x in list(flat.values()) + list(ws):
         x.fill_(math.nan)
     for x in flat.values():
         x[-guard:].fill_(7.0)
-    torch.cuda.synchronize()
+    if stream is not None:
+        torch.cuda.synchronize()
     for _ in range(calls):
         op(t, ws, batch, q_len, kv_len, stream, q_offset=q_offset)
-    stream.synchronize()
+    if stream is not None:
+        stream.synchronize()
     result = {"case": case, "calls": calls}
     ok = True
     for name, ref, absum in (("dq", dq, aq), ("dk", dk, ak), ("dv", dv, av)):
