@@ -14,9 +14,10 @@ import pytest
 
 from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_problems
 from tsgen.ops import get_family
-from tsgen.ops.attention import attention_backward_reference, attention_reference, from_bshd, to_bshd
+from tsgen.ops.attention import (attention_backward_reference, attention_reference, from_bshd, o_tolerance,
+                                 to_bshd)
 from tsgen.ops.attention_backward import flops, smem_bytes
-from tsgen.ops.collectives import to_f64
+from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
@@ -274,3 +275,167 @@ def test_gpu_tool_case_passes_the_right_gradients_and_fails_wrong_ones(tool, lay
     assert not r["pass"] and r["dk"]["wrong"] > 0 and r["dv"]["wrong"] > 0 and r["dq"]["wrong"] > 0, r
     r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype, wrong="no_dq"), case, gen, device="cpu")
     assert not r["pass"] and r["dq"]["wrong"] == r["dq"]["of"] and r["dq"]["nan"] == r["dq"]["of"], r
+
+
+# ---------------------------------------------------------------------------
+# The main kernel's fragments, modelled lane by lane (no GPU here)
+# ---------------------------------------------------------------------------
+#
+# ldmatrix and mma.sync.m16n8k16 as the PTX ISA defines them, on NumPy arrays; the four operand
+# loads' address arithmetic is read from the header itself (so a wrong row or column offset
+# there fails this test), and the main kernel's use of them (which fragment feeds which product,
+# the C-to-A fragment reuse, the dS^T store, the element-wise indices) is the kernel's, written
+# again here at warp level. One CTA: a block of 50 keys (a tail) against 100 queries (two query
+# blocks, a tail) of the 2 query heads of one KV head, causal: the whole problem, so dQ, dK and
+# dV are complete and checked against the family's reference and tolerance.
+
+HEADER = ROOT / "templates" / "include" / "tsgen" / "attention_bwd.cuh"
+
+
+def header_loads():
+    """{load_a: (trans, (row, col) of a lane)} from the header's four operand loads."""
+    import re
+
+    text = HEADER.read_text()
+    out = {}
+    for m in re.finditer(r"void (load_\w+)\(uint32_t \(&\w\)\[4\], const uint16_t\* s, int pitch, int (\w+), "
+                         r"int (\w+), int lane\) \{\n((?:  const int i = lane >> 3;\n)?)  ldmatrix_x4(_trans)?"
+                         r"\(\w, s \+ \((.+)\) \* pitch \+ (.+)\);", text):
+        name, p0, p1, pre, trans, row, col = m.groups()
+
+        def at(lane, a, b, row=row, col=col, p0=p0, p1=p1, pre=pre):
+            env = {"lane": lane, p0: a, p1: b}
+            if pre:
+                env["i"] = lane >> 3
+            return eval(row, {}, env), eval(col, {}, env)  # C's + * & >> on small non-negative ints
+        out[name] = (bool(trans), at)
+    assert sorted(out) == ["load_a", "load_a_trans", "load_b_kn", "load_b_nk"], sorted(out)
+    return out
+
+
+def bf16(x):
+    return to_f64(from_f64(x, "bfloat16"), "bfloat16")
+
+
+def ldmatrix(mat, load, a, b):
+    """Four 8x8 matrices; lanes 8i .. 8i + 7 address the rows of matrix i. -> regs [4][32][2]."""
+    trans, at = load
+    regs = np.zeros((4, 32, 2))
+    for i in range(4):
+        rows = [at(8 * i + r, a, b) for r in range(8)]
+        m = np.stack([mat[r, c:c + 8] for r, c in rows])
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            regs[i, lane] = m[2 * t:2 * t + 2, g] if trans else m[g, 2 * t:2 * t + 2]
+    return regs
+
+
+def mma(d, a, b0, b1):
+    """d [32][4] += A (16 x 16, fragments a[4][32][2]) . B (16 x 8, fragments b0, b1 [32][2])."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = a[0, lane], a[1, lane]
+        A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10] = a[2, lane], a[3, lane]
+        B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = b0[lane], b1[lane]
+        C[g, 2 * t:2 * t + 2], C[g + 8, 2 * t:2 * t + 2] = d[lane, :2], d[lane, 2:]
+    D = A @ B + C
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        d[lane] = np.concatenate([D[g, 2 * t:2 * t + 2], D[g + 8, 2 * t:2 * t + 2]])
+
+
+def model_main_kernel(q, k, v, do, lse, dsum, scale, d):
+    """The main kernel of one CTA (keys 0 .. 63 of one KV head; q, do [heads, rows, d], k, v [keys, d],
+    causal, positions from 0) -> dQ [heads, rows, d] (before the conversion's scale), dK, dV."""
+    def r16(x):  # rounded to bf16, as the kernel's A fragments
+        return bf16(np.asarray(x, dtype=np.float64))
+
+    L = header_loads()
+    heads, rows, kv_len = q.shape[0], q.shape[1], k.shape[0]
+    ks, vs = np.zeros((64, d)), np.zeros((64, d))
+    ks[:kv_len], vs[:kv_len] = k, v
+    nt = d // 8
+    dk, dv = np.zeros((4, nt, 32, 4)), np.zeros((4, nt, 32, 4))
+    dq = np.zeros((heads, rows + 64, d))
+    lanes = np.arange(32)
+    g, t = lanes >> 2, lanes & 3
+    for h in range(heads):
+        for r0 in range(0, rows, 64):
+            qs, dos = np.zeros((64, d)), np.zeros((64, d))
+            n = min(64, rows - r0)
+            qs[:n], dos[:n] = q[h, r0:r0 + n], do[h, r0:r0 + n]
+            lse2 = np.full(64, np.inf)
+            lse2[:n] = lse[h, r0:r0 + n] * np.log2(np.e)
+            ds_smem = np.zeros((64, 64 + 8))
+            for w in range(4):
+                s, dp = np.zeros((8, 32, 4)), np.zeros((8, 32, 4))
+                for kk in range(0, d, 16):
+                    ak, av = ldmatrix(ks, L["load_a"], w * 16, kk), ldmatrix(vs, L["load_a"], w * 16, kk)
+                    for j in range(0, 8, 2):
+                        bq, bd = ldmatrix(qs, L["load_b_nk"], j * 8, kk), ldmatrix(dos, L["load_b_nk"], j * 8, kk)
+                        mma(s[j], ak, bq[0], bq[1]), mma(s[j + 1], ak, bq[2], bq[3])
+                        mma(dp[j], av, bd[0], bd[1]), mma(dp[j + 1], av, bd[2], bd[3])
+                for j in range(8):
+                    for e in range(4):
+                        key, row = w * 16 + g + (e >> 1) * 8, j * 8 + 2 * t + (e & 1)
+                        seen = (key < kv_len) & (key <= r0 + row)
+                        with np.errstate(over="ignore"):
+                            p = np.where(seen, np.exp2(s[j, :, e] * scale * np.log2(np.e) - lse2[row]), 0.0)
+                        dp[j, :, e] = p * (dp[j, :, e] - np.where(row < n, dsum[h, np.minimum(r0 + row, rows - 1)], 0))
+                        s[j, :, e] = p
+                for kq in range(4):
+                    ap = r16(np.stack([s[2 * kq][:, :2], s[2 * kq][:, 2:], s[2 * kq + 1][:, :2], s[2 * kq + 1][:, 2:]]))
+                    ad = r16(np.stack([dp[2 * kq][:, :2], dp[2 * kq][:, 2:], dp[2 * kq + 1][:, :2],
+                                       dp[2 * kq + 1][:, 2:]]))
+                    for lane in range(32):
+                        lo, c = w * 16 + g[lane], kq * 16 + 2 * t[lane]
+                        ds_smem[lo, c:c + 2], ds_smem[lo + 8, c:c + 2] = ad[0, lane], ad[1, lane]
+                        ds_smem[lo, c + 8:c + 10], ds_smem[lo + 8, c + 8:c + 10] = ad[2, lane], ad[3, lane]
+                    for j in range(0, nt, 2):
+                        bd, bq = ldmatrix(dos, L["load_b_kn"], j * 8, kq * 16), ldmatrix(qs, L["load_b_kn"], j * 8, kq * 16)
+                        mma(dv[w, j], ap, bd[0], bd[1]), mma(dv[w, j + 1], ap, bd[2], bd[3])
+                        mma(dk[w, j], ad, bq[0], bq[1]), mma(dk[w, j + 1], ad, bq[2], bq[3])
+            for w in range(4):  # after the CTA barrier: dQ rows 16 w .. 16 w + 15
+                for c0 in range(0, d, 64):
+                    acc = np.zeros((8, 32, 4))
+                    for kk in range(0, 64, 16):
+                        a = ldmatrix(ds_smem, L["load_a_trans"], w * 16, kk)
+                        for j in range(0, 8, 2):
+                            bk = ldmatrix(ks, L["load_b_kn"], c0 + j * 8, kk)
+                            mma(acc[j], a, bk[0], bk[1]), mma(acc[j + 1], a, bk[2], bk[3])
+                    for j in range(8):
+                        for lane in range(32):
+                            row, col = r0 + w * 16 + g[lane], c0 + j * 8 + 2 * t[lane]
+                            dq[h, row, col:col + 2] += acc[j, lane, :2]
+                            dq[h, row + 8, col:col + 2] += acc[j, lane, 2:]
+    dk_out, dv_out = np.zeros((64, d)), np.zeros((64, d))
+    for w in range(4):
+        for j in range(nt):
+            for lane in range(32):
+                for half in range(2):
+                    key, col = w * 16 + g[lane] + 8 * half, j * 8 + 2 * t[lane]
+                    dk_out[key, col:col + 2] = dk[w, j, lane, 2 * half:2 * half + 2] * scale
+                    dv_out[key, col:col + 2] = dv[w, j, lane, 2 * half:2 * half + 2]
+    return dq[:, :rows], dk_out[:kv_len], dv_out[:kv_len]
+
+
+def test_fragment_model_of_the_main_kernel():
+    rng = np.random.default_rng(7)
+    d, rows, kv_len, heads, scale = 64, 100, 50, 2, 0.125
+    q, do = rng.standard_normal((2, 1, rows, heads, d))
+    k, v = rng.standard_normal((2, 1, kv_len, 1, d))
+    q, do, k, v = (bf16(x) for x in (q, do, k, v))
+    o, lse = attention_reference(q, k, v, scale, True)
+    o = bf16(o)
+    lse = lse.astype(np.float32).astype(np.float64)
+    dsum = np.einsum("bshd,bshd->bhs", do, o)[0]
+    got = model_main_kernel(q[0].transpose(1, 0, 2), k[0, :, 0], v[0, :, 0], do[0].transpose(1, 0, 2), lse[0], dsum,
+                            scale, d)
+    want = attention_backward_reference(q, k, v, o, do, lse, scale, True, with_abs=True)
+    gq = got[0].transpose(1, 0, 2)[None] * scale
+    for name, g, w, a in (("dq", gq, want[0], want[3]), ("dk", got[1][None, :, None], want[1], want[4]),
+                          ("dv", got[2][None, :, None], want[2], want[5])):
+        bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
+        assert not bad.any(), (name, int(bad.sum()), bad.size)
+
