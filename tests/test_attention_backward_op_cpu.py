@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_problems
+from conftest import ROOT, compile_test, load_script, missing_tool, rendered_source, spec_problems
 from tsgen.ops import get_family
 from tsgen.ops.attention import (attention_backward_reference, attention_reference, from_bshd, o_tolerance,
                                  to_bshd)
@@ -190,12 +190,7 @@ def test_variants_compile(tmp_path, changes, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_attention_bwd", ROOT / "tools" / "gpu_attention_bwd.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "tools" / "gpu_attention_bwd.py")
 
 
 def test_gpu_tool_variants_are_valid_specs(tool):
