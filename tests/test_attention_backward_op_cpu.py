@@ -21,13 +21,15 @@ from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
-from tsgen.toolchain import compile_module, compile_source, find_nvcc
+from tsgen.toolchain import compile_module, compile_source, dump_sass, find_cuobjdump, find_nvcc
 
 SPEC = ROOT / "specs" / "attention_backward_hd128.yaml"
 SHIPPED = [p.stem for p in shipped_specs(op="attention_backward")]
 BWD = "name: a\nop: attention_backward\nworld_sizes: [1]\n"
 NO_NVCC = missing_tool(find_nvcc)
 needs_nvcc = compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
+NO_SASS = NO_NVCC or missing_tool(find_cuobjdump)
+needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
 
 
 def variant(name, **changes):
@@ -169,6 +171,22 @@ def test_compiles_without_spills(name):
     for kernel in ("preprocess", "main", "convert"):
         entry = res.report[f"{name}_w1_{kernel}"]
         assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, (kernel, entry)
+
+
+@needs_sass
+def test_sass_of_the_main_kernel(tmp_path, monkeypatch):
+    """The main kernel: bf16 HMMA m16n8k16, ldmatrix plain and transposed, dQ added with fp32
+    reductions (no value returned: RED, not ATOM), no local memory, no calls."""
+    import re
+
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    sass = dump_sass(compile_source(ROOT / "generated" / "attention_backward_hd128.cu").output)
+    main = sass[sass.index("Function : attention_backward_hd128_w1_main"):]
+    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
+    names = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", main)
+    assert "HMMA.16816.F32.BF16" in names and "LDSM.16.M88.4" in names and "LDSM.16.MT88.4" in names
+    assert "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" in names and not [n for n in names if n.startswith("ATOM")]
+    assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
 
 
 @needs_nvcc

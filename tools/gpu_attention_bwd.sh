@@ -7,7 +7,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 rc=0
-timeout ${ATTENTION_BWD_TIMEOUT:-200} python3 tools/gpu_attention_bwd.py "$OUT" "$@" || rc=1
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "attention_through_the_harness and attention_backward" \
+timeout ${ATTENTION_BWD_TIMEOUT:-210} python3 tools/gpu_attention_bwd.py "$OUT" "$@" || rc=1
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "attention_through_the_harness and attention_backward" \
   2>&1 | tail -15 || rc=1
 exit $rc

@@ -347,6 +347,8 @@ __device__ void main_kernel(const Problem& p) {
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
           const int col = c0 + n * 8 + 2 * t;
+          // scalar reductions: sm_90's float2 atomicAdd (one per pair) made the fp16 causal hd 128
+          // variant spill 32 bytes (its register pairs)
           if (q_row < p.q_len) atomicAdd(dq_lo + col, acc[n][0]), atomicAdd(dq_lo + col + 1, acc[n][1]);
           if (q_row + 8 < p.q_len) atomicAdd(dq_hi + col, acc[n][2]), atomicAdd(dq_hi + col + 1, acc[n][3]);
         }
