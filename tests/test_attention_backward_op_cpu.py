@@ -217,6 +217,14 @@ def test_gpu_tool_variants_are_valid_specs(tool):
     for name, changes in tool.VARIANTS.items():
         spec_variant(load_spec(SPEC), merge(changes, {"name": f"attbwd_{name}"}))  # raises SpecError if invalid
     assert set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS) <= set(tool.VARIANTS)
+    forward = load_script(ROOT / "tools" / "gpu_attention.py")
+    for name, fwd in tool.CHAINED.items():  # the chained forward computes the same shape
+        assert name in tool.CHECK_VARIANTS
+        mine = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], {"name": "b"})).model
+        theirs = forward.variant_spec(fwd).model
+        for field in ("head_dim", "heads", "kv_heads", "causal", "layout", "softmax_scale", "batch"):
+            assert getattr(mine.params, field) == getattr(theirs.params, field), (name, field)
+        assert mine.dtype == theirs.dtype
 
 
 def test_gpu_tool_report(tool):

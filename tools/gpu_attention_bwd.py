@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from tsgen.env import force_no_multicast  # noqa: E402
-from gpu_attention import build_loaded  # noqa: E402  (the forward's script: render and compile a spec)
+from gpu_attention import Op as ForwardOp, build as build_forward, build_loaded  # noqa: E402  (the forward's script)
 
 force_no_multicast()
 
@@ -68,6 +68,8 @@ VARIANTS.update({
     "fp16_hd128_causal_kv8": variant(128, True, 8, dtype="float16"),
     "hd128_full_kv4_bhsd": variant(128, False, 4, layout="bhsd"),
 })
+# variants whose checks also chain tsgen's forward (tools/gpu_attention.py's variant of the same shape)
+CHAINED = {"hd128_causal_kv8": "hd128_causal_kv8", "hd64_full_kv8": "hd64_full_kv8"}
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd64_full_kv8", "hd64_causal_kv32",
                   "fp16_hd128_causal_kv8", "hd128_full_kv4_bhsd"]
 BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8"]
@@ -172,9 +174,12 @@ def tolerance(torch, ref, absum, dtype: str):
     return ulp * ref.abs() + 2 * ulp * absum + 1e-6
 
 
-def run_case(torch, op: Op, case: dict, gen, device: str = "cuda") -> dict:
+def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None) -> dict:
     """One case: random inputs, the reference, `calls` calls of `op` on poisoned outputs and
-    workspace, the per-element check (device "cpu": the tests' fake ops)."""
+    workspace, the per-element check (device "cpu": the tests' fake ops). forward (an Op of
+    tools/gpu_attention.py, the same shape) and case["forward"]: O and LSE come from tsgen's
+    forward instead of the reference's (the chain a trainer runs: its LSE convention, natural
+    log, is the one the backward reads), and the reference gradients are those of its O."""
     batch, q_len, kv_len, calls = case["batch"], case["q_len"], case["kv_len"], case.get("calls", 1)
     dt = torch_dtype(torch, op.dtype)
     # causal with q_len != kv_len: bottom-right aligned (the last query sees every key)
@@ -187,19 +192,27 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda") -> dict:
     f32 = [x.float() for x in (q, k, v, do)]
     o32, lse, grads = reference(torch, *f32, op.scale, op.causal, q_offset=q_offset)
     o = o32.to(dt)
-    dq, dk, dv, aq, ak, av = grads(o.float())
 
     def layout(x):  # bshd -> the op's layout, contiguous
         return to_bshd(x, op.bhsd).contiguous()
 
     guard = 64  # sentinel elements after each output
     t = {"q": layout(q), "k": layout(k), "v": layout(v), "o": layout(o), "do": layout(do), "lse": lse.contiguous()}
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    chained = {}
+    if case.get("forward"):
+        t["o"], t["lse"] = torch.full_like(t["o"], math.nan), torch.full_like(lse, math.nan)
+        forward(t["q"], t["k"], t["v"], t["o"], t["lse"], batch, q_len, kv_len, stream, q_offset=q_offset)
+        stream.synchronize()
+        o = to_bshd(t["o"], op.bhsd)
+        chained = {"forward_o_rel_err": float((o.float() - o32).norm() / o32.norm()),
+                   "forward_lse_max_err": float((t["lse"] - lse).abs().max())}
+    dq, dk, dv, aq, ak, av = grads(o.float())
     flat = {}
     for name, like in (("dq", q), ("dk", k), ("dv", v)):
         flat[name] = torch.empty(like.numel() + guard, device=device, dtype=dt)
         t[name] = flat[name][:like.numel()].view(layout(like).shape)
     ws = op.workspace(torch, batch, q_len, device)
-    stream = torch.cuda.Stream() if device == "cuda" else None
     for x in list(flat.values()) + list(ws):
         x.fill_(math.nan)
     for x in flat.values():
@@ -210,8 +223,9 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda") -> dict:
         op(t, ws, batch, q_len, kv_len, stream, q_offset=q_offset)
     if stream is not None:
         stream.synchronize()
-    result = {"case": case, "calls": calls}
-    ok = True
+    result = {"case": case, "calls": calls, **chained}
+    ok = not chained or (chained["forward_o_rel_err"] < 1e-2 and chained["forward_lse_max_err"] < 1e-3 * (
+        1 + float(lse.abs().max())))
     for name, ref, absum in (("dq", dq, aq), ("dk", dk, ak), ("dv", dv, av)):
         got = to_bshd(t[name], op.bhsd).float()
         bad = ~((got - ref).abs() <= tolerance(torch, ref, absum, op.dtype))
@@ -241,11 +255,15 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     op = Op(built)
+    forward = ForwardOp(built["forward"]) if built.get("forward") else None
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1)
     results = []
-    for case in cases_for(op, quick):
-        r = run_case(torch, op, case, gen)
+    cases = cases_for(op, quick)
+    if forward is not None:
+        cases += [{"batch": 1, "q_len": n, "kv_len": n, "forward": True} for n in ((1000,) if quick else (1000, 4096))]
+    for case in cases:
+        r = run_case(torch, op, case, gen, forward=forward)
         results.append(r)
         echo(json.dumps(r))
     return {"pass": all(r["pass"] for r in results), "cases": results}
@@ -349,7 +367,8 @@ def markdown(s: dict) -> str:
     for name, r in s["checks"].items():
         for c in r.get("cases", []):
             case = c["case"]
-            out.append(f"| {name} | b{case['batch']} q{case['q_len']} kv{case['kv_len']} | {c['calls']} | "
+            chain = ", tsgen forward" if case.get("forward") else ""
+            out.append(f"| {name} | b{case['batch']} q{case['q_len']} kv{case['kv_len']}{chain} | {c['calls']} | "
                        + " | ".join(f"{c[g]['wrong']} / {c[g]['of']}" for g in ("dq", "dk", "dv"))
                        + " | " + " / ".join(f"{c[g]['rel_err']:.1e}" for g in ("dq", "dk", "dv"))
                        + f" | {'yes' if c['pass'] else 'NO'} |")
@@ -388,6 +407,9 @@ def main() -> int:
     names = sorted(set(CHECK_VARIANTS) | (set() if a.no_bench else set(BENCH_VARIANTS)))
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
         built = dict(zip(names, ex.map(lambda n: build(out, n), names)))
+        forwards = dict(zip(CHAINED, ex.map(lambda n: build_forward(out, CHAINED[n]), CHAINED)))
+    for name, fwd in forwards.items():
+        built[name] = {**built[name], "forward": fwd}
     print(f"built {len(built)} variants", flush=True)
     checks = {}
     for name in CHECK_VARIANTS:
