@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the attention backward (one GPU, < 5 min): build the variants, check dQ, dK, dV
 # against a float32 reference (S 1000 with tails, 4096, q_len != kv_len, 20 back-to-back calls,
-# poisoned outputs and workspace; causal and not, GQA, hd 64 and 128, fp16, bhsd), then the shipped
-# specs through the harness (tests/test_gpu.py's one-GPU sweep), then a short bench against torch
-# autograd of SDPA's backward (flash, cuDNN). Results under $OUT.
+# poisoned outputs and workspace; causal and not, GQA, hd 64 and 128, fp16, bhsd; two chained after
+# tsgen's forward), a short bench against torch autograd of SDPA's backward (flash, cuDNN), then the
+# shipped specs through the harness (tests/test_gpu.py's one-GPU sweep). Results under $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 rc=0
