@@ -460,3 +460,57 @@ def test_fragment_model_of_the_main_kernel():
         bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
         assert not bad.any(), (name, int(bad.sum()), bad.size)
 
+
+
+# ---------------------------------------------------------------------------
+# The causal skip (the header's rows_see_keys, compiled as host code)
+# ---------------------------------------------------------------------------
+
+SKIP = r"""
+#include "SOURCE"
+#include <stdio.h>
+#include <stdlib.h>
+int main(int argc, char** argv) {
+  (void)argc;
+  tsgen::attention_bwd::Problem p = {};
+  p.q_len = atoi(argv[1]); p.kv_len = atoi(argv[2]);
+  p.q_offset = atoi(argv[3]); p.q_split = atoi(argv[4]); p.q_offset2 = atoi(argv[5]); p.kv_offset = atoi(argv[6]);
+  for (uint32_t k0 = 0; k0 < p.kv_len; k0 += tsgen::attention_bwd::BLOCK_N)
+    for (uint32_t r0 = 0; r0 < p.q_len; r0 += tsgen::attention_bwd::BLOCK_M) {
+      const uint32_t r1 = r0 + tsgen::attention_bwd::BLOCK_M < p.q_len ? r0 + tsgen::attention_bwd::BLOCK_M : p.q_len;
+      printf("%u %u %d\n", k0, r0, (int)tsgen::attention_bwd::rows_see_keys(p, r0, r1, p.kv_offset + (int)k0));
+    }
+}
+"""
+
+
+@needs_nvcc
+def test_causal_skip_visits_exactly_the_blocks_with_a_visible_key(tmp_path):
+    """Every (KV block, query block) pair with a visible (query, key) pair is visited, and no
+    other, for positions from 0, offsets, and the zig-zag's two segments (the forward's cases)."""
+    import subprocess
+
+    from tsgen.headers import include_flags
+    from tsgen.ops.attention import query_positions
+    from tsgen.toolchain import gencode_flags
+
+    source = rendered_source(variant("skip", params={"causal": True}), tmp_path)
+    main = tmp_path / "skip_main.cu"
+    main.write_text(SKIP.replace("SOURCE", str(source)))
+    exe = tmp_path / "skip_main"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(main)], check=True, capture_output=True)
+    problems = [(77, 77, 0, None, 0, 0), (1000, 1000, 0, None, 0, 0), (77, 1000, 923, None, 0, 0),
+                (1000, 1000, 500, None, 0, 700), (600, 2400, 300, 300, 1800, 0), (1024, 2048, 0, 512, 1536, 0),
+                (500, 4096, 768, 250, 3072, 0), (1000, 1000, 0, None, 0, 5000), (100, 100, 0, 70, 30, 0),
+                (129, 129, 0, None, 0, 0), (65, 200, 63, None, 0, 0)]  # a block whose last row is the first key
+    for sq, skv, qo, split, qo2, ko in problems:
+        split = sq if split is None else split
+        out = subprocess.run([str(exe), *map(str, (sq, skv, qo, split, qo2, ko))], capture_output=True, text=True,
+                             check=True).stdout
+        qp, kp = query_positions(sq, qo, split, qo2), ko + np.arange(skv)
+        got = {(int(a), int(b)): bool(int(c)) for a, b, c in (line.split() for line in out.splitlines())}
+        assert sorted(got) == [(k0, r0) for k0 in range(0, skv, 64) for r0 in range(0, sq, 64)]
+        for (k0, r0), seen in got.items():
+            vis = kp[None, k0:k0 + 64] <= qp[r0:r0 + 64, None]
+            assert seen == bool(vis.any()), (sq, skv, qo, split, qo2, ko, k0, r0)

@@ -92,8 +92,20 @@ __device__ __forceinline__ size_t row_offset(uint32_t b, uint32_t s, uint32_t h,
                  : (((size_t)b * len + s) * heads + h) * C::HEAD_DIM;
 }
 
-__device__ __forceinline__ int32_t query_position(const Problem& p, int32_t r) {
+__host__ __device__ __forceinline__ int32_t query_position(const Problem& p, int32_t r) {
   return r < p.q_split ? p.q_offset + r : p.q_offset2 + (r - p.q_split);
+}
+
+// CAUSAL: whether query rows [r0, r1) see any key at or after position first_key, i.e. whether
+// their latest position (the maximum over both zig-zag segments) is not before it. A query block
+// that does not is skipped by the KV block starting at first_key. Host-compiled by the tests.
+__host__ __device__ __forceinline__ bool rows_see_keys(const Problem& p, int32_t r0, int32_t r1, int32_t first_key) {
+  int32_t last = query_position(p, r1 - 1);
+  if (r0 < p.q_split && p.q_split < r1) {
+    const int32_t first_segment = query_position(p, p.q_split - 1);
+    last = first_segment > last ? first_segment : last;
+  }
+  return last >= first_key;
 }
 
 template <class C>
@@ -242,11 +254,7 @@ __device__ void main_kernel(const Problem& p) {
   for (uint32_t hq = hk * GROUP; hq < (hk + 1) * GROUP; ++hq) {
     for (uint32_t qb = 0; qb < q_blocks; ++qb) {
       const uint32_t r0 = qb * BLOCK_M, r1 = min(r0 + BLOCK_M, p.q_len);
-      if (C::CAUSAL) {  // the block's latest query position: before the first key? then it sees none
-        int32_t last = query_position(p, (int32_t)r1 - 1);
-        if ((int32_t)r0 < p.q_split && p.q_split < (int32_t)r1) last = max(last, query_position(p, p.q_split - 1));
-        if (last < first_key) continue;
-      }
+      if (C::CAUSAL && !rows_see_keys(p, (int32_t)r0, (int32_t)r1, first_key)) continue;  // uniform over the CTA
       __syncthreads();  // the previous block's products are done with Q, dO, dS, LSE2, D
       load_rows<C>(qs, p.q, b, r0, hq, C::HEADS, p.q_len);
       load_rows<C>(dos, p.dout, b, r0, hq, C::HEADS, p.q_len);
