@@ -97,6 +97,17 @@ def rendered_source(loaded, out):
     return out / f"{r.name}.cu"
 
 
+def load_script(path: Path):
+    """A script that is not a package module (tools/*.py, tests/torch_checks.py), imported from its
+    file under its stem's name, for tests of its pieces that need no GPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 SPEC_HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
 
 

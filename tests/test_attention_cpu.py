@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_problems
+from conftest import ROOT, compile_test, load_script, missing_tool, rendered_source, spec_problems
 from tsgen.ops import get_family
 from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_positions, smem_bytes, to_bshd,
                                  zigzag)
@@ -384,12 +384,7 @@ def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal):
 
 @pytest.fixture(scope="module")
 def tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "tools" / "gpu_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "tools" / "gpu_attention.py")
 
 
 def test_gpu_tool_variants_are_valid_specs(tmp_path, tool):

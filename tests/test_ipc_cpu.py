@@ -566,14 +566,9 @@ def test_compare_bar(tmp_path, ipc_us, rc):
 
 
 def _ipc_checks():
-    import importlib.util
+    from conftest import ROOT, load_script
 
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("ipc_checks", ROOT / "tools" / "ipc_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "tools" / "ipc_checks.py")
 
 
 DUMMY_RANKS = """

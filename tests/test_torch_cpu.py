@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 GEN = ROOT / "generated"
 
@@ -708,12 +710,7 @@ def test_launcher_plumbing_without_a_driver():
 # -- tests/torch_checks.py --shared: the parts that need no GPU -------------------------------------
 
 def torch_checks():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("torch_checks", ROOT / "tests" / "torch_checks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "tests" / "torch_checks.py")
 
 
 def simulated_all_to_all(sends: list[torch.Tensor]) -> list[torch.Tensor]:
