@@ -68,6 +68,7 @@ class Step:
     warmup: int
     name: str  # the spec's name, or its label in a suite
     label: str  # name, size and pattern
+    host: dict | None = None  # the host inputs of set 0 the reference check uses (set by tsgen's timing)
 
     @property
     def conv(self):
@@ -223,7 +224,7 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
     """tsgen's timing and checks; with `rivals` (baselines holding a prepared Sampler), all of them
     timed in interleaved rounds (timing.time_interleaved), each rival's Timing set on it."""
     w, conv, sets = step.world, step.conv, step.sets
-    host = _fill_inputs(step)
+    host = step.host = _fill_inputs(step)
     in_place = any(s.role == "inout" for s in sets[0].slots)
     outputs = [s for s in sets[0].slots if s.role == "output"]
     launched = [0]
@@ -372,10 +373,10 @@ def _random(cp, rs, arr, dtype: str) -> None:
         arr[...] = rs.randint(0, 256, n).astype(arr.dtype)
 
 
-def _check(step: Step, host: dict | None, in_place: bool) -> tuple[dict, list[str]]:
-    """The one check of the timed outputs: fields for the row, and problems."""
+def _check(step: Step, host: dict | None, in_place: bool, what: str | None = None) -> tuple[dict, list[str]]:
+    """The one check of the timed outputs (`what`: whose, in the messages): fields for the row, and problems."""
     w, conv, spec, family, set0 = step.world, step.conv, step.spec, step.family, step.sets[0]
-    what = f"tsgen {step.label}"
+    what = what or f"tsgen {step.label}"
     outputs = [s for s in set0.slots if s.role in ("output", "inout")]
     poison = poison_byte(POISON_CALL)
     ranks = [r for r in conv.checked_ranks(family, spec, w.size, step.pattern) if r in w.ranks]
