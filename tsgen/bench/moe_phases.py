@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..harness import poison_byte
 from ..ops.conventions import BenchCase
 from ..ops.moe import low_latency, traffic
 from .sizes import calls_per_sample
@@ -34,7 +33,6 @@ from .timing import CupyClock, time_calls
 
 # phase -> (the output it writes, its device call counter)
 PHASES = {"dispatch": ("recv_counts", "calls"), "combine": ("out", "combine_calls")}
-FIELDS = ("phase", "payload", "ep_mode", "sms", "wrong", "check")
 
 
 def phase_case(family, spec, world: int, size: int, phase: str) -> BenchCase:
@@ -56,11 +54,9 @@ def combine_input(step, rank: int) -> list[int]:
     return [[b.bases[rank] + b.by_name[name].offset] for b in bufs]
 
 
-def time_phases(step) -> list:
-    """Measured rows of dispatch alone and combine alone (after tsgen's pair timing, on its sets)."""
-    from .baselines import Measured
-    from .runner import POISON_CALL, _check
-
+def time_phases(step) -> list[tuple[str, object, BenchCase, dict]]:
+    """(impl, Timing, case, row fields) of dispatch alone and combine alone, after tsgen's pair timing
+    on its World and sets (a runner.Step)."""
     w, spec, family, module, sets = step.world, step.spec, step.family, step.module, step.sets
     n = len(sets)
     ys = {r: combine_input(step, r) for r in w.ranks}
@@ -73,12 +69,6 @@ def time_phases(step) -> list:
         def enqueue(i, ranks, phase=phase, extra=extra):
             module.launch_entry(phase, sets[i % n], ranks, w.streams, None if extra is None else extra(i))
 
-        def poison(written=written):
-            for b in sets:
-                for r in w.ranks:
-                    with w.cp.cuda.Device(w.devices[r]):
-                        b.array(written, r).view(np.uint8)[...] = poison_byte(POISON_CALL)
-
         def counter(rank, counter_buf=counter_buf):
             with w.cp.cuda.Device(w.devices[rank]):
                 return sum(int(b.array(counter_buf, rank)[0:1].get()[0]) for b in sets)
@@ -90,13 +80,12 @@ def time_phases(step) -> list:
         label = f"tsgen {phase} {step.label}"
         timing = time_calls(CupyClock(w), step.ranks, w.streams, enqueue, calls=calls_per_sample(step.iters, n),
                             reps=step.reps, warmup=step.warmup, graphs=step.conv.graphs, lineup=w.size > 1,
-                            after_warmup=poison, counter=counter, label=label)
-        checked, problems = _check(step, step.host, False, what=label)
+                            after_warmup=lambda written=written: step.poison([written]), counter=counter, label=label)
+        checked, problems = step.check(label)
         if not checked.get("wrong"):  # wrong elements: _baseline_row says so from the row's `wrong`
             timing.problems += problems
         payload = spec.params.payload if phase == "dispatch" else "bf16"
         impl = f"tsgen {phase} ({payload}, {sms} SMs)"
-        out.append(Measured(impl, step.case.size, timing, case=phase_case(family, spec, w.size, step.case.size, phase),
-                            compare=False, role=phase,
-                            extra={"phase": phase, "payload": payload, "ep_mode": mode, "sms": sms, **checked}))
+        out.append((impl, timing, phase_case(family, spec, w.size, step.case.size, phase),
+                    {"phase": phase, "payload": payload, "ep_mode": mode, "sms": sms, **checked}))
     return out

@@ -74,6 +74,20 @@ class Step:
     def conv(self):
         return self.family.bench
 
+    def poison(self, names) -> None:
+        """Every set's outputs `names` on every rank filled with the poison the check looks for."""
+        w = self.world
+        for b in self.sets:
+            for r in w.ranks:
+                with w.cp.cuda.Device(w.devices[r]):
+                    for name in names:
+                        b.array(name, r).view(np.uint8)[...] = poison_byte(POISON_CALL)
+
+    def check(self, what: str) -> tuple[dict, list[str]]:
+        """The timed outputs of set 0 against the reference of the host inputs (see _check), for a
+        part of the call timed after tsgen's (`what`: whose, in the messages)."""
+        return _check(self, self.host, False, what)
+
 
 @dataclass
 class Outcome:
@@ -236,11 +250,7 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
         step.module.launch(sets[i % len(sets)], ranks=ranks, streams=w.streams)
 
     def poison() -> None:
-        for b in sets:
-            for r in w.ranks:
-                with w.cp.cuda.Device(w.devices[r]):
-                    for s in outputs:
-                        b.array(s.name, r).view(np.uint8)[...] = poison_byte(POISON_CALL)
+        step.poison([s.name for s in outputs])
 
     def counter(rank: int) -> int:
         with w.cp.cuda.Device(w.devices[rank]):
