@@ -377,6 +377,27 @@ def test_moe_phase_that_writes_nothing_is_an_error(monkeypatch):
     assert not any(r.get("phase") == "dispatch" and r["impl"].startswith("tsgen") for r in out.rows)
 
 
+def test_moe_phase_refused_is_a_note_and_the_other_phase_stays(monkeypatch):
+    """A phase whose launch is refused (a cudaError from its host entry) becomes a note naming the error;
+    the pair and the other phase keep their rows."""
+    from tsgen.errors import RuntimeSetupError
+
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    real = bench_fakes.Module.launch_entry
+
+    def refused(self, entry, bufs, ranks, streams, extra=None):
+        if entry == "combine":
+            raise RuntimeSetupError("rank 0: moe_w2_combine_launch failed with cudaError 1")
+        return real(self, entry, bufs, ranks, streams, extra)
+
+    monkeypatch.setattr(bench_fakes.Module, "launch_entry", refused)
+    out = bench_spec("specs/moe.yaml", 2, "200", echo=lambda s: None, **FAST)
+    assert out.errors == []
+    assert [r["phase"] for r in out.rows if r["impl"].startswith("tsgen ") and r.get("phase")] == ["dispatch"]
+    assert any(n.startswith("tsgen combine (bf16, 32 SMs) at 200: not timed: RuntimeSetupError") for n in out.notes), out.notes
+
+
 def test_every_family_states_its_conventions():
     for f in families():
         conv = f.bench

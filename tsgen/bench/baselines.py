@@ -96,8 +96,8 @@ def moe_phases(step) -> list[Measured]:
     rows with their phase's bytes and SM count, compared with nothing."""
     from .moe_phases import time_phases
 
-    return [Measured(impl, step.case.size, timing, case=case, compare=False, role=fields["phase"], extra=fields)
-            for impl, timing, case, fields in time_phases(step)]
+    return [Measured(impl, step.case.size, timing, case=case, compare=False, role=fields["phase"], extra=fields,
+                     skipped=fields.get("skipped")) for impl, timing, case, fields in time_phases(step)]
 
 
 def _candidates(step, found) -> list[Measured]:

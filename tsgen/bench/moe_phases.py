@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import TsgenError
 from ..ops.conventions import BenchCase
 from ..ops.moe import low_latency, traffic
 from .sizes import calls_per_sample
@@ -56,7 +57,8 @@ def combine_input(step, rank: int) -> list[int]:
 
 def time_phases(step) -> list[tuple[str, object, BenchCase, dict]]:
     """(impl, Timing, case, row fields) of dispatch alone and combine alone, after tsgen's pair timing
-    on its World and sets (a runner.Step)."""
+    on its World and sets (a runner.Step); Timing None where a launch was refused (fields["skipped"]
+    says how)."""
     w, spec, family, module, sets = step.world, step.spec, step.family, step.module, step.sets
     n = len(sets)
     ys = {r: combine_input(step, r) for r in w.ranks}
@@ -73,19 +75,25 @@ def time_phases(step) -> list[tuple[str, object, BenchCase, dict]]:
             with w.cp.cuda.Device(w.devices[rank]):
                 return sum(int(b.array(counter_buf, rank)[0:1].get()[0]) for b in sets)
 
-        if phase == "combine":  # one pair per set: dispatch's rows (and fp8's dequantized ones) for combine
-            for b in sets:
-                module.launch(b, ranks=step.ranks, streams=w.streams)
-            w.synchronize()
         label = f"tsgen {phase} {step.label}"
-        timing = time_calls(CupyClock(w), step.ranks, w.streams, enqueue, calls=calls_per_sample(step.iters, n),
-                            reps=step.reps, warmup=step.warmup, graphs=step.conv.graphs, lineup=w.size > 1,
-                            after_warmup=lambda written=written: step.poison([written]), counter=counter, label=label)
+        payload = spec.params.payload if phase == "dispatch" else "bf16"
+        impl = f"tsgen {phase} ({payload}, {sms} SMs)"
+        fields = {"phase": phase, "payload": payload, "ep_mode": mode, "sms": sms}
+        case = phase_case(family, spec, w.size, step.case.size, phase)
+        try:
+            if phase == "combine":  # one pair per set: dispatch's rows (and fp8's dequantized ones) for combine
+                for b in sets:
+                    module.launch(b, ranks=step.ranks, streams=w.streams)
+                w.synchronize()
+            timing = time_calls(CupyClock(w), step.ranks, w.streams, enqueue, calls=calls_per_sample(step.iters, n),
+                                reps=step.reps, warmup=step.warmup, graphs=step.conv.graphs, lineup=w.size > 1,
+                                after_warmup=lambda written=written: step.poison([written]), counter=counter,
+                                label=label)
+        except TsgenError as e:  # a launch refused: this phase's row becomes a note saying so; the bench goes on
+            out.append((impl, None, case, {**fields, "skipped": f"{type(e).__name__}: {e}"}))
+            continue
         checked, problems = step.check(label)
         if not checked.get("wrong"):  # wrong elements: _baseline_row says so from the row's `wrong`
             timing.problems += problems
-        payload = spec.params.payload if phase == "dispatch" else "bf16"
-        impl = f"tsgen {phase} ({payload}, {sms} SMs)"
-        out.append((impl, timing, phase_case(family, spec, w.size, step.case.size, phase),
-                    {"phase": phase, "payload": payload, "ep_mode": mode, "sms": sms, **checked}))
+        out.append((impl, timing, case, {**fields, **checked}))
     return out
