@@ -99,6 +99,12 @@ static __device__ __forceinline__ void token_chunk(int tokens, int b, int blocks
   *hi = min(tokens, *lo + per);
 }
 
+// The sums' work split: `parts` warps a token where the warps outnumber the tokens (decode sizes: 128
+// tokens on 512 warps), each part taking every parts-th slice of 32 lanes' vectors of the row.
+static __device__ __forceinline__ int sum_parts(int tokens, int nwarps) {
+  return tokens > 0 ? max(1, nwarps / tokens) : 1;
+}
+
 // One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, UNROLL in flight).
 template <class C>
 static __device__ __forceinline__ void copy_row(__nv_bfloat16* dst_, const __nv_bfloat16* src_, int lane) {
@@ -422,8 +428,10 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
                         make_site("moe.comb", rank, rank, tid));
   __syncthreads();
 
-  // 2. sums, one warp per token
-  for (int t = gwarp; t < tokens; t += nwarps) {
+  // 2. sums, a warp per token (or `parts` warps, sum_parts)
+  const int parts = sum_parts(tokens, nwarps);
+  for (int item = gwarp; item < tokens * parts; item += nwarps) {
+    const int t = item / parts, part = item % parts;
     const uint32_t m = route_mask<C>(b.topk_idx, t);
     float scale[W];
 #pragma unroll
@@ -440,7 +448,7 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
     const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * W * C::HIDDEN);
     // UNROLL vectors per lane: each rank's UNROLL loads are issued before they are summed (issue 34:
     // one vector per lane at a time left this local pass latency-bound on combine's few SMs)
-    for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
+    for (int v0 = part * 32 * C::UNROLL + lane; v0 < VECS; v0 += 32 * C::UNROLL * parts) {
       float acc[C::UNROLL][8];
 #pragma unroll
       for (int u = 0; u < C::UNROLL; ++u)
@@ -615,9 +623,11 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
   if (tid < W)
     wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, make_site("moe.ll_comb", rank, rank, tid));
   __syncthreads();
-  // 2. weighted sums, one warp per token
+  // 2. weighted sums, a warp per token (or `parts` warps, sum_parts)
   const int gwarp = blockIdx.x * NWARPS + warp, nwarps = gridDim.x * NWARPS;
-  for (int t = gwarp; t < tokens; t += nwarps) {
+  const int parts = sum_parts(tokens, nwarps);
+  for (int item = gwarp; item < tokens * parts; item += nwarps) {
+    const int t = item / parts, part = item % parts;
     uint4* dst = reinterpret_cast<uint4*>(b.out + (size_t)t * C::HIDDEN);
     const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * K * C::HIDDEN);
     // The token's routing read once, then per vector every slot's load issued before any is summed
@@ -630,7 +640,7 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
       on[k] = e >= 0 && e < E;
       wk[k] = on[k] ? __ldg(b.topk_weights + (size_t)t * K + k) : 0.f;
     }
-    for (int v0 = lane; v0 < VECS; v0 += 32) {
+    for (int v0 = part * 32 + lane; v0 < VECS; v0 += 32 * parts) {
       uint4 v[K];
 #pragma unroll
       for (int k = 0; k < K; ++k)
