@@ -337,7 +337,7 @@ def test_moe_dispatch_and_combine_are_timed_each_alone(monkeypatch, spec_path):
 
     install(monkeypatch)
     fake_multiprocess(monkeypatch)
-    out = bench_spec(spec_path, 2, "200", echo=lambda s: None, **FAST)
+    out = bench_spec(spec_path, 2, "100", echo=lambda s: None, **FAST)
     assert out.errors == []
     pair = next(r for r in out.rows if r["impl"] == "tsgen")
     phases = {r["phase"]: r for r in out.rows if r["impl"].startswith("tsgen ") and r.get("phase")}
@@ -347,7 +347,7 @@ def test_moe_dispatch_and_combine_are_timed_each_alone(monkeypatch, spec_path):
     assert phases["dispatch"]["impl"] == f"tsgen dispatch ({payload}, {spec.launch.blocks} SMs)"
     assert phases["combine"]["impl"] == f"tsgen combine (bf16, {spec.launch.blocks} SMs)"
     family = get_family("moe")
-    sent = traffic(spec, 2, family.bench.bench_inputs(family, spec, 2, 200, np.random.default_rng(12345)))
+    sent = traffic(spec, 2, family.bench.bench_inputs(family, spec, 2, 100, np.random.default_rng(12345)))
     for name, r in phases.items():
         assert r["wrong"] == 0 and not r["compare"] and r["role"] == name and r["sms"] == spec.launch.blocks
         assert r["busbw_GBps"] == pytest.approx(max(sent[name]) / r["time_us"] / 1e3)
@@ -372,7 +372,7 @@ def test_moe_phase_that_writes_nothing_is_an_error(monkeypatch):
             streams[r].run(self.world.kernel_us, count)
 
     monkeypatch.setattr(bench_fakes.Module, "launch_entry", broken)
-    out = bench_spec("specs/moe.yaml", 2, "200", echo=lambda s: None, **FAST)
+    out = bench_spec("specs/moe.yaml", 2, "100", echo=lambda s: None, **FAST)
     assert any("tsgen dispatch" in e and "wrong" in e for e in out.errors), out.errors
     assert not any(r.get("phase") == "dispatch" and r["impl"].startswith("tsgen") for r in out.rows)
 
@@ -392,10 +392,10 @@ def test_moe_phase_refused_is_a_note_and_the_other_phase_stays(monkeypatch):
         return real(self, entry, bufs, ranks, streams, extra)
 
     monkeypatch.setattr(bench_fakes.Module, "launch_entry", refused)
-    out = bench_spec("specs/moe.yaml", 2, "200", echo=lambda s: None, **FAST)
+    out = bench_spec("specs/moe.yaml", 2, "100", echo=lambda s: None, **FAST)
     assert out.errors == []
     assert [r["phase"] for r in out.rows if r["impl"].startswith("tsgen ") and r.get("phase")] == ["dispatch"]
-    assert any(n.startswith("tsgen combine (bf16, 32 SMs) at 200: not timed: RuntimeSetupError") for n in out.notes), out.notes
+    assert any(n.startswith("tsgen combine (bf16, 32 SMs) at 100: not timed: RuntimeSetupError") for n in out.notes), out.notes
 
 
 def test_every_family_states_its_conventions():
