@@ -321,8 +321,8 @@ def test_deepep_rows_become_measurements(monkeypatch):
     assert got["cfg"]["sizes"] == [4096, 128]
     d, pair, skipped, ceiling = ms
     assert d.impl == "DeepEP normal dispatch (fp8, 24 SMs)" and not d.compare and d.role == "dispatch"
-    assert d.case.bw_bytes == 3000 and d.case.link_bytes == 1500 and d.timing.median_us == 505.0
-    assert pair.impl == "DeepEP normal dispatch+combine (fp8, 24 SMs)" and pair.compare and pair.case.bw_bytes == 9000
+    assert d.case.bw_bytes == 1500 and d.case.link_bytes == 1500 and d.extra["deepep_bytes"] == 3000 and d.timing.median_us == 505.0
+    assert pair.impl == "DeepEP normal dispatch+combine (fp8, 24 SMs)" and pair.compare and pair.case.bw_bytes == 4500
     assert skipped.timing is None and skipped.size == 128 and "cannot be imported" in skipped.skipped
     assert ceiling.size == 4096 and ceiling.impl.startswith("peer copy ceiling (cudaMemcpyPeerAsync 256 MiB")
     assert not ceiling.compare and ceiling.extra["wrong"] == 0

@@ -240,8 +240,10 @@ def deepep(names, family, spec, world: int, sizes: list[int], iters: int, reps: 
         else:
             impl = (f"DeepEP {r['ep_mode'].replace('_', '-')} {'dispatch+combine' if phase == 'pair' else phase} "
                     f"({r['payload']}, {r['sms']} SMs)")
-        case = BenchCase(size, size, link_bytes=float(r["link_bytes"]), bw_bytes=float(r["deepep_bytes"]),
-                         note="bytes: DeepEP's count (its tests), the rank that moves most")
+        # the GB/s column: the bytes a rank sends to other ranks, as tsgen's phase rows and the ceiling count
+        # them (DeepEP's own count, its rows to itself included, stays in the row's deepep_bytes)
+        case = BenchCase(size, size, link_bytes=float(r["link_bytes"]), bw_bytes=float(r["link_bytes"]),
+                         note="bytes: to other ranks, the rank that moves most (DeepEP's count: deepep_bytes)")
         compared = phase == "pair" and id(r) in best
         out.append(Measured(impl, size, _timing(r), case=case, compare=compared,
                             role="" if compared else ("pair" if phase == "pair" else phase),
