@@ -38,10 +38,10 @@
 //   b_pan    __nv_bfloat16  scratch 33554432
 //   sig      uint64_t       signal 80
 // Contents (line numbers of this file):
-//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/gemm.cuh 59, tsgen/grid.cuh 60
-//   65: the op's own code (namespace cannon: constants, tables, device code)
+//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/gemm.cuh 58, tsgen/grid.cuh 59
+//   62: the op's own code (namespace cannon: constants, tables, device code)
 //   entry points (extern "C"):
-//     cannon_w4_gemm 158, cannon_w4_sync 169, cannon_w4_prepare 176, cannon_w4_launch 186
+//     cannon_w4_gemm 155, cannon_w4_sync 166, cannon_w4_prepare 173, cannon_w4_launch 183
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -49,8 +49,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -59,9 +58,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/grid.cuh"
 
-// ---------------------------------------------------------------------------
-// cannon: cannon
-// ---------------------------------------------------------------------------
+// ---- cannon: cannon ----------------------------------------------------------------
 namespace cannon {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -38,13 +38,13 @@
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
 //   sig      uint64_t       signal 32
 // Contents (line numbers of this file):
-//   59: the hand-written library, included: tsgen/ptx.cuh 59, tsgen/sync.cuh 60, tsgen/copy.cuh 61, tsgen/gemm.cuh 62, tsgen/attention.cuh 63, tsgen/fused.cuh 64, tsgen/cp.cuh 65
-//   70: the op's own code (namespace cp_attention: constants, tables, device code)
+//   58: the hand-written library, included: tsgen/ptx.cuh 58, tsgen/sync.cuh 59, tsgen/copy.cuh 60, tsgen/gemm.cuh 61, tsgen/attention.cuh 62, tsgen/fused.cuh 63, tsgen/cp.cuh 64
+//   67: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 192, cp_attention_w2_sync 202, cp_attention_w4_sync 214
-//     cp_attention_w8_sync 226, cp_attention_w2_prepare 250, cp_attention_w2_launch 251
-//     cp_attention_w4_prepare 252, cp_attention_w4_launch 253, cp_attention_w8_prepare 254
-//     cp_attention_w8_launch 255
+//     cp_attention_attention 189, cp_attention_w2_sync 199, cp_attention_w4_sync 211
+//     cp_attention_w8_sync 223, cp_attention_w2_prepare 247, cp_attention_w2_launch 248
+//     cp_attention_w4_prepare 249, cp_attention_w4_launch 250, cp_attention_w8_prepare 251
+//     cp_attention_w8_launch 252
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -52,8 +52,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -64,9 +63,7 @@
 #include "tsgen/fused.cuh"
 #include "tsgen/cp.cuh"
 
-// ---------------------------------------------------------------------------
-// cp_attention: cp_attention
-// ---------------------------------------------------------------------------
+// ---- cp_attention: cp_attention ----------------------------------------------------------------
 namespace cp_attention {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -36,17 +36,17 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   61: the hand-written library, included: tsgen/ptx.cuh 61, tsgen/sync.cuh 62, tsgen/copy.cuh 63, tsgen/gemm.cuh 64, tsgen/fused.cuh 65
-//   70: the op's own code (namespace gemm_reduce_scatter_odd_world: constants, tables, device code)
+//   60: the hand-written library, included: tsgen/ptx.cuh 60, tsgen/sync.cuh 61, tsgen/copy.cuh 62, tsgen/gemm.cuh 63, tsgen/fused.cuh 64
+//   67: the op's own code (namespace gemm_reduce_scatter_odd_world: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_odd_world_w2_gemm 160, gemm_reduce_scatter_odd_world_w2_reduce 172
-//     gemm_reduce_scatter_odd_world_w2_sync 179, gemm_reduce_scatter_odd_world_w3_gemm 186
-//     gemm_reduce_scatter_odd_world_w3_reduce 198, gemm_reduce_scatter_odd_world_w3_sync 205
-//     gemm_reduce_scatter_odd_world_w4_gemm 212, gemm_reduce_scatter_odd_world_w4_reduce 224
-//     gemm_reduce_scatter_odd_world_w4_sync 231, gemm_reduce_scatter_odd_world_w2_prepare 303
-//     gemm_reduce_scatter_odd_world_w2_launch 304, gemm_reduce_scatter_odd_world_w3_prepare 305
-//     gemm_reduce_scatter_odd_world_w3_launch 306, gemm_reduce_scatter_odd_world_w4_prepare 307
-//     gemm_reduce_scatter_odd_world_w4_launch 308
+//     gemm_reduce_scatter_odd_world_w2_gemm 157, gemm_reduce_scatter_odd_world_w2_reduce 169
+//     gemm_reduce_scatter_odd_world_w2_sync 176, gemm_reduce_scatter_odd_world_w3_gemm 183
+//     gemm_reduce_scatter_odd_world_w3_reduce 195, gemm_reduce_scatter_odd_world_w3_sync 202
+//     gemm_reduce_scatter_odd_world_w4_gemm 209, gemm_reduce_scatter_odd_world_w4_reduce 221
+//     gemm_reduce_scatter_odd_world_w4_sync 228, gemm_reduce_scatter_odd_world_w2_prepare 300
+//     gemm_reduce_scatter_odd_world_w2_launch 301, gemm_reduce_scatter_odd_world_w3_prepare 302
+//     gemm_reduce_scatter_odd_world_w3_launch 303, gemm_reduce_scatter_odd_world_w4_prepare 304
+//     gemm_reduce_scatter_odd_world_w4_launch 305
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -54,8 +54,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -64,9 +63,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm_reduce_scatter: gemm_reduce_scatter_odd_world
-// ---------------------------------------------------------------------------
+// ---- gemm_reduce_scatter: gemm_reduce_scatter_odd_world ----------------------------------------------------------------
 namespace gemm_reduce_scatter_odd_world {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

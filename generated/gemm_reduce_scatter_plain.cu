@@ -31,14 +31,14 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/gemm.cuh 56, tsgen/fused.cuh 57
-//   62: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
+//   52: the hand-written library, included: tsgen/ptx.cuh 52, tsgen/sync.cuh 53, tsgen/copy.cuh 54, tsgen/gemm.cuh 55, tsgen/fused.cuh 56
+//   59: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_plain_w2_gemm 151, gemm_reduce_scatter_plain_w2_reduce 163
-//     gemm_reduce_scatter_plain_w2_sync 170, gemm_reduce_scatter_plain_w4_gemm 177
-//     gemm_reduce_scatter_plain_w4_reduce 189, gemm_reduce_scatter_plain_w4_sync 196
-//     gemm_reduce_scatter_plain_w2_prepare 266, gemm_reduce_scatter_plain_w2_launch 267
-//     gemm_reduce_scatter_plain_w4_prepare 268, gemm_reduce_scatter_plain_w4_launch 269
+//     gemm_reduce_scatter_plain_w2_gemm 148, gemm_reduce_scatter_plain_w2_reduce 160
+//     gemm_reduce_scatter_plain_w2_sync 167, gemm_reduce_scatter_plain_w4_gemm 174
+//     gemm_reduce_scatter_plain_w4_reduce 186, gemm_reduce_scatter_plain_w4_sync 193
+//     gemm_reduce_scatter_plain_w2_prepare 263, gemm_reduce_scatter_plain_w2_launch 264
+//     gemm_reduce_scatter_plain_w4_prepare 265, gemm_reduce_scatter_plain_w4_launch 266
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -46,8 +46,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -56,9 +55,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm_reduce_scatter: gemm_reduce_scatter_plain
-// ---------------------------------------------------------------------------
+// ---- gemm_reduce_scatter: gemm_reduce_scatter_plain ----------------------------------------------------------------
 namespace gemm_reduce_scatter_plain {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -35,14 +35,14 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   57: the hand-written library, included: tsgen/ptx.cuh 57, tsgen/sync.cuh 58, tsgen/copy.cuh 59, tsgen/gemm.cuh 60, tsgen/fused.cuh 61
-//   66: the op's own code (namespace gemm_reduce_scatter_push: constants, tables, device code)
+//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/gemm.cuh 59, tsgen/fused.cuh 60
+//   63: the op's own code (namespace gemm_reduce_scatter_push: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_w2_gemm 155, gemm_reduce_scatter_push_w2_reduce 167
-//     gemm_reduce_scatter_push_w2_sync 174, gemm_reduce_scatter_push_w4_gemm 181
-//     gemm_reduce_scatter_push_w4_reduce 193, gemm_reduce_scatter_push_w4_sync 200
-//     gemm_reduce_scatter_push_w2_prepare 272, gemm_reduce_scatter_push_w2_launch 273
-//     gemm_reduce_scatter_push_w4_prepare 274, gemm_reduce_scatter_push_w4_launch 275
+//     gemm_reduce_scatter_push_w2_gemm 152, gemm_reduce_scatter_push_w2_reduce 164
+//     gemm_reduce_scatter_push_w2_sync 171, gemm_reduce_scatter_push_w4_gemm 178
+//     gemm_reduce_scatter_push_w4_reduce 190, gemm_reduce_scatter_push_w4_sync 197
+//     gemm_reduce_scatter_push_w2_prepare 269, gemm_reduce_scatter_push_w2_launch 270
+//     gemm_reduce_scatter_push_w4_prepare 271, gemm_reduce_scatter_push_w4_launch 272
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -50,8 +50,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -60,9 +59,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm_reduce_scatter: gemm_reduce_scatter_push
-// ---------------------------------------------------------------------------
+// ---- gemm_reduce_scatter: gemm_reduce_scatter_push ----------------------------------------------------------------
 namespace gemm_reduce_scatter_push {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -35,13 +35,13 @@
 //   c        __nv_bfloat16  output 8192 * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/gemm.cuh 59, tsgen/fused.cuh 60
-//   65: the op's own code (namespace gemm_reduce_scatter_push_add: constants, tables, device code)
+//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/gemm.cuh 58, tsgen/fused.cuh 59
+//   62: the op's own code (namespace gemm_reduce_scatter_push_add: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_add_w2_gemm 155, gemm_reduce_scatter_push_add_w2_sync 167
-//     gemm_reduce_scatter_push_add_w4_gemm 174, gemm_reduce_scatter_push_add_w4_sync 186
-//     gemm_reduce_scatter_push_add_w2_prepare 246, gemm_reduce_scatter_push_add_w2_launch 247
-//     gemm_reduce_scatter_push_add_w4_prepare 248, gemm_reduce_scatter_push_add_w4_launch 249
+//     gemm_reduce_scatter_push_add_w2_gemm 152, gemm_reduce_scatter_push_add_w2_sync 164
+//     gemm_reduce_scatter_push_add_w4_gemm 171, gemm_reduce_scatter_push_add_w4_sync 183
+//     gemm_reduce_scatter_push_add_w2_prepare 243, gemm_reduce_scatter_push_add_w2_launch 244
+//     gemm_reduce_scatter_push_add_w4_prepare 245, gemm_reduce_scatter_push_add_w4_launch 246
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -49,8 +49,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -59,9 +58,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm_reduce_scatter: gemm_reduce_scatter_push_add
-// ---------------------------------------------------------------------------
+// ---- gemm_reduce_scatter: gemm_reduce_scatter_push_add ----------------------------------------------------------------
 namespace gemm_reduce_scatter_push_add {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -36,16 +36,16 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   60: the hand-written library, included: tsgen/ptx.cuh 60, tsgen/sync.cuh 61, tsgen/copy.cuh 62, tsgen/gemm.cuh 63, tsgen/fused.cuh 64
-//   69: the op's own code (namespace gemm_reduce_scatter_push_interleaved: constants, tables, device code)
+//   59: the hand-written library, included: tsgen/ptx.cuh 59, tsgen/sync.cuh 60, tsgen/copy.cuh 61, tsgen/gemm.cuh 62, tsgen/fused.cuh 63
+//   66: the op's own code (namespace gemm_reduce_scatter_push_interleaved: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_interleaved_w2_gemm 159, gemm_reduce_scatter_push_interleaved_w2_reduce 171
-//     gemm_reduce_scatter_push_interleaved_w2_sync 178, gemm_reduce_scatter_push_interleaved_w4_gemm 185
-//     gemm_reduce_scatter_push_interleaved_w4_reduce 197, gemm_reduce_scatter_push_interleaved_w4_sync 204
-//     gemm_reduce_scatter_push_interleaved_w2_prepare 276
-//     gemm_reduce_scatter_push_interleaved_w2_launch 277
-//     gemm_reduce_scatter_push_interleaved_w4_prepare 278
-//     gemm_reduce_scatter_push_interleaved_w4_launch 279
+//     gemm_reduce_scatter_push_interleaved_w2_gemm 156, gemm_reduce_scatter_push_interleaved_w2_reduce 168
+//     gemm_reduce_scatter_push_interleaved_w2_sync 175, gemm_reduce_scatter_push_interleaved_w4_gemm 182
+//     gemm_reduce_scatter_push_interleaved_w4_reduce 194, gemm_reduce_scatter_push_interleaved_w4_sync 201
+//     gemm_reduce_scatter_push_interleaved_w2_prepare 273
+//     gemm_reduce_scatter_push_interleaved_w2_launch 274
+//     gemm_reduce_scatter_push_interleaved_w4_prepare 275
+//     gemm_reduce_scatter_push_interleaved_w4_launch 276
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -53,8 +53,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -63,9 +62,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm_reduce_scatter: gemm_reduce_scatter_push_interleaved
-// ---------------------------------------------------------------------------
+// ---- gemm_reduce_scatter: gemm_reduce_scatter_push_interleaved ----------------------------------------------------------------
 namespace gemm_reduce_scatter_push_interleaved {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -37,10 +37,10 @@
 //   b_pan    __nv_bfloat16  scratch 33554432
 //   sig      uint64_t       signal 80
 // Contents (line numbers of this file):
-//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/gemm.cuh 58, tsgen/grid.cuh 59
-//   64: the op's own code (namespace summa: constants, tables, device code)
+//   54: the hand-written library, included: tsgen/ptx.cuh 54, tsgen/sync.cuh 55, tsgen/copy.cuh 56, tsgen/gemm.cuh 57, tsgen/grid.cuh 58
+//   61: the op's own code (namespace summa: constants, tables, device code)
 //   entry points (extern "C"):
-//     summa_w4_gemm 157, summa_w4_sync 168, summa_w4_prepare 175, summa_w4_launch 185
+//     summa_w4_gemm 154, summa_w4_sync 165, summa_w4_prepare 172, summa_w4_launch 182
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -48,8 +48,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -58,9 +57,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/grid.cuh"
 
-// ---------------------------------------------------------------------------
-// summa: summa
-// ---------------------------------------------------------------------------
+// ---- summa: summa ----------------------------------------------------------------
 namespace summa {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

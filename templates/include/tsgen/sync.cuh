@@ -109,6 +109,14 @@ static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch)
   }
 }
 
+// Host: launch KERNEL with its grid, block and shared memory on `stream` (the extern "C"
+// NAME_launch entry points a generated source has for C++ projects that vendor it).
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM, typename... Args>
+static cudaError_t launch(cudaStream_t stream, Args... args) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 // Symmetric memory: every rank lays its buffers out the same way inside one
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
