@@ -30,15 +30,15 @@
 //   64: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
 //   entry points (extern "C"):
 //     all_reduce_two_shot_ce_w2_sync 938, all_reduce_two_shot_ce_w2_reduce 943
-//     all_reduce_two_shot_ce_w2_end 950, all_reduce_two_shot_ce_w2_prepare 956
-//     all_reduce_two_shot_ce_w2_launch 965, all_reduce_two_shot_ce_w3_sync 1063
-//     all_reduce_two_shot_ce_w3_reduce 1068, all_reduce_two_shot_ce_w3_end 1075
-//     all_reduce_two_shot_ce_w3_prepare 1081, all_reduce_two_shot_ce_w3_launch 1090
-//     all_reduce_two_shot_ce_w4_sync 1273, all_reduce_two_shot_ce_w4_reduce 1278
-//     all_reduce_two_shot_ce_w4_end 1285, all_reduce_two_shot_ce_w4_prepare 1291
-//     all_reduce_two_shot_ce_w4_launch 1300, all_reduce_two_shot_ce_w8_sync 1608
-//     all_reduce_two_shot_ce_w8_reduce 1613, all_reduce_two_shot_ce_w8_end 1620
-//     all_reduce_two_shot_ce_w8_prepare 1626, all_reduce_two_shot_ce_w8_launch 1635
+//     all_reduce_two_shot_ce_w2_end 950, all_reduce_two_shot_ce_w2_prepare 955
+//     all_reduce_two_shot_ce_w2_launch 959, all_reduce_two_shot_ce_w3_sync 1034
+//     all_reduce_two_shot_ce_w3_reduce 1039, all_reduce_two_shot_ce_w3_end 1046
+//     all_reduce_two_shot_ce_w3_prepare 1051, all_reduce_two_shot_ce_w3_launch 1055
+//     all_reduce_two_shot_ce_w4_sync 1215, all_reduce_two_shot_ce_w4_reduce 1220
+//     all_reduce_two_shot_ce_w4_end 1227, all_reduce_two_shot_ce_w4_prepare 1232
+//     all_reduce_two_shot_ce_w4_launch 1236, all_reduce_two_shot_ce_w8_sync 1521
+//     all_reduce_two_shot_ce_w8_reduce 1526, all_reduce_two_shot_ce_w8_end 1533
+//     all_reduce_two_shot_ce_w8_prepare 1538, all_reduce_two_shot_ce_w8_launch 1542
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -951,110 +951,81 @@ extern "C" __global__ void all_reduce_two_shot_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w2_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w2_prepare(int rank, int device) { return tsgen::ce::prepare<2>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 5));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
+        q.reduce(2, 5);  // step 5: reduce our part, piece 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
+        q.reduce(2, 6);  // step 6: reduce our part, piece 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
+        q.reduce(2, 7);  // step 7: reduce our part, piece 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
+        q.reduce(2, 8);  // step 8: reduce our part, piece 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 0}, {0, 2, 0, 8, 0, 0});  // step 9: reduced piece 0 to rank 1
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 1}, {0, 2, 0, 8, 0, 1});  // step 10: reduced piece 1 to rank 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 2}, {0, 2, 0, 8, 0, 2});  // step 11: reduced piece 2 to rank 1
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 3}, {0, 2, 0, 8, 0, 3});  // step 12: reduced piece 3 to rank 1
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
+        q.reduce(2, 5);  // step 5: reduce our part, piece 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
+        q.reduce(2, 6);  // step 6: reduce our part, piece 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
+        q.reduce(2, 7);  // step 7: reduce our part, piece 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
+        q.reduce(2, 8);  // step 8: reduce our part, piece 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 4}, {1, 2, 0, 8, 0, 4});  // step 9: reduced piece 0 to rank 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 5}, {1, 2, 0, 8, 0, 5});  // step 10: reduced piece 1 to rank 0
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 6}, {1, 2, 0, 8, 0, 6});  // step 11: reduced piece 2 to rank 0
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 7}, {1, 2, 0, 8, 0, 7});  // step 12: reduced piece 3 to rank 0
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w2_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
-      reduce(2, 5);  // step 5: reduce our part, piece 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
-      reduce(2, 6);  // step 6: reduce our part, piece 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
-      reduce(2, 7);  // step 7: reduce our part, piece 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
-      reduce(2, 8);  // step 8: reduce our part, piece 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 0}, {0, 2, 0, 8, 0, 0});  // step 9: reduced piece 0 to rank 1
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 1}, {0, 2, 0, 8, 0, 1});  // step 10: reduced piece 1 to rank 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 2}, {0, 2, 0, 8, 0, 2});  // step 11: reduced piece 2 to rank 1
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 3}, {0, 2, 0, 8, 0, 3});  // step 12: reduced piece 3 to rank 1
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
-      reduce(2, 5);  // step 5: reduce our part, piece 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
-      reduce(2, 6);  // step 6: reduce our part, piece 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
-      reduce(2, 7);  // step 7: reduce our part, piece 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
-      reduce(2, 8);  // step 8: reduce our part, piece 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 4}, {1, 2, 0, 8, 0, 4});  // step 9: reduced piece 0 to rank 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 5}, {1, 2, 0, 8, 0, 5});  // step 10: reduced piece 1 to rank 0
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 6}, {1, 2, 0, 8, 0, 6});  // step 11: reduced piece 2 to rank 0
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 7}, {1, 2, 0, 8, 0, 7});  // step 12: reduced piece 3 to rank 0
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 5);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w2_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 2, 5, 64, 512, all_reduce_two_shot_ce_w2_sync, all_reduce_two_shot_ce_w2_reduce,
+                           all_reduce_two_shot_ce_w2_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 
 // ---------------------------------------------------------------------------
@@ -1076,195 +1047,166 @@ extern "C" __global__ void all_reduce_two_shot_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w3_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w3_prepare(int rank, int device) { return tsgen::ce::prepare<3>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[7] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 7));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 8}, {0, 1, 1, 12, 0, 8});  // step 5: part 2 piece 0 to rank 2
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 9}, {0, 1, 1, 12, 0, 9});  // step 6: part 2 piece 1 to rank 2
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 10}, {0, 1, 1, 12, 0, 10});  // step 7: part 2 piece 2 to rank 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 11}, {0, 1, 1, 12, 0, 11});  // step 8: part 2 piece 3 to rank 2
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
+        q.reduce(3, 9);  // step 9: reduce our part, piece 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
+        q.reduce(3, 10);  // step 10: reduce our part, piece 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
+        q.reduce(3, 11);  // step 11: reduce our part, piece 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
+        q.reduce(3, 12);  // step 12: reduce our part, piece 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 13: reduced piece 0 to rank 1
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 14: reduced piece 1 to rank 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 15: reduced piece 2 to rank 1
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 16: reduced piece 3 to rank 1
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 17: reduced piece 0 to rank 2
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 18: reduced piece 1 to rank 2
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 19: reduced piece 2 to rank 2
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 20: reduced piece 3 to rank 2
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 8}, {1, 1, 1, 12, 0, 8});  // step 1: part 2 piece 0 to rank 2
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 9}, {1, 1, 1, 12, 0, 9});  // step 2: part 2 piece 1 to rank 2
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 10}, {1, 1, 1, 12, 0, 10});  // step 3: part 2 piece 2 to rank 2
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 11}, {1, 1, 1, 12, 0, 11});  // step 4: part 2 piece 3 to rank 2
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 0}, {1, 1, 1, 12, 0, 0});  // step 5: part 0 piece 0 to rank 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 1}, {1, 1, 1, 12, 0, 1});  // step 6: part 0 piece 1 to rank 0
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 2}, {1, 1, 1, 12, 0, 2});  // step 7: part 0 piece 2 to rank 0
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 3}, {1, 1, 1, 12, 0, 3});  // step 8: part 0 piece 3 to rank 0
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
+        q.reduce(3, 9);  // step 9: reduce our part, piece 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
+        q.reduce(3, 10);  // step 10: reduce our part, piece 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
+        q.reduce(3, 11);  // step 11: reduce our part, piece 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
+        q.reduce(3, 12);  // step 12: reduce our part, piece 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 13: reduced piece 0 to rank 2
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 14: reduced piece 1 to rank 2
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 15: reduced piece 2 to rank 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 16: reduced piece 3 to rank 2
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 17: reduced piece 0 to rank 0
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 18: reduced piece 1 to rank 0
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 19: reduced piece 2 to rank 0
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 20: reduced piece 3 to rank 0
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 0}, {2, 1, 1, 12, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 1}, {2, 1, 1, 12, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 2}, {2, 1, 1, 12, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 3}, {2, 1, 1, 12, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 4}, {2, 1, 1, 12, 0, 4});  // step 5: part 1 piece 0 to rank 1
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 5}, {2, 1, 1, 12, 0, 5});  // step 6: part 1 piece 1 to rank 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 6}, {2, 1, 1, 12, 0, 6});  // step 7: part 1 piece 2 to rank 1
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 7}, {2, 1, 1, 12, 0, 7});  // step 8: part 1 piece 3 to rank 1
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
+        q.reduce(3, 9);  // step 9: reduce our part, piece 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
+        q.reduce(3, 10);  // step 10: reduce our part, piece 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
+        q.reduce(3, 11);  // step 11: reduce our part, piece 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
+        q.reduce(3, 12);  // step 12: reduce our part, piece 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 13: reduced piece 0 to rank 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 14: reduced piece 1 to rank 0
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 15: reduced piece 2 to rank 0
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 16: reduced piece 3 to rank 0
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 17: reduced piece 0 to rank 1
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 18: reduced piece 1 to rank 1
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 19: reduced piece 2 to rank 1
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 20: reduced piece 3 to rank 1
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w3_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 8}, {0, 1, 1, 12, 0, 8});  // step 5: part 2 piece 0 to rank 2
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 9}, {0, 1, 1, 12, 0, 9});  // step 6: part 2 piece 1 to rank 2
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 10}, {0, 1, 1, 12, 0, 10});  // step 7: part 2 piece 2 to rank 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 11}, {0, 1, 1, 12, 0, 11});  // step 8: part 2 piece 3 to rank 2
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
-      reduce(3, 9);  // step 9: reduce our part, piece 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
-      reduce(3, 10);  // step 10: reduce our part, piece 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
-      reduce(3, 11);  // step 11: reduce our part, piece 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
-      reduce(3, 12);  // step 12: reduce our part, piece 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 13: reduced piece 0 to rank 1
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 14: reduced piece 1 to rank 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 15: reduced piece 2 to rank 1
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 16: reduced piece 3 to rank 1
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 17: reduced piece 0 to rank 2
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 18: reduced piece 1 to rank 2
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 19: reduced piece 2 to rank 2
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 20: reduced piece 3 to rank 2
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 8}, {1, 1, 1, 12, 0, 8});  // step 1: part 2 piece 0 to rank 2
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 9}, {1, 1, 1, 12, 0, 9});  // step 2: part 2 piece 1 to rank 2
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 10}, {1, 1, 1, 12, 0, 10});  // step 3: part 2 piece 2 to rank 2
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 11}, {1, 1, 1, 12, 0, 11});  // step 4: part 2 piece 3 to rank 2
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 0}, {1, 1, 1, 12, 0, 0});  // step 5: part 0 piece 0 to rank 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 1}, {1, 1, 1, 12, 0, 1});  // step 6: part 0 piece 1 to rank 0
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 2}, {1, 1, 1, 12, 0, 2});  // step 7: part 0 piece 2 to rank 0
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 3}, {1, 1, 1, 12, 0, 3});  // step 8: part 0 piece 3 to rank 0
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
-      reduce(3, 9);  // step 9: reduce our part, piece 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
-      reduce(3, 10);  // step 10: reduce our part, piece 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
-      reduce(3, 11);  // step 11: reduce our part, piece 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
-      reduce(3, 12);  // step 12: reduce our part, piece 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 13: reduced piece 0 to rank 2
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 14: reduced piece 1 to rank 2
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 15: reduced piece 2 to rank 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 16: reduced piece 3 to rank 2
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 17: reduced piece 0 to rank 0
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 18: reduced piece 1 to rank 0
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 19: reduced piece 2 to rank 0
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 20: reduced piece 3 to rank 0
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 0}, {2, 1, 1, 12, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 1}, {2, 1, 1, 12, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 2}, {2, 1, 1, 12, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 3}, {2, 1, 1, 12, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 4}, {2, 1, 1, 12, 0, 4});  // step 5: part 1 piece 0 to rank 1
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 5}, {2, 1, 1, 12, 0, 5});  // step 6: part 1 piece 1 to rank 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 6}, {2, 1, 1, 12, 0, 6});  // step 7: part 1 piece 2 to rank 1
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 7}, {2, 1, 1, 12, 0, 7});  // step 8: part 1 piece 3 to rank 1
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
-      reduce(3, 9);  // step 9: reduce our part, piece 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
-      reduce(3, 10);  // step 10: reduce our part, piece 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
-      reduce(3, 11);  // step 11: reduce our part, piece 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
-      reduce(3, 12);  // step 12: reduce our part, piece 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 13: reduced piece 0 to rank 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 14: reduced piece 1 to rank 0
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 15: reduced piece 2 to rank 0
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 16: reduced piece 3 to rank 0
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 17: reduced piece 0 to rank 1
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 18: reduced piece 1 to rank 1
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 19: reduced piece 2 to rank 1
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 20: reduced piece 3 to rank 1
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 7);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w3_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 3, 7, 64, 512, all_reduce_two_shot_ce_w3_sync, all_reduce_two_shot_ce_w3_reduce,
+                           all_reduce_two_shot_ce_w3_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 
 // ---------------------------------------------------------------------------
@@ -1286,320 +1228,291 @@ extern "C" __global__ void all_reduce_two_shot_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w4_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w4_prepare(int rank, int device) { return tsgen::ce::prepare<4>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[10] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 10));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8});  // step 5: part 2 piece 0 to rank 2
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9});  // step 6: part 2 piece 1 to rank 2
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10});  // step 7: part 2 piece 2 to rank 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11});  // step 8: part 2 piece 3 to rank 2
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 12}, {0, 1, 1, 16, 0, 12});  // step 9: part 3 piece 0 to rank 3
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 13}, {0, 1, 1, 16, 0, 13});  // step 10: part 3 piece 1 to rank 3
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 14}, {0, 1, 1, 16, 0, 14});  // step 11: part 3 piece 2 to rank 3
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 15}, {0, 1, 1, 16, 0, 15});  // step 12: part 3 piece 3 to rank 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 17: reduced piece 0 to rank 1
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 18: reduced piece 1 to rank 1
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 19: reduced piece 2 to rank 1
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 20: reduced piece 3 to rank 1
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 21: reduced piece 0 to rank 2
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 22: reduced piece 1 to rank 2
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 23: reduced piece 2 to rank 2
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 24: reduced piece 3 to rank 2
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 25: reduced piece 0 to rank 3
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 26: reduced piece 1 to rank 3
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 27: reduced piece 2 to rank 3
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 28: reduced piece 3 to rank 3
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 8}, {1, 1, 1, 16, 0, 8});  // step 1: part 2 piece 0 to rank 2
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 9}, {1, 1, 1, 16, 0, 9});  // step 2: part 2 piece 1 to rank 2
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 10}, {1, 1, 1, 16, 0, 10});  // step 3: part 2 piece 2 to rank 2
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 11}, {1, 1, 1, 16, 0, 11});  // step 4: part 2 piece 3 to rank 2
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 12}, {1, 1, 1, 16, 0, 12});  // step 5: part 3 piece 0 to rank 3
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 13}, {1, 1, 1, 16, 0, 13});  // step 6: part 3 piece 1 to rank 3
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 14}, {1, 1, 1, 16, 0, 14});  // step 7: part 3 piece 2 to rank 3
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 15}, {1, 1, 1, 16, 0, 15});  // step 8: part 3 piece 3 to rank 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 0}, {1, 1, 1, 16, 0, 0});  // step 9: part 0 piece 0 to rank 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 1}, {1, 1, 1, 16, 0, 1});  // step 10: part 0 piece 1 to rank 0
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 2}, {1, 1, 1, 16, 0, 2});  // step 11: part 0 piece 2 to rank 0
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 3}, {1, 1, 1, 16, 0, 3});  // step 12: part 0 piece 3 to rank 0
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 17: reduced piece 0 to rank 2
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 18: reduced piece 1 to rank 2
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 19: reduced piece 2 to rank 2
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 20: reduced piece 3 to rank 2
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 21: reduced piece 0 to rank 3
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 22: reduced piece 1 to rank 3
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 23: reduced piece 2 to rank 3
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 24: reduced piece 3 to rank 3
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 25: reduced piece 0 to rank 0
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 26: reduced piece 1 to rank 0
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 27: reduced piece 2 to rank 0
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 28: reduced piece 3 to rank 0
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 12}, {2, 1, 1, 16, 0, 12});  // step 1: part 3 piece 0 to rank 3
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 13}, {2, 1, 1, 16, 0, 13});  // step 2: part 3 piece 1 to rank 3
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 14}, {2, 1, 1, 16, 0, 14});  // step 3: part 3 piece 2 to rank 3
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 15}, {2, 1, 1, 16, 0, 15});  // step 4: part 3 piece 3 to rank 3
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 0}, {2, 1, 1, 16, 0, 0});  // step 5: part 0 piece 0 to rank 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 1}, {2, 1, 1, 16, 0, 1});  // step 6: part 0 piece 1 to rank 0
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 2}, {2, 1, 1, 16, 0, 2});  // step 7: part 0 piece 2 to rank 0
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 3}, {2, 1, 1, 16, 0, 3});  // step 8: part 0 piece 3 to rank 0
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 4}, {2, 1, 1, 16, 0, 4});  // step 9: part 1 piece 0 to rank 1
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 5}, {2, 1, 1, 16, 0, 5});  // step 10: part 1 piece 1 to rank 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 6}, {2, 1, 1, 16, 0, 6});  // step 11: part 1 piece 2 to rank 1
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 7}, {2, 1, 1, 16, 0, 7});  // step 12: part 1 piece 3 to rank 1
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 17: reduced piece 0 to rank 3
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 18: reduced piece 1 to rank 3
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 19: reduced piece 2 to rank 3
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 20: reduced piece 3 to rank 3
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 21: reduced piece 0 to rank 0
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 22: reduced piece 1 to rank 0
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 23: reduced piece 2 to rank 0
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 24: reduced piece 3 to rank 0
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 25: reduced piece 0 to rank 1
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 26: reduced piece 1 to rank 1
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 27: reduced piece 2 to rank 1
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 28: reduced piece 3 to rank 1
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 0}, {3, 1, 1, 16, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 1}, {3, 1, 1, 16, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 2}, {3, 1, 1, 16, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 3}, {3, 1, 1, 16, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 4}, {3, 1, 1, 16, 0, 4});  // step 5: part 1 piece 0 to rank 1
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 5}, {3, 1, 1, 16, 0, 5});  // step 6: part 1 piece 1 to rank 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 6}, {3, 1, 1, 16, 0, 6});  // step 7: part 1 piece 2 to rank 1
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 7}, {3, 1, 1, 16, 0, 7});  // step 8: part 1 piece 3 to rank 1
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 8}, {3, 1, 1, 16, 0, 8});  // step 9: part 2 piece 0 to rank 2
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 9}, {3, 1, 1, 16, 0, 9});  // step 10: part 2 piece 1 to rank 2
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 10}, {3, 1, 1, 16, 0, 10});  // step 11: part 2 piece 2 to rank 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 11}, {3, 1, 1, 16, 0, 11});  // step 12: part 2 piece 3 to rank 2
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 17: reduced piece 0 to rank 0
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 18: reduced piece 1 to rank 0
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 19: reduced piece 2 to rank 0
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 20: reduced piece 3 to rank 0
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 21: reduced piece 0 to rank 1
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 22: reduced piece 1 to rank 1
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 23: reduced piece 2 to rank 1
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 24: reduced piece 3 to rank 1
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 25: reduced piece 0 to rank 2
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 26: reduced piece 1 to rank 2
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 27: reduced piece 2 to rank 2
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 28: reduced piece 3 to rank 2
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w4_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8});  // step 5: part 2 piece 0 to rank 2
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9});  // step 6: part 2 piece 1 to rank 2
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10});  // step 7: part 2 piece 2 to rank 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11});  // step 8: part 2 piece 3 to rank 2
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 12}, {0, 1, 1, 16, 0, 12});  // step 9: part 3 piece 0 to rank 3
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 13}, {0, 1, 1, 16, 0, 13});  // step 10: part 3 piece 1 to rank 3
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 14}, {0, 1, 1, 16, 0, 14});  // step 11: part 3 piece 2 to rank 3
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 15}, {0, 1, 1, 16, 0, 15});  // step 12: part 3 piece 3 to rank 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 17: reduced piece 0 to rank 1
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 18: reduced piece 1 to rank 1
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 19: reduced piece 2 to rank 1
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 20: reduced piece 3 to rank 1
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 21: reduced piece 0 to rank 2
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 22: reduced piece 1 to rank 2
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 23: reduced piece 2 to rank 2
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 24: reduced piece 3 to rank 2
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 25: reduced piece 0 to rank 3
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 26: reduced piece 1 to rank 3
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 27: reduced piece 2 to rank 3
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 28: reduced piece 3 to rank 3
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 8}, {1, 1, 1, 16, 0, 8});  // step 1: part 2 piece 0 to rank 2
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 9}, {1, 1, 1, 16, 0, 9});  // step 2: part 2 piece 1 to rank 2
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 10}, {1, 1, 1, 16, 0, 10});  // step 3: part 2 piece 2 to rank 2
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 11}, {1, 1, 1, 16, 0, 11});  // step 4: part 2 piece 3 to rank 2
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 12}, {1, 1, 1, 16, 0, 12});  // step 5: part 3 piece 0 to rank 3
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 13}, {1, 1, 1, 16, 0, 13});  // step 6: part 3 piece 1 to rank 3
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 14}, {1, 1, 1, 16, 0, 14});  // step 7: part 3 piece 2 to rank 3
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 15}, {1, 1, 1, 16, 0, 15});  // step 8: part 3 piece 3 to rank 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 0}, {1, 1, 1, 16, 0, 0});  // step 9: part 0 piece 0 to rank 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 1}, {1, 1, 1, 16, 0, 1});  // step 10: part 0 piece 1 to rank 0
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 2}, {1, 1, 1, 16, 0, 2});  // step 11: part 0 piece 2 to rank 0
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 3}, {1, 1, 1, 16, 0, 3});  // step 12: part 0 piece 3 to rank 0
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 17: reduced piece 0 to rank 2
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 18: reduced piece 1 to rank 2
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 19: reduced piece 2 to rank 2
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 20: reduced piece 3 to rank 2
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 21: reduced piece 0 to rank 3
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 22: reduced piece 1 to rank 3
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 23: reduced piece 2 to rank 3
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 24: reduced piece 3 to rank 3
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 25: reduced piece 0 to rank 0
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 26: reduced piece 1 to rank 0
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 27: reduced piece 2 to rank 0
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 28: reduced piece 3 to rank 0
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 12}, {2, 1, 1, 16, 0, 12});  // step 1: part 3 piece 0 to rank 3
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 13}, {2, 1, 1, 16, 0, 13});  // step 2: part 3 piece 1 to rank 3
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 14}, {2, 1, 1, 16, 0, 14});  // step 3: part 3 piece 2 to rank 3
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 15}, {2, 1, 1, 16, 0, 15});  // step 4: part 3 piece 3 to rank 3
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 0}, {2, 1, 1, 16, 0, 0});  // step 5: part 0 piece 0 to rank 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 1}, {2, 1, 1, 16, 0, 1});  // step 6: part 0 piece 1 to rank 0
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 2}, {2, 1, 1, 16, 0, 2});  // step 7: part 0 piece 2 to rank 0
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 3}, {2, 1, 1, 16, 0, 3});  // step 8: part 0 piece 3 to rank 0
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 4}, {2, 1, 1, 16, 0, 4});  // step 9: part 1 piece 0 to rank 1
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 5}, {2, 1, 1, 16, 0, 5});  // step 10: part 1 piece 1 to rank 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 6}, {2, 1, 1, 16, 0, 6});  // step 11: part 1 piece 2 to rank 1
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 7}, {2, 1, 1, 16, 0, 7});  // step 12: part 1 piece 3 to rank 1
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 17: reduced piece 0 to rank 3
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 18: reduced piece 1 to rank 3
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 19: reduced piece 2 to rank 3
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 20: reduced piece 3 to rank 3
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 21: reduced piece 0 to rank 0
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 22: reduced piece 1 to rank 0
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 23: reduced piece 2 to rank 0
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 24: reduced piece 3 to rank 0
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 25: reduced piece 0 to rank 1
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 26: reduced piece 1 to rank 1
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 27: reduced piece 2 to rank 1
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 28: reduced piece 3 to rank 1
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 0}, {3, 1, 1, 16, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 1}, {3, 1, 1, 16, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 2}, {3, 1, 1, 16, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 3}, {3, 1, 1, 16, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 4}, {3, 1, 1, 16, 0, 4});  // step 5: part 1 piece 0 to rank 1
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 5}, {3, 1, 1, 16, 0, 5});  // step 6: part 1 piece 1 to rank 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 6}, {3, 1, 1, 16, 0, 6});  // step 7: part 1 piece 2 to rank 1
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 7}, {3, 1, 1, 16, 0, 7});  // step 8: part 1 piece 3 to rank 1
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 8}, {3, 1, 1, 16, 0, 8});  // step 9: part 2 piece 0 to rank 2
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 9}, {3, 1, 1, 16, 0, 9});  // step 10: part 2 piece 1 to rank 2
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 10}, {3, 1, 1, 16, 0, 10});  // step 11: part 2 piece 2 to rank 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 11}, {3, 1, 1, 16, 0, 11});  // step 12: part 2 piece 3 to rank 2
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 17: reduced piece 0 to rank 0
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 18: reduced piece 1 to rank 0
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 19: reduced piece 2 to rank 0
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 20: reduced piece 3 to rank 0
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 21: reduced piece 0 to rank 1
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 22: reduced piece 1 to rank 1
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 23: reduced piece 2 to rank 1
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 24: reduced piece 3 to rank 1
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 25: reduced piece 0 to rank 2
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 26: reduced piece 1 to rank 2
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 27: reduced piece 2 to rank 2
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 28: reduced piece 3 to rank 2
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 10);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w4_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 4, 10, 64, 512, all_reduce_two_shot_ce_w4_sync, all_reduce_two_shot_ce_w4_reduce,
+                           all_reduce_two_shot_ce_w4_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 
 // ---------------------------------------------------------------------------
@@ -1621,1183 +1534,1154 @@ extern "C" __global__ void all_reduce_two_shot_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w8_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w8_prepare(int rank, int device) { return tsgen::ce::prepare<8>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[20] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9], lanes->side[10], lanes->side[11], lanes->side[12], lanes->side[13], lanes->side[14], lanes->side[15], lanes->side[16], lanes->side[17], lanes->side[18], lanes->side[19] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 20));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8});  // step 5: part 2 piece 0 to rank 2
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9});  // step 6: part 2 piece 1 to rank 2
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10});  // step 7: part 2 piece 2 to rank 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11});  // step 8: part 2 piece 3 to rank 2
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12});  // step 9: part 3 piece 0 to rank 3
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13});  // step 10: part 3 piece 1 to rank 3
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14});  // step 11: part 3 piece 2 to rank 3
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15});  // step 12: part 3 piece 3 to rank 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 4 piece 0 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16});  // step 13: part 4 piece 0 to rank 4
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 4 piece 1 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17});  // step 14: part 4 piece 1 to rank 4
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 4 piece 2 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18});  // step 15: part 4 piece 2 to rank 4
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 4 piece 3 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19});  // step 16: part 4 piece 3 to rank 4
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 5 piece 0 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20});  // step 17: part 5 piece 0 to rank 5
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 5 piece 1 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21});  // step 18: part 5 piece 1 to rank 5
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 5 piece 2 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22});  // step 19: part 5 piece 2 to rank 5
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 5 piece 3 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23});  // step 20: part 5 piece 3 to rank 5
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 6 piece 0 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24});  // step 21: part 6 piece 0 to rank 6
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 6 piece 1 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25});  // step 22: part 6 piece 1 to rank 6
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 6 piece 2 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26});  // step 23: part 6 piece 2 to rank 6
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 6 piece 3 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27});  // step 24: part 6 piece 3 to rank 6
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 7 piece 0 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 28}, {0, 1, 1, 32, 0, 28});  // step 25: part 7 piece 0 to rank 7
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 7 piece 1 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 29}, {0, 1, 1, 32, 0, 29});  // step 26: part 7 piece 1 to rank 7
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 7 piece 2 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 30}, {0, 1, 1, 32, 0, 30});  // step 27: part 7 piece 2 to rank 7
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 7 piece 3 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 31}, {0, 1, 1, 32, 0, 31});  // step 28: part 7 piece 3 to rank 7
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 33: reduced piece 0 to rank 1
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 34: reduced piece 1 to rank 1
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 35: reduced piece 2 to rank 1
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 36: reduced piece 3 to rank 1
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 37: reduced piece 0 to rank 2
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 38: reduced piece 1 to rank 2
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 39: reduced piece 2 to rank 2
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 40: reduced piece 3 to rank 2
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 41: reduced piece 0 to rank 3
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 42: reduced piece 1 to rank 3
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 43: reduced piece 2 to rank 3
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 44: reduced piece 3 to rank 3
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 45: reduced piece 0 to rank 4
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 46: reduced piece 1 to rank 4
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 47: reduced piece 2 to rank 4
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 48: reduced piece 3 to rank 4
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 49: reduced piece 0 to rank 5
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 50: reduced piece 1 to rank 5
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 51: reduced piece 2 to rank 5
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 52: reduced piece 3 to rank 5
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 53: reduced piece 0 to rank 6
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 54: reduced piece 1 to rank 6
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 55: reduced piece 2 to rank 6
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 56: reduced piece 3 to rank 6
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 57: reduced piece 0 to rank 7
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 58: reduced piece 1 to rank 7
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 59: reduced piece 2 to rank 7
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 60: reduced piece 3 to rank 7
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 8}, {1, 1, 1, 32, 0, 8});  // step 1: part 2 piece 0 to rank 2
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 9}, {1, 1, 1, 32, 0, 9});  // step 2: part 2 piece 1 to rank 2
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 10}, {1, 1, 1, 32, 0, 10});  // step 3: part 2 piece 2 to rank 2
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 11}, {1, 1, 1, 32, 0, 11});  // step 4: part 2 piece 3 to rank 2
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 12}, {1, 1, 1, 32, 0, 12});  // step 5: part 3 piece 0 to rank 3
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 13}, {1, 1, 1, 32, 0, 13});  // step 6: part 3 piece 1 to rank 3
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 14}, {1, 1, 1, 32, 0, 14});  // step 7: part 3 piece 2 to rank 3
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 15}, {1, 1, 1, 32, 0, 15});  // step 8: part 3 piece 3 to rank 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 4 piece 0 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 16}, {1, 1, 1, 32, 0, 16});  // step 9: part 4 piece 0 to rank 4
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 4 piece 1 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 17}, {1, 1, 1, 32, 0, 17});  // step 10: part 4 piece 1 to rank 4
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 4 piece 2 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 18}, {1, 1, 1, 32, 0, 18});  // step 11: part 4 piece 2 to rank 4
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 4 piece 3 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 19}, {1, 1, 1, 32, 0, 19});  // step 12: part 4 piece 3 to rank 4
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 5 piece 0 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 20}, {1, 1, 1, 32, 0, 20});  // step 13: part 5 piece 0 to rank 5
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 5 piece 1 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 21}, {1, 1, 1, 32, 0, 21});  // step 14: part 5 piece 1 to rank 5
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 5 piece 2 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 22}, {1, 1, 1, 32, 0, 22});  // step 15: part 5 piece 2 to rank 5
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 5 piece 3 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 23}, {1, 1, 1, 32, 0, 23});  // step 16: part 5 piece 3 to rank 5
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 6 piece 0 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 24}, {1, 1, 1, 32, 0, 24});  // step 17: part 6 piece 0 to rank 6
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 6 piece 1 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 25}, {1, 1, 1, 32, 0, 25});  // step 18: part 6 piece 1 to rank 6
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 6 piece 2 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 26}, {1, 1, 1, 32, 0, 26});  // step 19: part 6 piece 2 to rank 6
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 6 piece 3 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 27}, {1, 1, 1, 32, 0, 27});  // step 20: part 6 piece 3 to rank 6
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 7 piece 0 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 28}, {1, 1, 1, 32, 0, 28});  // step 21: part 7 piece 0 to rank 7
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 7 piece 1 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 29}, {1, 1, 1, 32, 0, 29});  // step 22: part 7 piece 1 to rank 7
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 7 piece 2 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 30}, {1, 1, 1, 32, 0, 30});  // step 23: part 7 piece 2 to rank 7
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 7 piece 3 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 31}, {1, 1, 1, 32, 0, 31});  // step 24: part 7 piece 3 to rank 7
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 0 piece 0 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 0}, {1, 1, 1, 32, 0, 0});  // step 25: part 0 piece 0 to rank 0
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 0 piece 1 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 1}, {1, 1, 1, 32, 0, 1});  // step 26: part 0 piece 1 to rank 0
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 0 piece 2 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 2}, {1, 1, 1, 32, 0, 2});  // step 27: part 0 piece 2 to rank 0
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 0 piece 3 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 3}, {1, 1, 1, 32, 0, 3});  // step 28: part 0 piece 3 to rank 0
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 33: reduced piece 0 to rank 2
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 34: reduced piece 1 to rank 2
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 35: reduced piece 2 to rank 2
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 36: reduced piece 3 to rank 2
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 37: reduced piece 0 to rank 3
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 38: reduced piece 1 to rank 3
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 39: reduced piece 2 to rank 3
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 40: reduced piece 3 to rank 3
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 41: reduced piece 0 to rank 4
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 42: reduced piece 1 to rank 4
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 43: reduced piece 2 to rank 4
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 44: reduced piece 3 to rank 4
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 45: reduced piece 0 to rank 5
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 46: reduced piece 1 to rank 5
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 47: reduced piece 2 to rank 5
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 48: reduced piece 3 to rank 5
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 49: reduced piece 0 to rank 6
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 50: reduced piece 1 to rank 6
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 51: reduced piece 2 to rank 6
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 52: reduced piece 3 to rank 6
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 53: reduced piece 0 to rank 7
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 54: reduced piece 1 to rank 7
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 55: reduced piece 2 to rank 7
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 56: reduced piece 3 to rank 7
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 57: reduced piece 0 to rank 0
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 58: reduced piece 1 to rank 0
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 59: reduced piece 2 to rank 0
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 60: reduced piece 3 to rank 0
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 12}, {2, 1, 1, 32, 0, 12});  // step 1: part 3 piece 0 to rank 3
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 13}, {2, 1, 1, 32, 0, 13});  // step 2: part 3 piece 1 to rank 3
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 14}, {2, 1, 1, 32, 0, 14});  // step 3: part 3 piece 2 to rank 3
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 15}, {2, 1, 1, 32, 0, 15});  // step 4: part 3 piece 3 to rank 3
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 4 piece 0 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 16}, {2, 1, 1, 32, 0, 16});  // step 5: part 4 piece 0 to rank 4
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 4 piece 1 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 17}, {2, 1, 1, 32, 0, 17});  // step 6: part 4 piece 1 to rank 4
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 4 piece 2 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 18}, {2, 1, 1, 32, 0, 18});  // step 7: part 4 piece 2 to rank 4
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 4 piece 3 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 19}, {2, 1, 1, 32, 0, 19});  // step 8: part 4 piece 3 to rank 4
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 5 piece 0 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 20}, {2, 1, 1, 32, 0, 20});  // step 9: part 5 piece 0 to rank 5
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 5 piece 1 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 21}, {2, 1, 1, 32, 0, 21});  // step 10: part 5 piece 1 to rank 5
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 5 piece 2 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 22}, {2, 1, 1, 32, 0, 22});  // step 11: part 5 piece 2 to rank 5
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 5 piece 3 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 23}, {2, 1, 1, 32, 0, 23});  // step 12: part 5 piece 3 to rank 5
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 6 piece 0 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 24}, {2, 1, 1, 32, 0, 24});  // step 13: part 6 piece 0 to rank 6
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 6 piece 1 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 25}, {2, 1, 1, 32, 0, 25});  // step 14: part 6 piece 1 to rank 6
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 6 piece 2 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 26}, {2, 1, 1, 32, 0, 26});  // step 15: part 6 piece 2 to rank 6
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 6 piece 3 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 27}, {2, 1, 1, 32, 0, 27});  // step 16: part 6 piece 3 to rank 6
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 7 piece 0 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 28}, {2, 1, 1, 32, 0, 28});  // step 17: part 7 piece 0 to rank 7
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 7 piece 1 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 29}, {2, 1, 1, 32, 0, 29});  // step 18: part 7 piece 1 to rank 7
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 7 piece 2 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 30}, {2, 1, 1, 32, 0, 30});  // step 19: part 7 piece 2 to rank 7
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 7 piece 3 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 31}, {2, 1, 1, 32, 0, 31});  // step 20: part 7 piece 3 to rank 7
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 0 piece 0 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 0}, {2, 1, 1, 32, 0, 0});  // step 21: part 0 piece 0 to rank 0
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 0 piece 1 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 1}, {2, 1, 1, 32, 0, 1});  // step 22: part 0 piece 1 to rank 0
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 0 piece 2 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 2}, {2, 1, 1, 32, 0, 2});  // step 23: part 0 piece 2 to rank 0
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 0 piece 3 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 3}, {2, 1, 1, 32, 0, 3});  // step 24: part 0 piece 3 to rank 0
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 1 piece 0 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 4}, {2, 1, 1, 32, 0, 4});  // step 25: part 1 piece 0 to rank 1
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 1 piece 1 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 5}, {2, 1, 1, 32, 0, 5});  // step 26: part 1 piece 1 to rank 1
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 1 piece 2 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 6}, {2, 1, 1, 32, 0, 6});  // step 27: part 1 piece 2 to rank 1
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 1 piece 3 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 7}, {2, 1, 1, 32, 0, 7});  // step 28: part 1 piece 3 to rank 1
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 33: reduced piece 0 to rank 3
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 34: reduced piece 1 to rank 3
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 35: reduced piece 2 to rank 3
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 36: reduced piece 3 to rank 3
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 37: reduced piece 0 to rank 4
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 38: reduced piece 1 to rank 4
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 39: reduced piece 2 to rank 4
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 40: reduced piece 3 to rank 4
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 41: reduced piece 0 to rank 5
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 42: reduced piece 1 to rank 5
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 43: reduced piece 2 to rank 5
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 44: reduced piece 3 to rank 5
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 45: reduced piece 0 to rank 6
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 46: reduced piece 1 to rank 6
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 47: reduced piece 2 to rank 6
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 48: reduced piece 3 to rank 6
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 49: reduced piece 0 to rank 7
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 50: reduced piece 1 to rank 7
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 51: reduced piece 2 to rank 7
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 52: reduced piece 3 to rank 7
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 53: reduced piece 0 to rank 0
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 54: reduced piece 1 to rank 0
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 55: reduced piece 2 to rank 0
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 56: reduced piece 3 to rank 0
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 57: reduced piece 0 to rank 1
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 58: reduced piece 1 to rank 1
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 59: reduced piece 2 to rank 1
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 60: reduced piece 3 to rank 1
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 4 piece 0 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 16}, {3, 1, 1, 32, 0, 16});  // step 1: part 4 piece 0 to rank 4
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 4 piece 1 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 17}, {3, 1, 1, 32, 0, 17});  // step 2: part 4 piece 1 to rank 4
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 4 piece 2 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 18}, {3, 1, 1, 32, 0, 18});  // step 3: part 4 piece 2 to rank 4
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 4 piece 3 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 19}, {3, 1, 1, 32, 0, 19});  // step 4: part 4 piece 3 to rank 4
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 5 piece 0 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 20}, {3, 1, 1, 32, 0, 20});  // step 5: part 5 piece 0 to rank 5
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 5 piece 1 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 21}, {3, 1, 1, 32, 0, 21});  // step 6: part 5 piece 1 to rank 5
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 5 piece 2 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 22}, {3, 1, 1, 32, 0, 22});  // step 7: part 5 piece 2 to rank 5
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 5 piece 3 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 23}, {3, 1, 1, 32, 0, 23});  // step 8: part 5 piece 3 to rank 5
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 6 piece 0 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 24}, {3, 1, 1, 32, 0, 24});  // step 9: part 6 piece 0 to rank 6
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 6 piece 1 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 25}, {3, 1, 1, 32, 0, 25});  // step 10: part 6 piece 1 to rank 6
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 6 piece 2 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 26}, {3, 1, 1, 32, 0, 26});  // step 11: part 6 piece 2 to rank 6
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 6 piece 3 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 27}, {3, 1, 1, 32, 0, 27});  // step 12: part 6 piece 3 to rank 6
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 7 piece 0 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 28}, {3, 1, 1, 32, 0, 28});  // step 13: part 7 piece 0 to rank 7
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 7 piece 1 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 29}, {3, 1, 1, 32, 0, 29});  // step 14: part 7 piece 1 to rank 7
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 7 piece 2 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 30}, {3, 1, 1, 32, 0, 30});  // step 15: part 7 piece 2 to rank 7
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 7 piece 3 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 31}, {3, 1, 1, 32, 0, 31});  // step 16: part 7 piece 3 to rank 7
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 0 piece 0 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 0}, {3, 1, 1, 32, 0, 0});  // step 17: part 0 piece 0 to rank 0
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 0 piece 1 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 1}, {3, 1, 1, 32, 0, 1});  // step 18: part 0 piece 1 to rank 0
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 0 piece 2 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 2}, {3, 1, 1, 32, 0, 2});  // step 19: part 0 piece 2 to rank 0
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 0 piece 3 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 3}, {3, 1, 1, 32, 0, 3});  // step 20: part 0 piece 3 to rank 0
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 1 piece 0 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 4}, {3, 1, 1, 32, 0, 4});  // step 21: part 1 piece 0 to rank 1
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 1 piece 1 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 5}, {3, 1, 1, 32, 0, 5});  // step 22: part 1 piece 1 to rank 1
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 1 piece 2 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 6}, {3, 1, 1, 32, 0, 6});  // step 23: part 1 piece 2 to rank 1
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 1 piece 3 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 7}, {3, 1, 1, 32, 0, 7});  // step 24: part 1 piece 3 to rank 1
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 2 piece 0 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 8}, {3, 1, 1, 32, 0, 8});  // step 25: part 2 piece 0 to rank 2
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 2 piece 1 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 9}, {3, 1, 1, 32, 0, 9});  // step 26: part 2 piece 1 to rank 2
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 2 piece 2 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 10}, {3, 1, 1, 32, 0, 10});  // step 27: part 2 piece 2 to rank 2
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 2 piece 3 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 11}, {3, 1, 1, 32, 0, 11});  // step 28: part 2 piece 3 to rank 2
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 33: reduced piece 0 to rank 4
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 34: reduced piece 1 to rank 4
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 35: reduced piece 2 to rank 4
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 36: reduced piece 3 to rank 4
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 37: reduced piece 0 to rank 5
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 38: reduced piece 1 to rank 5
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 39: reduced piece 2 to rank 5
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 40: reduced piece 3 to rank 5
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 41: reduced piece 0 to rank 6
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 42: reduced piece 1 to rank 6
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 43: reduced piece 2 to rank 6
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 44: reduced piece 3 to rank 6
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 45: reduced piece 0 to rank 7
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 46: reduced piece 1 to rank 7
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 47: reduced piece 2 to rank 7
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 48: reduced piece 3 to rank 7
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 49: reduced piece 0 to rank 0
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 50: reduced piece 1 to rank 0
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 51: reduced piece 2 to rank 0
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 52: reduced piece 3 to rank 0
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 53: reduced piece 0 to rank 1
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 54: reduced piece 1 to rank 1
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 55: reduced piece 2 to rank 1
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 56: reduced piece 3 to rank 1
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 57: reduced piece 0 to rank 2
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 58: reduced piece 1 to rank 2
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 59: reduced piece 2 to rank 2
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 60: reduced piece 3 to rank 2
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 4:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 5 piece 0 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 20}, {4, 1, 1, 32, 0, 20});  // step 1: part 5 piece 0 to rank 5
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 5 piece 1 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 21}, {4, 1, 1, 32, 0, 21});  // step 2: part 5 piece 1 to rank 5
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 5 piece 2 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 22}, {4, 1, 1, 32, 0, 22});  // step 3: part 5 piece 2 to rank 5
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 5 piece 3 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 23}, {4, 1, 1, 32, 0, 23});  // step 4: part 5 piece 3 to rank 5
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 6 piece 0 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 24}, {4, 1, 1, 32, 0, 24});  // step 5: part 6 piece 0 to rank 6
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 6 piece 1 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 25}, {4, 1, 1, 32, 0, 25});  // step 6: part 6 piece 1 to rank 6
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 6 piece 2 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 26}, {4, 1, 1, 32, 0, 26});  // step 7: part 6 piece 2 to rank 6
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 6 piece 3 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 27}, {4, 1, 1, 32, 0, 27});  // step 8: part 6 piece 3 to rank 6
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 7 piece 0 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 28}, {4, 1, 1, 32, 0, 28});  // step 9: part 7 piece 0 to rank 7
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 7 piece 1 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 29}, {4, 1, 1, 32, 0, 29});  // step 10: part 7 piece 1 to rank 7
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 7 piece 2 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 30}, {4, 1, 1, 32, 0, 30});  // step 11: part 7 piece 2 to rank 7
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 7 piece 3 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 31}, {4, 1, 1, 32, 0, 31});  // step 12: part 7 piece 3 to rank 7
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 0 piece 0 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 0}, {4, 1, 1, 32, 0, 0});  // step 13: part 0 piece 0 to rank 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 0 piece 1 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 1}, {4, 1, 1, 32, 0, 1});  // step 14: part 0 piece 1 to rank 0
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 0 piece 2 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 2}, {4, 1, 1, 32, 0, 2});  // step 15: part 0 piece 2 to rank 0
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 0 piece 3 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 3}, {4, 1, 1, 32, 0, 3});  // step 16: part 0 piece 3 to rank 0
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 1 piece 0 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 4}, {4, 1, 1, 32, 0, 4});  // step 17: part 1 piece 0 to rank 1
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 1 piece 1 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 5}, {4, 1, 1, 32, 0, 5});  // step 18: part 1 piece 1 to rank 1
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 1 piece 2 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 6}, {4, 1, 1, 32, 0, 6});  // step 19: part 1 piece 2 to rank 1
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 1 piece 3 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 7}, {4, 1, 1, 32, 0, 7});  // step 20: part 1 piece 3 to rank 1
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 2 piece 0 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 8}, {4, 1, 1, 32, 0, 8});  // step 21: part 2 piece 0 to rank 2
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 2 piece 1 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 9}, {4, 1, 1, 32, 0, 9});  // step 22: part 2 piece 1 to rank 2
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 2 piece 2 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 10}, {4, 1, 1, 32, 0, 10});  // step 23: part 2 piece 2 to rank 2
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 2 piece 3 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 11}, {4, 1, 1, 32, 0, 11});  // step 24: part 2 piece 3 to rank 2
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 3 piece 0 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 12}, {4, 1, 1, 32, 0, 12});  // step 25: part 3 piece 0 to rank 3
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 3 piece 1 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 13}, {4, 1, 1, 32, 0, 13});  // step 26: part 3 piece 1 to rank 3
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 3 piece 2 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 14}, {4, 1, 1, 32, 0, 14});  // step 27: part 3 piece 2 to rank 3
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 3 piece 3 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 15}, {4, 1, 1, 32, 0, 15});  // step 28: part 3 piece 3 to rank 3
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 33: reduced piece 0 to rank 5
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 34: reduced piece 1 to rank 5
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 35: reduced piece 2 to rank 5
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 36: reduced piece 3 to rank 5
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 37: reduced piece 0 to rank 6
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 38: reduced piece 1 to rank 6
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 39: reduced piece 2 to rank 6
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 40: reduced piece 3 to rank 6
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 41: reduced piece 0 to rank 7
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 42: reduced piece 1 to rank 7
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 43: reduced piece 2 to rank 7
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 44: reduced piece 3 to rank 7
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 45: reduced piece 0 to rank 0
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 46: reduced piece 1 to rank 0
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 47: reduced piece 2 to rank 0
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 48: reduced piece 3 to rank 0
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 49: reduced piece 0 to rank 1
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 50: reduced piece 1 to rank 1
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 51: reduced piece 2 to rank 1
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 52: reduced piece 3 to rank 1
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 53: reduced piece 0 to rank 2
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 54: reduced piece 1 to rank 2
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 55: reduced piece 2 to rank 2
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 56: reduced piece 3 to rank 2
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 57: reduced piece 0 to rank 3
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 58: reduced piece 1 to rank 3
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 59: reduced piece 2 to rank 3
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 60: reduced piece 3 to rank 3
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 5:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 6 piece 0 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 24}, {5, 1, 1, 32, 0, 24});  // step 1: part 6 piece 0 to rank 6
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 6 piece 1 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 25}, {5, 1, 1, 32, 0, 25});  // step 2: part 6 piece 1 to rank 6
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 6 piece 2 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 26}, {5, 1, 1, 32, 0, 26});  // step 3: part 6 piece 2 to rank 6
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 6 piece 3 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 27}, {5, 1, 1, 32, 0, 27});  // step 4: part 6 piece 3 to rank 6
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 7 piece 0 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 28}, {5, 1, 1, 32, 0, 28});  // step 5: part 7 piece 0 to rank 7
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 7 piece 1 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 29}, {5, 1, 1, 32, 0, 29});  // step 6: part 7 piece 1 to rank 7
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 7 piece 2 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 30}, {5, 1, 1, 32, 0, 30});  // step 7: part 7 piece 2 to rank 7
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 7 piece 3 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 31}, {5, 1, 1, 32, 0, 31});  // step 8: part 7 piece 3 to rank 7
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 0}, {5, 1, 1, 32, 0, 0});  // step 9: part 0 piece 0 to rank 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 1}, {5, 1, 1, 32, 0, 1});  // step 10: part 0 piece 1 to rank 0
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 2}, {5, 1, 1, 32, 0, 2});  // step 11: part 0 piece 2 to rank 0
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 3}, {5, 1, 1, 32, 0, 3});  // step 12: part 0 piece 3 to rank 0
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 1 piece 0 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 4}, {5, 1, 1, 32, 0, 4});  // step 13: part 1 piece 0 to rank 1
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 1 piece 1 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 5}, {5, 1, 1, 32, 0, 5});  // step 14: part 1 piece 1 to rank 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 1 piece 2 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 6}, {5, 1, 1, 32, 0, 6});  // step 15: part 1 piece 2 to rank 1
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 1 piece 3 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 7}, {5, 1, 1, 32, 0, 7});  // step 16: part 1 piece 3 to rank 1
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 2 piece 0 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 8}, {5, 1, 1, 32, 0, 8});  // step 17: part 2 piece 0 to rank 2
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 2 piece 1 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 9}, {5, 1, 1, 32, 0, 9});  // step 18: part 2 piece 1 to rank 2
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 2 piece 2 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 10}, {5, 1, 1, 32, 0, 10});  // step 19: part 2 piece 2 to rank 2
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 2 piece 3 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 11}, {5, 1, 1, 32, 0, 11});  // step 20: part 2 piece 3 to rank 2
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 3 piece 0 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 12}, {5, 1, 1, 32, 0, 12});  // step 21: part 3 piece 0 to rank 3
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 3 piece 1 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 13}, {5, 1, 1, 32, 0, 13});  // step 22: part 3 piece 1 to rank 3
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 3 piece 2 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 14}, {5, 1, 1, 32, 0, 14});  // step 23: part 3 piece 2 to rank 3
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 3 piece 3 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 15}, {5, 1, 1, 32, 0, 15});  // step 24: part 3 piece 3 to rank 3
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 4 piece 0 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 16}, {5, 1, 1, 32, 0, 16});  // step 25: part 4 piece 0 to rank 4
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 4 piece 1 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 17}, {5, 1, 1, 32, 0, 17});  // step 26: part 4 piece 1 to rank 4
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 4 piece 2 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 18}, {5, 1, 1, 32, 0, 18});  // step 27: part 4 piece 2 to rank 4
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 4 piece 3 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 19}, {5, 1, 1, 32, 0, 19});  // step 28: part 4 piece 3 to rank 4
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 33: reduced piece 0 to rank 6
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 34: reduced piece 1 to rank 6
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 35: reduced piece 2 to rank 6
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 36: reduced piece 3 to rank 6
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 37: reduced piece 0 to rank 7
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 38: reduced piece 1 to rank 7
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 39: reduced piece 2 to rank 7
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 40: reduced piece 3 to rank 7
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 41: reduced piece 0 to rank 0
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 42: reduced piece 1 to rank 0
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 43: reduced piece 2 to rank 0
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 44: reduced piece 3 to rank 0
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 45: reduced piece 0 to rank 1
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 46: reduced piece 1 to rank 1
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 47: reduced piece 2 to rank 1
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 48: reduced piece 3 to rank 1
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 49: reduced piece 0 to rank 2
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 50: reduced piece 1 to rank 2
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 51: reduced piece 2 to rank 2
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 52: reduced piece 3 to rank 2
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 53: reduced piece 0 to rank 3
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 54: reduced piece 1 to rank 3
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 55: reduced piece 2 to rank 3
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 56: reduced piece 3 to rank 3
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 57: reduced piece 0 to rank 4
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 58: reduced piece 1 to rank 4
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 59: reduced piece 2 to rank 4
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 60: reduced piece 3 to rank 4
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 6:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 7 piece 0 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 28}, {6, 1, 1, 32, 0, 28});  // step 1: part 7 piece 0 to rank 7
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 7 piece 1 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 29}, {6, 1, 1, 32, 0, 29});  // step 2: part 7 piece 1 to rank 7
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 7 piece 2 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 30}, {6, 1, 1, 32, 0, 30});  // step 3: part 7 piece 2 to rank 7
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 7 piece 3 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 31}, {6, 1, 1, 32, 0, 31});  // step 4: part 7 piece 3 to rank 7
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 0}, {6, 1, 1, 32, 0, 0});  // step 5: part 0 piece 0 to rank 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 1}, {6, 1, 1, 32, 0, 1});  // step 6: part 0 piece 1 to rank 0
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 2}, {6, 1, 1, 32, 0, 2});  // step 7: part 0 piece 2 to rank 0
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 3}, {6, 1, 1, 32, 0, 3});  // step 8: part 0 piece 3 to rank 0
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 4}, {6, 1, 1, 32, 0, 4});  // step 9: part 1 piece 0 to rank 1
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 5}, {6, 1, 1, 32, 0, 5});  // step 10: part 1 piece 1 to rank 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 6}, {6, 1, 1, 32, 0, 6});  // step 11: part 1 piece 2 to rank 1
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 7}, {6, 1, 1, 32, 0, 7});  // step 12: part 1 piece 3 to rank 1
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 2 piece 0 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 8}, {6, 1, 1, 32, 0, 8});  // step 13: part 2 piece 0 to rank 2
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 2 piece 1 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 9}, {6, 1, 1, 32, 0, 9});  // step 14: part 2 piece 1 to rank 2
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 2 piece 2 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 10}, {6, 1, 1, 32, 0, 10});  // step 15: part 2 piece 2 to rank 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 2 piece 3 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 11}, {6, 1, 1, 32, 0, 11});  // step 16: part 2 piece 3 to rank 2
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 3 piece 0 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 12}, {6, 1, 1, 32, 0, 12});  // step 17: part 3 piece 0 to rank 3
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 3 piece 1 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 13}, {6, 1, 1, 32, 0, 13});  // step 18: part 3 piece 1 to rank 3
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 3 piece 2 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 14}, {6, 1, 1, 32, 0, 14});  // step 19: part 3 piece 2 to rank 3
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 3 piece 3 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 15}, {6, 1, 1, 32, 0, 15});  // step 20: part 3 piece 3 to rank 3
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 4 piece 0 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 16}, {6, 1, 1, 32, 0, 16});  // step 21: part 4 piece 0 to rank 4
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 4 piece 1 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 17}, {6, 1, 1, 32, 0, 17});  // step 22: part 4 piece 1 to rank 4
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 4 piece 2 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 18}, {6, 1, 1, 32, 0, 18});  // step 23: part 4 piece 2 to rank 4
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 4 piece 3 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 19}, {6, 1, 1, 32, 0, 19});  // step 24: part 4 piece 3 to rank 4
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 5 piece 0 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 20}, {6, 1, 1, 32, 0, 20});  // step 25: part 5 piece 0 to rank 5
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 5 piece 1 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 21}, {6, 1, 1, 32, 0, 21});  // step 26: part 5 piece 1 to rank 5
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 5 piece 2 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 22}, {6, 1, 1, 32, 0, 22});  // step 27: part 5 piece 2 to rank 5
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 5 piece 3 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 23}, {6, 1, 1, 32, 0, 23});  // step 28: part 5 piece 3 to rank 5
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 33: reduced piece 0 to rank 7
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 34: reduced piece 1 to rank 7
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 35: reduced piece 2 to rank 7
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 36: reduced piece 3 to rank 7
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 37: reduced piece 0 to rank 0
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 38: reduced piece 1 to rank 0
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 39: reduced piece 2 to rank 0
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 40: reduced piece 3 to rank 0
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 41: reduced piece 0 to rank 1
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 42: reduced piece 1 to rank 1
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 43: reduced piece 2 to rank 1
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 44: reduced piece 3 to rank 1
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 45: reduced piece 0 to rank 2
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 46: reduced piece 1 to rank 2
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 47: reduced piece 2 to rank 2
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 48: reduced piece 3 to rank 2
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 49: reduced piece 0 to rank 3
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 50: reduced piece 1 to rank 3
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 51: reduced piece 2 to rank 3
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 52: reduced piece 3 to rank 3
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 53: reduced piece 0 to rank 4
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 54: reduced piece 1 to rank 4
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 55: reduced piece 2 to rank 4
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 56: reduced piece 3 to rank 4
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 57: reduced piece 0 to rank 5
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 58: reduced piece 1 to rank 5
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 59: reduced piece 2 to rank 5
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 60: reduced piece 3 to rank 5
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 7:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 0}, {7, 1, 1, 32, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 1}, {7, 1, 1, 32, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 2}, {7, 1, 1, 32, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 3}, {7, 1, 1, 32, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 4}, {7, 1, 1, 32, 0, 4});  // step 5: part 1 piece 0 to rank 1
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 5}, {7, 1, 1, 32, 0, 5});  // step 6: part 1 piece 1 to rank 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 6}, {7, 1, 1, 32, 0, 6});  // step 7: part 1 piece 2 to rank 1
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 7}, {7, 1, 1, 32, 0, 7});  // step 8: part 1 piece 3 to rank 1
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 8}, {7, 1, 1, 32, 0, 8});  // step 9: part 2 piece 0 to rank 2
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 9}, {7, 1, 1, 32, 0, 9});  // step 10: part 2 piece 1 to rank 2
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 10}, {7, 1, 1, 32, 0, 10});  // step 11: part 2 piece 2 to rank 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 11}, {7, 1, 1, 32, 0, 11});  // step 12: part 2 piece 3 to rank 2
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 3 piece 0 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 12}, {7, 1, 1, 32, 0, 12});  // step 13: part 3 piece 0 to rank 3
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 3 piece 1 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 13}, {7, 1, 1, 32, 0, 13});  // step 14: part 3 piece 1 to rank 3
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 3 piece 2 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 14}, {7, 1, 1, 32, 0, 14});  // step 15: part 3 piece 2 to rank 3
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 3 piece 3 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 15}, {7, 1, 1, 32, 0, 15});  // step 16: part 3 piece 3 to rank 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 4 piece 0 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 16}, {7, 1, 1, 32, 0, 16});  // step 17: part 4 piece 0 to rank 4
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 4 piece 1 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 17}, {7, 1, 1, 32, 0, 17});  // step 18: part 4 piece 1 to rank 4
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 4 piece 2 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 18}, {7, 1, 1, 32, 0, 18});  // step 19: part 4 piece 2 to rank 4
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 4 piece 3 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 19}, {7, 1, 1, 32, 0, 19});  // step 20: part 4 piece 3 to rank 4
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 5 piece 0 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 20}, {7, 1, 1, 32, 0, 20});  // step 21: part 5 piece 0 to rank 5
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 5 piece 1 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 21}, {7, 1, 1, 32, 0, 21});  // step 22: part 5 piece 1 to rank 5
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 5 piece 2 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 22}, {7, 1, 1, 32, 0, 22});  // step 23: part 5 piece 2 to rank 5
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 5 piece 3 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 23}, {7, 1, 1, 32, 0, 23});  // step 24: part 5 piece 3 to rank 5
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 6 piece 0 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 24}, {7, 1, 1, 32, 0, 24});  // step 25: part 6 piece 0 to rank 6
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 6 piece 1 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 25}, {7, 1, 1, 32, 0, 25});  // step 26: part 6 piece 1 to rank 6
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 6 piece 2 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 26}, {7, 1, 1, 32, 0, 26});  // step 27: part 6 piece 2 to rank 6
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 6 piece 3 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 27}, {7, 1, 1, 32, 0, 27});  // step 28: part 6 piece 3 to rank 6
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 33: reduced piece 0 to rank 0
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 34: reduced piece 1 to rank 0
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 35: reduced piece 2 to rank 0
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 36: reduced piece 3 to rank 0
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 37: reduced piece 0 to rank 1
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 38: reduced piece 1 to rank 1
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 39: reduced piece 2 to rank 1
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 40: reduced piece 3 to rank 1
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 41: reduced piece 0 to rank 2
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 42: reduced piece 1 to rank 2
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 43: reduced piece 2 to rank 2
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 44: reduced piece 3 to rank 2
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 45: reduced piece 0 to rank 3
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 46: reduced piece 1 to rank 3
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 47: reduced piece 2 to rank 3
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 48: reduced piece 3 to rank 3
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 49: reduced piece 0 to rank 4
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 50: reduced piece 1 to rank 4
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 51: reduced piece 2 to rank 4
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 52: reduced piece 3 to rank 4
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 53: reduced piece 0 to rank 5
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 54: reduced piece 1 to rank 5
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 55: reduced piece 2 to rank 5
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 56: reduced piece 3 to rank 5
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 57: reduced piece 0 to rank 6
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 58: reduced piece 1 to rank 6
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 59: reduced piece 2 to rank 6
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 60: reduced piece 3 to rank 6
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w8_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8});  // step 5: part 2 piece 0 to rank 2
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9});  // step 6: part 2 piece 1 to rank 2
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10});  // step 7: part 2 piece 2 to rank 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11});  // step 8: part 2 piece 3 to rank 2
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12});  // step 9: part 3 piece 0 to rank 3
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13});  // step 10: part 3 piece 1 to rank 3
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14});  // step 11: part 3 piece 2 to rank 3
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15});  // step 12: part 3 piece 3 to rank 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 4 piece 0 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16});  // step 13: part 4 piece 0 to rank 4
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 4 piece 1 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17});  // step 14: part 4 piece 1 to rank 4
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 4 piece 2 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18});  // step 15: part 4 piece 2 to rank 4
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 4 piece 3 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19});  // step 16: part 4 piece 3 to rank 4
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 5 piece 0 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20});  // step 17: part 5 piece 0 to rank 5
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 5 piece 1 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21});  // step 18: part 5 piece 1 to rank 5
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 5 piece 2 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22});  // step 19: part 5 piece 2 to rank 5
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 5 piece 3 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23});  // step 20: part 5 piece 3 to rank 5
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 6 piece 0 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24});  // step 21: part 6 piece 0 to rank 6
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 6 piece 1 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25});  // step 22: part 6 piece 1 to rank 6
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 6 piece 2 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26});  // step 23: part 6 piece 2 to rank 6
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 6 piece 3 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27});  // step 24: part 6 piece 3 to rank 6
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 7 piece 0 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 28}, {0, 1, 1, 32, 0, 28});  // step 25: part 7 piece 0 to rank 7
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 7 piece 1 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 29}, {0, 1, 1, 32, 0, 29});  // step 26: part 7 piece 1 to rank 7
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 7 piece 2 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 30}, {0, 1, 1, 32, 0, 30});  // step 27: part 7 piece 2 to rank 7
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 7 piece 3 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 31}, {0, 1, 1, 32, 0, 31});  // step 28: part 7 piece 3 to rank 7
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 33: reduced piece 0 to rank 1
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 34: reduced piece 1 to rank 1
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 35: reduced piece 2 to rank 1
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 36: reduced piece 3 to rank 1
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 37: reduced piece 0 to rank 2
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 38: reduced piece 1 to rank 2
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 39: reduced piece 2 to rank 2
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 40: reduced piece 3 to rank 2
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 41: reduced piece 0 to rank 3
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 42: reduced piece 1 to rank 3
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 43: reduced piece 2 to rank 3
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 44: reduced piece 3 to rank 3
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 45: reduced piece 0 to rank 4
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 46: reduced piece 1 to rank 4
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 47: reduced piece 2 to rank 4
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 48: reduced piece 3 to rank 4
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 49: reduced piece 0 to rank 5
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 50: reduced piece 1 to rank 5
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 51: reduced piece 2 to rank 5
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 52: reduced piece 3 to rank 5
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 53: reduced piece 0 to rank 6
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 54: reduced piece 1 to rank 6
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 55: reduced piece 2 to rank 6
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 56: reduced piece 3 to rank 6
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 57: reduced piece 0 to rank 7
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 58: reduced piece 1 to rank 7
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 59: reduced piece 2 to rank 7
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 60: reduced piece 3 to rank 7
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 8}, {1, 1, 1, 32, 0, 8});  // step 1: part 2 piece 0 to rank 2
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 9}, {1, 1, 1, 32, 0, 9});  // step 2: part 2 piece 1 to rank 2
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 10}, {1, 1, 1, 32, 0, 10});  // step 3: part 2 piece 2 to rank 2
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 11}, {1, 1, 1, 32, 0, 11});  // step 4: part 2 piece 3 to rank 2
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 12}, {1, 1, 1, 32, 0, 12});  // step 5: part 3 piece 0 to rank 3
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 13}, {1, 1, 1, 32, 0, 13});  // step 6: part 3 piece 1 to rank 3
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 14}, {1, 1, 1, 32, 0, 14});  // step 7: part 3 piece 2 to rank 3
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 15}, {1, 1, 1, 32, 0, 15});  // step 8: part 3 piece 3 to rank 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 4 piece 0 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 16}, {1, 1, 1, 32, 0, 16});  // step 9: part 4 piece 0 to rank 4
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 4 piece 1 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 17}, {1, 1, 1, 32, 0, 17});  // step 10: part 4 piece 1 to rank 4
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 4 piece 2 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 18}, {1, 1, 1, 32, 0, 18});  // step 11: part 4 piece 2 to rank 4
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 4 piece 3 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 19}, {1, 1, 1, 32, 0, 19});  // step 12: part 4 piece 3 to rank 4
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 5 piece 0 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 20}, {1, 1, 1, 32, 0, 20});  // step 13: part 5 piece 0 to rank 5
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 5 piece 1 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 21}, {1, 1, 1, 32, 0, 21});  // step 14: part 5 piece 1 to rank 5
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 5 piece 2 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 22}, {1, 1, 1, 32, 0, 22});  // step 15: part 5 piece 2 to rank 5
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 5 piece 3 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 23}, {1, 1, 1, 32, 0, 23});  // step 16: part 5 piece 3 to rank 5
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 6 piece 0 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 24}, {1, 1, 1, 32, 0, 24});  // step 17: part 6 piece 0 to rank 6
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 6 piece 1 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 25}, {1, 1, 1, 32, 0, 25});  // step 18: part 6 piece 1 to rank 6
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 6 piece 2 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 26}, {1, 1, 1, 32, 0, 26});  // step 19: part 6 piece 2 to rank 6
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 6 piece 3 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 27}, {1, 1, 1, 32, 0, 27});  // step 20: part 6 piece 3 to rank 6
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 7 piece 0 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 28}, {1, 1, 1, 32, 0, 28});  // step 21: part 7 piece 0 to rank 7
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 7 piece 1 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 29}, {1, 1, 1, 32, 0, 29});  // step 22: part 7 piece 1 to rank 7
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 7 piece 2 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 30}, {1, 1, 1, 32, 0, 30});  // step 23: part 7 piece 2 to rank 7
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 7 piece 3 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 31}, {1, 1, 1, 32, 0, 31});  // step 24: part 7 piece 3 to rank 7
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 0 piece 0 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 0}, {1, 1, 1, 32, 0, 0});  // step 25: part 0 piece 0 to rank 0
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 0 piece 1 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 1}, {1, 1, 1, 32, 0, 1});  // step 26: part 0 piece 1 to rank 0
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 0 piece 2 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 2}, {1, 1, 1, 32, 0, 2});  // step 27: part 0 piece 2 to rank 0
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 0 piece 3 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 3}, {1, 1, 1, 32, 0, 3});  // step 28: part 0 piece 3 to rank 0
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 33: reduced piece 0 to rank 2
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 34: reduced piece 1 to rank 2
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 35: reduced piece 2 to rank 2
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 36: reduced piece 3 to rank 2
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 37: reduced piece 0 to rank 3
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 38: reduced piece 1 to rank 3
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 39: reduced piece 2 to rank 3
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 40: reduced piece 3 to rank 3
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 41: reduced piece 0 to rank 4
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 42: reduced piece 1 to rank 4
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 43: reduced piece 2 to rank 4
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 44: reduced piece 3 to rank 4
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 45: reduced piece 0 to rank 5
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 46: reduced piece 1 to rank 5
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 47: reduced piece 2 to rank 5
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 48: reduced piece 3 to rank 5
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 49: reduced piece 0 to rank 6
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 50: reduced piece 1 to rank 6
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 51: reduced piece 2 to rank 6
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 52: reduced piece 3 to rank 6
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 53: reduced piece 0 to rank 7
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 54: reduced piece 1 to rank 7
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 55: reduced piece 2 to rank 7
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 56: reduced piece 3 to rank 7
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 57: reduced piece 0 to rank 0
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 58: reduced piece 1 to rank 0
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 59: reduced piece 2 to rank 0
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 60: reduced piece 3 to rank 0
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 12}, {2, 1, 1, 32, 0, 12});  // step 1: part 3 piece 0 to rank 3
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 13}, {2, 1, 1, 32, 0, 13});  // step 2: part 3 piece 1 to rank 3
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 14}, {2, 1, 1, 32, 0, 14});  // step 3: part 3 piece 2 to rank 3
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 15}, {2, 1, 1, 32, 0, 15});  // step 4: part 3 piece 3 to rank 3
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 4 piece 0 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 16}, {2, 1, 1, 32, 0, 16});  // step 5: part 4 piece 0 to rank 4
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 4 piece 1 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 17}, {2, 1, 1, 32, 0, 17});  // step 6: part 4 piece 1 to rank 4
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 4 piece 2 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 18}, {2, 1, 1, 32, 0, 18});  // step 7: part 4 piece 2 to rank 4
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 4 piece 3 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 19}, {2, 1, 1, 32, 0, 19});  // step 8: part 4 piece 3 to rank 4
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 5 piece 0 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 20}, {2, 1, 1, 32, 0, 20});  // step 9: part 5 piece 0 to rank 5
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 5 piece 1 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 21}, {2, 1, 1, 32, 0, 21});  // step 10: part 5 piece 1 to rank 5
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 5 piece 2 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 22}, {2, 1, 1, 32, 0, 22});  // step 11: part 5 piece 2 to rank 5
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 5 piece 3 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 23}, {2, 1, 1, 32, 0, 23});  // step 12: part 5 piece 3 to rank 5
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 6 piece 0 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 24}, {2, 1, 1, 32, 0, 24});  // step 13: part 6 piece 0 to rank 6
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 6 piece 1 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 25}, {2, 1, 1, 32, 0, 25});  // step 14: part 6 piece 1 to rank 6
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 6 piece 2 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 26}, {2, 1, 1, 32, 0, 26});  // step 15: part 6 piece 2 to rank 6
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 6 piece 3 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 27}, {2, 1, 1, 32, 0, 27});  // step 16: part 6 piece 3 to rank 6
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 7 piece 0 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 28}, {2, 1, 1, 32, 0, 28});  // step 17: part 7 piece 0 to rank 7
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 7 piece 1 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 29}, {2, 1, 1, 32, 0, 29});  // step 18: part 7 piece 1 to rank 7
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 7 piece 2 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 30}, {2, 1, 1, 32, 0, 30});  // step 19: part 7 piece 2 to rank 7
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 7 piece 3 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 31}, {2, 1, 1, 32, 0, 31});  // step 20: part 7 piece 3 to rank 7
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 0 piece 0 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 0}, {2, 1, 1, 32, 0, 0});  // step 21: part 0 piece 0 to rank 0
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 0 piece 1 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 1}, {2, 1, 1, 32, 0, 1});  // step 22: part 0 piece 1 to rank 0
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 0 piece 2 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 2}, {2, 1, 1, 32, 0, 2});  // step 23: part 0 piece 2 to rank 0
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 0 piece 3 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 3}, {2, 1, 1, 32, 0, 3});  // step 24: part 0 piece 3 to rank 0
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 1 piece 0 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 4}, {2, 1, 1, 32, 0, 4});  // step 25: part 1 piece 0 to rank 1
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 1 piece 1 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 5}, {2, 1, 1, 32, 0, 5});  // step 26: part 1 piece 1 to rank 1
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 1 piece 2 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 6}, {2, 1, 1, 32, 0, 6});  // step 27: part 1 piece 2 to rank 1
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 1 piece 3 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 7}, {2, 1, 1, 32, 0, 7});  // step 28: part 1 piece 3 to rank 1
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 33: reduced piece 0 to rank 3
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 34: reduced piece 1 to rank 3
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 35: reduced piece 2 to rank 3
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 36: reduced piece 3 to rank 3
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 37: reduced piece 0 to rank 4
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 38: reduced piece 1 to rank 4
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 39: reduced piece 2 to rank 4
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 40: reduced piece 3 to rank 4
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 41: reduced piece 0 to rank 5
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 42: reduced piece 1 to rank 5
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 43: reduced piece 2 to rank 5
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 44: reduced piece 3 to rank 5
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 45: reduced piece 0 to rank 6
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 46: reduced piece 1 to rank 6
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 47: reduced piece 2 to rank 6
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 48: reduced piece 3 to rank 6
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 49: reduced piece 0 to rank 7
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 50: reduced piece 1 to rank 7
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 51: reduced piece 2 to rank 7
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 52: reduced piece 3 to rank 7
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 53: reduced piece 0 to rank 0
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 54: reduced piece 1 to rank 0
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 55: reduced piece 2 to rank 0
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 56: reduced piece 3 to rank 0
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 57: reduced piece 0 to rank 1
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 58: reduced piece 1 to rank 1
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 59: reduced piece 2 to rank 1
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 60: reduced piece 3 to rank 1
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 4 piece 0 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 16}, {3, 1, 1, 32, 0, 16});  // step 1: part 4 piece 0 to rank 4
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 4 piece 1 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 17}, {3, 1, 1, 32, 0, 17});  // step 2: part 4 piece 1 to rank 4
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 4 piece 2 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 18}, {3, 1, 1, 32, 0, 18});  // step 3: part 4 piece 2 to rank 4
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 4 piece 3 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 19}, {3, 1, 1, 32, 0, 19});  // step 4: part 4 piece 3 to rank 4
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 5 piece 0 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 20}, {3, 1, 1, 32, 0, 20});  // step 5: part 5 piece 0 to rank 5
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 5 piece 1 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 21}, {3, 1, 1, 32, 0, 21});  // step 6: part 5 piece 1 to rank 5
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 5 piece 2 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 22}, {3, 1, 1, 32, 0, 22});  // step 7: part 5 piece 2 to rank 5
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 5 piece 3 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 23}, {3, 1, 1, 32, 0, 23});  // step 8: part 5 piece 3 to rank 5
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 6 piece 0 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 24}, {3, 1, 1, 32, 0, 24});  // step 9: part 6 piece 0 to rank 6
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 6 piece 1 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 25}, {3, 1, 1, 32, 0, 25});  // step 10: part 6 piece 1 to rank 6
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 6 piece 2 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 26}, {3, 1, 1, 32, 0, 26});  // step 11: part 6 piece 2 to rank 6
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 6 piece 3 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 27}, {3, 1, 1, 32, 0, 27});  // step 12: part 6 piece 3 to rank 6
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 7 piece 0 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 28}, {3, 1, 1, 32, 0, 28});  // step 13: part 7 piece 0 to rank 7
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 7 piece 1 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 29}, {3, 1, 1, 32, 0, 29});  // step 14: part 7 piece 1 to rank 7
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 7 piece 2 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 30}, {3, 1, 1, 32, 0, 30});  // step 15: part 7 piece 2 to rank 7
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 7 piece 3 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 31}, {3, 1, 1, 32, 0, 31});  // step 16: part 7 piece 3 to rank 7
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 0 piece 0 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 0}, {3, 1, 1, 32, 0, 0});  // step 17: part 0 piece 0 to rank 0
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 0 piece 1 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 1}, {3, 1, 1, 32, 0, 1});  // step 18: part 0 piece 1 to rank 0
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 0 piece 2 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 2}, {3, 1, 1, 32, 0, 2});  // step 19: part 0 piece 2 to rank 0
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 0 piece 3 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 3}, {3, 1, 1, 32, 0, 3});  // step 20: part 0 piece 3 to rank 0
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 1 piece 0 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 4}, {3, 1, 1, 32, 0, 4});  // step 21: part 1 piece 0 to rank 1
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 1 piece 1 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 5}, {3, 1, 1, 32, 0, 5});  // step 22: part 1 piece 1 to rank 1
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 1 piece 2 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 6}, {3, 1, 1, 32, 0, 6});  // step 23: part 1 piece 2 to rank 1
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 1 piece 3 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 7}, {3, 1, 1, 32, 0, 7});  // step 24: part 1 piece 3 to rank 1
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 2 piece 0 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 8}, {3, 1, 1, 32, 0, 8});  // step 25: part 2 piece 0 to rank 2
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 2 piece 1 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 9}, {3, 1, 1, 32, 0, 9});  // step 26: part 2 piece 1 to rank 2
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 2 piece 2 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 10}, {3, 1, 1, 32, 0, 10});  // step 27: part 2 piece 2 to rank 2
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 2 piece 3 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 11}, {3, 1, 1, 32, 0, 11});  // step 28: part 2 piece 3 to rank 2
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 33: reduced piece 0 to rank 4
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 34: reduced piece 1 to rank 4
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 35: reduced piece 2 to rank 4
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 36: reduced piece 3 to rank 4
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 37: reduced piece 0 to rank 5
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 38: reduced piece 1 to rank 5
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 39: reduced piece 2 to rank 5
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 40: reduced piece 3 to rank 5
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 41: reduced piece 0 to rank 6
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 42: reduced piece 1 to rank 6
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 43: reduced piece 2 to rank 6
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 44: reduced piece 3 to rank 6
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 45: reduced piece 0 to rank 7
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 46: reduced piece 1 to rank 7
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 47: reduced piece 2 to rank 7
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 48: reduced piece 3 to rank 7
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 49: reduced piece 0 to rank 0
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 50: reduced piece 1 to rank 0
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 51: reduced piece 2 to rank 0
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 52: reduced piece 3 to rank 0
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 53: reduced piece 0 to rank 1
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 54: reduced piece 1 to rank 1
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 55: reduced piece 2 to rank 1
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 56: reduced piece 3 to rank 1
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 57: reduced piece 0 to rank 2
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 58: reduced piece 1 to rank 2
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 59: reduced piece 2 to rank 2
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 60: reduced piece 3 to rank 2
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 4:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 5 piece 0 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 20}, {4, 1, 1, 32, 0, 20});  // step 1: part 5 piece 0 to rank 5
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 5 piece 1 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 21}, {4, 1, 1, 32, 0, 21});  // step 2: part 5 piece 1 to rank 5
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 5 piece 2 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 22}, {4, 1, 1, 32, 0, 22});  // step 3: part 5 piece 2 to rank 5
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 5 piece 3 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 23}, {4, 1, 1, 32, 0, 23});  // step 4: part 5 piece 3 to rank 5
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 6 piece 0 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 24}, {4, 1, 1, 32, 0, 24});  // step 5: part 6 piece 0 to rank 6
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 6 piece 1 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 25}, {4, 1, 1, 32, 0, 25});  // step 6: part 6 piece 1 to rank 6
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 6 piece 2 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 26}, {4, 1, 1, 32, 0, 26});  // step 7: part 6 piece 2 to rank 6
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 6 piece 3 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 27}, {4, 1, 1, 32, 0, 27});  // step 8: part 6 piece 3 to rank 6
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 7 piece 0 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 28}, {4, 1, 1, 32, 0, 28});  // step 9: part 7 piece 0 to rank 7
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 7 piece 1 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 29}, {4, 1, 1, 32, 0, 29});  // step 10: part 7 piece 1 to rank 7
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 7 piece 2 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 30}, {4, 1, 1, 32, 0, 30});  // step 11: part 7 piece 2 to rank 7
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 7 piece 3 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 31}, {4, 1, 1, 32, 0, 31});  // step 12: part 7 piece 3 to rank 7
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 0 piece 0 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 0}, {4, 1, 1, 32, 0, 0});  // step 13: part 0 piece 0 to rank 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 0 piece 1 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 1}, {4, 1, 1, 32, 0, 1});  // step 14: part 0 piece 1 to rank 0
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 0 piece 2 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 2}, {4, 1, 1, 32, 0, 2});  // step 15: part 0 piece 2 to rank 0
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 0 piece 3 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 3}, {4, 1, 1, 32, 0, 3});  // step 16: part 0 piece 3 to rank 0
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 1 piece 0 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 4}, {4, 1, 1, 32, 0, 4});  // step 17: part 1 piece 0 to rank 1
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 1 piece 1 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 5}, {4, 1, 1, 32, 0, 5});  // step 18: part 1 piece 1 to rank 1
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 1 piece 2 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 6}, {4, 1, 1, 32, 0, 6});  // step 19: part 1 piece 2 to rank 1
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 1 piece 3 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 7}, {4, 1, 1, 32, 0, 7});  // step 20: part 1 piece 3 to rank 1
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 2 piece 0 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 8}, {4, 1, 1, 32, 0, 8});  // step 21: part 2 piece 0 to rank 2
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 2 piece 1 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 9}, {4, 1, 1, 32, 0, 9});  // step 22: part 2 piece 1 to rank 2
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 2 piece 2 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 10}, {4, 1, 1, 32, 0, 10});  // step 23: part 2 piece 2 to rank 2
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 2 piece 3 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 11}, {4, 1, 1, 32, 0, 11});  // step 24: part 2 piece 3 to rank 2
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 3 piece 0 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 12}, {4, 1, 1, 32, 0, 12});  // step 25: part 3 piece 0 to rank 3
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 3 piece 1 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 13}, {4, 1, 1, 32, 0, 13});  // step 26: part 3 piece 1 to rank 3
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 3 piece 2 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 14}, {4, 1, 1, 32, 0, 14});  // step 27: part 3 piece 2 to rank 3
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 3 piece 3 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 15}, {4, 1, 1, 32, 0, 15});  // step 28: part 3 piece 3 to rank 3
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 33: reduced piece 0 to rank 5
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 34: reduced piece 1 to rank 5
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 35: reduced piece 2 to rank 5
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 36: reduced piece 3 to rank 5
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 37: reduced piece 0 to rank 6
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 38: reduced piece 1 to rank 6
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 39: reduced piece 2 to rank 6
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 40: reduced piece 3 to rank 6
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 41: reduced piece 0 to rank 7
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 42: reduced piece 1 to rank 7
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 43: reduced piece 2 to rank 7
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 44: reduced piece 3 to rank 7
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 45: reduced piece 0 to rank 0
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 46: reduced piece 1 to rank 0
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 47: reduced piece 2 to rank 0
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 48: reduced piece 3 to rank 0
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 49: reduced piece 0 to rank 1
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 50: reduced piece 1 to rank 1
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 51: reduced piece 2 to rank 1
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 52: reduced piece 3 to rank 1
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 53: reduced piece 0 to rank 2
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 54: reduced piece 1 to rank 2
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 55: reduced piece 2 to rank 2
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 56: reduced piece 3 to rank 2
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 57: reduced piece 0 to rank 3
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 58: reduced piece 1 to rank 3
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 59: reduced piece 2 to rank 3
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 60: reduced piece 3 to rank 3
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 5:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 6 piece 0 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 24}, {5, 1, 1, 32, 0, 24});  // step 1: part 6 piece 0 to rank 6
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 6 piece 1 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 25}, {5, 1, 1, 32, 0, 25});  // step 2: part 6 piece 1 to rank 6
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 6 piece 2 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 26}, {5, 1, 1, 32, 0, 26});  // step 3: part 6 piece 2 to rank 6
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 6 piece 3 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 27}, {5, 1, 1, 32, 0, 27});  // step 4: part 6 piece 3 to rank 6
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 7 piece 0 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 28}, {5, 1, 1, 32, 0, 28});  // step 5: part 7 piece 0 to rank 7
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 7 piece 1 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 29}, {5, 1, 1, 32, 0, 29});  // step 6: part 7 piece 1 to rank 7
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 7 piece 2 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 30}, {5, 1, 1, 32, 0, 30});  // step 7: part 7 piece 2 to rank 7
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 7 piece 3 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 31}, {5, 1, 1, 32, 0, 31});  // step 8: part 7 piece 3 to rank 7
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 0}, {5, 1, 1, 32, 0, 0});  // step 9: part 0 piece 0 to rank 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 1}, {5, 1, 1, 32, 0, 1});  // step 10: part 0 piece 1 to rank 0
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 2}, {5, 1, 1, 32, 0, 2});  // step 11: part 0 piece 2 to rank 0
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 3}, {5, 1, 1, 32, 0, 3});  // step 12: part 0 piece 3 to rank 0
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 1 piece 0 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 4}, {5, 1, 1, 32, 0, 4});  // step 13: part 1 piece 0 to rank 1
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 1 piece 1 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 5}, {5, 1, 1, 32, 0, 5});  // step 14: part 1 piece 1 to rank 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 1 piece 2 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 6}, {5, 1, 1, 32, 0, 6});  // step 15: part 1 piece 2 to rank 1
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 1 piece 3 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 7}, {5, 1, 1, 32, 0, 7});  // step 16: part 1 piece 3 to rank 1
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 2 piece 0 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 8}, {5, 1, 1, 32, 0, 8});  // step 17: part 2 piece 0 to rank 2
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 2 piece 1 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 9}, {5, 1, 1, 32, 0, 9});  // step 18: part 2 piece 1 to rank 2
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 2 piece 2 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 10}, {5, 1, 1, 32, 0, 10});  // step 19: part 2 piece 2 to rank 2
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 2 piece 3 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 11}, {5, 1, 1, 32, 0, 11});  // step 20: part 2 piece 3 to rank 2
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 3 piece 0 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 12}, {5, 1, 1, 32, 0, 12});  // step 21: part 3 piece 0 to rank 3
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 3 piece 1 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 13}, {5, 1, 1, 32, 0, 13});  // step 22: part 3 piece 1 to rank 3
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 3 piece 2 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 14}, {5, 1, 1, 32, 0, 14});  // step 23: part 3 piece 2 to rank 3
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 3 piece 3 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 15}, {5, 1, 1, 32, 0, 15});  // step 24: part 3 piece 3 to rank 3
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 4 piece 0 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 16}, {5, 1, 1, 32, 0, 16});  // step 25: part 4 piece 0 to rank 4
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 4 piece 1 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 17}, {5, 1, 1, 32, 0, 17});  // step 26: part 4 piece 1 to rank 4
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 4 piece 2 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 18}, {5, 1, 1, 32, 0, 18});  // step 27: part 4 piece 2 to rank 4
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 4 piece 3 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 19}, {5, 1, 1, 32, 0, 19});  // step 28: part 4 piece 3 to rank 4
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 33: reduced piece 0 to rank 6
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 34: reduced piece 1 to rank 6
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 35: reduced piece 2 to rank 6
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 36: reduced piece 3 to rank 6
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 37: reduced piece 0 to rank 7
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 38: reduced piece 1 to rank 7
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 39: reduced piece 2 to rank 7
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 40: reduced piece 3 to rank 7
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 41: reduced piece 0 to rank 0
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 42: reduced piece 1 to rank 0
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 43: reduced piece 2 to rank 0
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 44: reduced piece 3 to rank 0
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 45: reduced piece 0 to rank 1
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 46: reduced piece 1 to rank 1
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 47: reduced piece 2 to rank 1
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 48: reduced piece 3 to rank 1
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 49: reduced piece 0 to rank 2
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 50: reduced piece 1 to rank 2
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 51: reduced piece 2 to rank 2
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 52: reduced piece 3 to rank 2
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 53: reduced piece 0 to rank 3
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 54: reduced piece 1 to rank 3
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 55: reduced piece 2 to rank 3
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 56: reduced piece 3 to rank 3
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 57: reduced piece 0 to rank 4
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 58: reduced piece 1 to rank 4
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 59: reduced piece 2 to rank 4
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 60: reduced piece 3 to rank 4
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 6:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 7 piece 0 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 28}, {6, 1, 1, 32, 0, 28});  // step 1: part 7 piece 0 to rank 7
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 7 piece 1 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 29}, {6, 1, 1, 32, 0, 29});  // step 2: part 7 piece 1 to rank 7
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 7 piece 2 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 30}, {6, 1, 1, 32, 0, 30});  // step 3: part 7 piece 2 to rank 7
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 7 piece 3 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 31}, {6, 1, 1, 32, 0, 31});  // step 4: part 7 piece 3 to rank 7
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 0}, {6, 1, 1, 32, 0, 0});  // step 5: part 0 piece 0 to rank 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 1}, {6, 1, 1, 32, 0, 1});  // step 6: part 0 piece 1 to rank 0
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 2}, {6, 1, 1, 32, 0, 2});  // step 7: part 0 piece 2 to rank 0
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 3}, {6, 1, 1, 32, 0, 3});  // step 8: part 0 piece 3 to rank 0
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 4}, {6, 1, 1, 32, 0, 4});  // step 9: part 1 piece 0 to rank 1
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 5}, {6, 1, 1, 32, 0, 5});  // step 10: part 1 piece 1 to rank 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 6}, {6, 1, 1, 32, 0, 6});  // step 11: part 1 piece 2 to rank 1
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 7}, {6, 1, 1, 32, 0, 7});  // step 12: part 1 piece 3 to rank 1
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 2 piece 0 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 8}, {6, 1, 1, 32, 0, 8});  // step 13: part 2 piece 0 to rank 2
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 2 piece 1 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 9}, {6, 1, 1, 32, 0, 9});  // step 14: part 2 piece 1 to rank 2
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 2 piece 2 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 10}, {6, 1, 1, 32, 0, 10});  // step 15: part 2 piece 2 to rank 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 2 piece 3 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 11}, {6, 1, 1, 32, 0, 11});  // step 16: part 2 piece 3 to rank 2
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 3 piece 0 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 12}, {6, 1, 1, 32, 0, 12});  // step 17: part 3 piece 0 to rank 3
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 3 piece 1 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 13}, {6, 1, 1, 32, 0, 13});  // step 18: part 3 piece 1 to rank 3
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 3 piece 2 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 14}, {6, 1, 1, 32, 0, 14});  // step 19: part 3 piece 2 to rank 3
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 3 piece 3 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 15}, {6, 1, 1, 32, 0, 15});  // step 20: part 3 piece 3 to rank 3
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 4 piece 0 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 16}, {6, 1, 1, 32, 0, 16});  // step 21: part 4 piece 0 to rank 4
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 4 piece 1 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 17}, {6, 1, 1, 32, 0, 17});  // step 22: part 4 piece 1 to rank 4
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 4 piece 2 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 18}, {6, 1, 1, 32, 0, 18});  // step 23: part 4 piece 2 to rank 4
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 4 piece 3 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 19}, {6, 1, 1, 32, 0, 19});  // step 24: part 4 piece 3 to rank 4
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 5 piece 0 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 20}, {6, 1, 1, 32, 0, 20});  // step 25: part 5 piece 0 to rank 5
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 5 piece 1 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 21}, {6, 1, 1, 32, 0, 21});  // step 26: part 5 piece 1 to rank 5
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 5 piece 2 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 22}, {6, 1, 1, 32, 0, 22});  // step 27: part 5 piece 2 to rank 5
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 5 piece 3 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 23}, {6, 1, 1, 32, 0, 23});  // step 28: part 5 piece 3 to rank 5
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 33: reduced piece 0 to rank 7
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 34: reduced piece 1 to rank 7
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 35: reduced piece 2 to rank 7
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 36: reduced piece 3 to rank 7
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 37: reduced piece 0 to rank 0
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 38: reduced piece 1 to rank 0
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 39: reduced piece 2 to rank 0
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 40: reduced piece 3 to rank 0
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 41: reduced piece 0 to rank 1
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 42: reduced piece 1 to rank 1
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 43: reduced piece 2 to rank 1
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 44: reduced piece 3 to rank 1
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 45: reduced piece 0 to rank 2
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 46: reduced piece 1 to rank 2
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 47: reduced piece 2 to rank 2
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 48: reduced piece 3 to rank 2
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 49: reduced piece 0 to rank 3
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 50: reduced piece 1 to rank 3
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 51: reduced piece 2 to rank 3
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 52: reduced piece 3 to rank 3
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 53: reduced piece 0 to rank 4
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 54: reduced piece 1 to rank 4
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 55: reduced piece 2 to rank 4
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 56: reduced piece 3 to rank 4
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 57: reduced piece 0 to rank 5
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 58: reduced piece 1 to rank 5
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 59: reduced piece 2 to rank 5
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 60: reduced piece 3 to rank 5
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 7:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 0}, {7, 1, 1, 32, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 1}, {7, 1, 1, 32, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 2}, {7, 1, 1, 32, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 3}, {7, 1, 1, 32, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 4}, {7, 1, 1, 32, 0, 4});  // step 5: part 1 piece 0 to rank 1
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 5}, {7, 1, 1, 32, 0, 5});  // step 6: part 1 piece 1 to rank 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 6}, {7, 1, 1, 32, 0, 6});  // step 7: part 1 piece 2 to rank 1
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 7}, {7, 1, 1, 32, 0, 7});  // step 8: part 1 piece 3 to rank 1
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 8}, {7, 1, 1, 32, 0, 8});  // step 9: part 2 piece 0 to rank 2
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 9}, {7, 1, 1, 32, 0, 9});  // step 10: part 2 piece 1 to rank 2
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 10}, {7, 1, 1, 32, 0, 10});  // step 11: part 2 piece 2 to rank 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 11}, {7, 1, 1, 32, 0, 11});  // step 12: part 2 piece 3 to rank 2
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 3 piece 0 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 12}, {7, 1, 1, 32, 0, 12});  // step 13: part 3 piece 0 to rank 3
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 3 piece 1 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 13}, {7, 1, 1, 32, 0, 13});  // step 14: part 3 piece 1 to rank 3
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 3 piece 2 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 14}, {7, 1, 1, 32, 0, 14});  // step 15: part 3 piece 2 to rank 3
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 3 piece 3 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 15}, {7, 1, 1, 32, 0, 15});  // step 16: part 3 piece 3 to rank 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 4 piece 0 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 16}, {7, 1, 1, 32, 0, 16});  // step 17: part 4 piece 0 to rank 4
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 4 piece 1 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 17}, {7, 1, 1, 32, 0, 17});  // step 18: part 4 piece 1 to rank 4
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 4 piece 2 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 18}, {7, 1, 1, 32, 0, 18});  // step 19: part 4 piece 2 to rank 4
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 4 piece 3 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 19}, {7, 1, 1, 32, 0, 19});  // step 20: part 4 piece 3 to rank 4
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 5 piece 0 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 20}, {7, 1, 1, 32, 0, 20});  // step 21: part 5 piece 0 to rank 5
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 5 piece 1 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 21}, {7, 1, 1, 32, 0, 21});  // step 22: part 5 piece 1 to rank 5
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 5 piece 2 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 22}, {7, 1, 1, 32, 0, 22});  // step 23: part 5 piece 2 to rank 5
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 5 piece 3 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 23}, {7, 1, 1, 32, 0, 23});  // step 24: part 5 piece 3 to rank 5
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 6 piece 0 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 24}, {7, 1, 1, 32, 0, 24});  // step 25: part 6 piece 0 to rank 6
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 6 piece 1 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 25}, {7, 1, 1, 32, 0, 25});  // step 26: part 6 piece 1 to rank 6
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 6 piece 2 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 26}, {7, 1, 1, 32, 0, 26});  // step 27: part 6 piece 2 to rank 6
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 6 piece 3 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 27}, {7, 1, 1, 32, 0, 27});  // step 28: part 6 piece 3 to rank 6
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 33: reduced piece 0 to rank 0
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 34: reduced piece 1 to rank 0
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 35: reduced piece 2 to rank 0
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 36: reduced piece 3 to rank 0
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 37: reduced piece 0 to rank 1
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 38: reduced piece 1 to rank 1
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 39: reduced piece 2 to rank 1
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 40: reduced piece 3 to rank 1
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 41: reduced piece 0 to rank 2
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 42: reduced piece 1 to rank 2
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 43: reduced piece 2 to rank 2
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 44: reduced piece 3 to rank 2
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 45: reduced piece 0 to rank 3
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 46: reduced piece 1 to rank 3
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 47: reduced piece 2 to rank 3
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 48: reduced piece 3 to rank 3
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 49: reduced piece 0 to rank 4
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 50: reduced piece 1 to rank 4
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 51: reduced piece 2 to rank 4
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 52: reduced piece 3 to rank 4
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 53: reduced piece 0 to rank 5
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 54: reduced piece 1 to rank 5
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 55: reduced piece 2 to rank 5
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 56: reduced piece 3 to rank 5
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 57: reduced piece 0 to rank 6
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 58: reduced piece 1 to rank 6
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 59: reduced piece 2 to rank 6
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 60: reduced piece 3 to rank 6
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 20);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w8_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 8, 20, 64, 512, all_reduce_two_shot_ce_w8_sync, all_reduce_two_shot_ce_w8_reduce,
+                           all_reduce_two_shot_ce_w8_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 

@@ -26,12 +26,12 @@
 //   57: the op's own code (namespace all_to_all_ce: constants, tables, device code)
 //   entry points (extern "C"):
 //     all_to_all_ce_w2_sync 320, all_to_all_ce_w2_reduce 325, all_to_all_ce_w2_end 332
-//     all_to_all_ce_w2_prepare 338, all_to_all_ce_w2_launch 347, all_to_all_ce_w3_sync 399
-//     all_to_all_ce_w3_reduce 404, all_to_all_ce_w3_end 411, all_to_all_ce_w3_prepare 417
-//     all_to_all_ce_w3_launch 426, all_to_all_ce_w4_sync 495, all_to_all_ce_w4_reduce 500
-//     all_to_all_ce_w4_end 507, all_to_all_ce_w4_prepare 513, all_to_all_ce_w4_launch 522
-//     all_to_all_ce_w8_sync 614, all_to_all_ce_w8_reduce 619, all_to_all_ce_w8_end 626
-//     all_to_all_ce_w8_prepare 632, all_to_all_ce_w8_launch 641
+//     all_to_all_ce_w2_prepare 337, all_to_all_ce_w2_launch 341, all_to_all_ce_w3_sync 370
+//     all_to_all_ce_w3_reduce 375, all_to_all_ce_w3_end 382, all_to_all_ce_w3_prepare 387
+//     all_to_all_ce_w3_launch 391, all_to_all_ce_w4_sync 437, all_to_all_ce_w4_reduce 442
+//     all_to_all_ce_w4_end 449, all_to_all_ce_w4_prepare 454, all_to_all_ce_w4_launch 458
+//     all_to_all_ce_w8_sync 527, all_to_all_ce_w8_reduce 532, all_to_all_ce_w8_end 539
+//     all_to_all_ce_w8_prepare 544, all_to_all_ce_w8_launch 548
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -333,64 +333,35 @@ extern "C" __global__ void all_to_all_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_to_all_ce_w2_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_to_all_ce_w2_prepare(int rank, int device) { return tsgen::ce::prepare<2>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_to_all_ce_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[4] = { stream, lanes->side[1], lanes->side[2], lanes->side[3] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 4));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.copy(2, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: own chunk
+        q.sync(3, -1, 3);  // waits of step 3 (wait for every peer's chunk)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
+        q.copy(1, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.copy(2, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 2: own chunk
+        q.sync(3, -1, 3);  // waits of step 3 (wait for every peer's chunk)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_to_all_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w2_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      copy(2, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: own chunk
-      sync(3, -1, 3);  // waits of step 3 (wait for every peer's chunk)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
-      copy(1, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      copy(2, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 2: own chunk
-      sync(3, -1, 3);  // waits of step 3 (wait for every peer's chunk)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 4);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_to_all_ce_w2_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_to_all_ce::T, 2, 4, 32, 512, all_to_all_ce_w2_sync, all_to_all_ce_w2_reduce,
+                           all_to_all_ce_w2_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -412,81 +383,52 @@ extern "C" __global__ void all_to_all_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_to_all_ce_w3_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_to_all_ce_w3_prepare(int rank, int device) { return tsgen::ce::prepare<3>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_to_all_ce_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 5));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 2 to rank 2)
+        q.copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0});  // step 2: chunk 2 to rank 2
+        q.sync(2, 2, -1);  // signals of step 2
+        q.copy(3, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: own chunk
+        q.sync(4, -1, 4);  // waits of step 4 (wait for every peer's chunk)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 2 to rank 2)
+        q.copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0});  // step 1: chunk 2 to rank 2
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 0 to rank 0)
+        q.copy(2, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: chunk 0 to rank 0
+        q.sync(2, 2, -1);  // signals of step 2
+        q.copy(3, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 3: own chunk
+        q.sync(4, -1, 4);  // waits of step 4 (wait for every peer's chunk)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
+        q.copy(1, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 1 to rank 1)
+        q.copy(2, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0});  // step 2: chunk 1 to rank 1
+        q.sync(2, 2, -1);  // signals of step 2
+        q.copy(3, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0});  // step 3: own chunk
+        q.sync(4, -1, 4);  // waits of step 4 (wait for every peer's chunk)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_to_all_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w3_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 2 to rank 2)
-      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0});  // step 2: chunk 2 to rank 2
-      sync(2, 2, -1);  // signals of step 2
-      copy(3, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: own chunk
-      sync(4, -1, 4);  // waits of step 4 (wait for every peer's chunk)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 2 to rank 2)
-      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0});  // step 1: chunk 2 to rank 2
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 0 to rank 0)
-      copy(2, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: chunk 0 to rank 0
-      sync(2, 2, -1);  // signals of step 2
-      copy(3, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 3: own chunk
-      sync(4, -1, 4);  // waits of step 4 (wait for every peer's chunk)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
-      copy(1, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 1 to rank 1)
-      copy(2, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0});  // step 2: chunk 1 to rank 1
-      sync(2, 2, -1);  // signals of step 2
-      copy(3, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0});  // step 3: own chunk
-      sync(4, -1, 4);  // waits of step 4 (wait for every peer's chunk)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 5);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_to_all_ce_w3_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_to_all_ce::T, 3, 5, 32, 512, all_to_all_ce_w3_sync, all_to_all_ce_w3_reduce,
+                           all_to_all_ce_w3_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -508,104 +450,75 @@ extern "C" __global__ void all_to_all_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_to_all_ce_w4_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_to_all_ce_w4_prepare(int rank, int device) { return tsgen::ce::prepare<4>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_to_all_ce_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[6] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 6));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 2 to rank 2)
+        q.copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0});  // step 2: chunk 2 to rank 2
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 3 to rank 3)
+        q.copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0});  // step 3: chunk 3 to rank 3
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: own chunk
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 2 to rank 2)
+        q.copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0});  // step 1: chunk 2 to rank 2
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 3 to rank 3)
+        q.copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0});  // step 2: chunk 3 to rank 3
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 0 to rank 0)
+        q.copy(3, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: chunk 0 to rank 0
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 4: own chunk
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 3 to rank 3)
+        q.copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0});  // step 1: chunk 3 to rank 3
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 0 to rank 0)
+        q.copy(2, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: chunk 0 to rank 0
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 1 to rank 1)
+        q.copy(3, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0});  // step 3: chunk 1 to rank 1
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0});  // step 4: own chunk
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
+        q.copy(1, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 1 to rank 1)
+        q.copy(2, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0});  // step 2: chunk 1 to rank 1
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 2 to rank 2)
+        q.copy(3, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0});  // step 3: chunk 2 to rank 2
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0});  // step 4: own chunk
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_to_all_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w4_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 2 to rank 2)
-      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0});  // step 2: chunk 2 to rank 2
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 3 to rank 3)
-      copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0});  // step 3: chunk 3 to rank 3
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: own chunk
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 2 to rank 2)
-      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0});  // step 1: chunk 2 to rank 2
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 3 to rank 3)
-      copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0});  // step 2: chunk 3 to rank 3
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 0 to rank 0)
-      copy(3, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: chunk 0 to rank 0
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 4: own chunk
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 3 to rank 3)
-      copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0});  // step 1: chunk 3 to rank 3
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 0 to rank 0)
-      copy(2, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: chunk 0 to rank 0
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 1 to rank 1)
-      copy(3, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0});  // step 3: chunk 1 to rank 1
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0});  // step 4: own chunk
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
-      copy(1, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 1 to rank 1)
-      copy(2, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0});  // step 2: chunk 1 to rank 1
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 2 to rank 2)
-      copy(3, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0});  // step 3: chunk 2 to rank 2
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0});  // step 4: own chunk
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's chunk)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 6);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_to_all_ce_w4_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_to_all_ce::T, 4, 6, 32, 512, all_to_all_ce_w4_sync, all_to_all_ce_w4_reduce,
+                           all_to_all_ce_w4_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -627,255 +540,226 @@ extern "C" __global__ void all_to_all_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_to_all_ce_w8_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_to_all_ce_w8_prepare(int rank, int device) { return tsgen::ce::prepare<8>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_to_all_ce_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[10] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 10));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 2 to rank 2)
+        q.copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0});  // step 2: chunk 2 to rank 2
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 3 to rank 3)
+        q.copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0});  // step 3: chunk 3 to rank 3
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 4 to rank 4)
+        q.copy(4, {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 4, 0});  // step 4: chunk 4 to rank 4
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 5 to rank 5)
+        q.copy(5, {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 5, 0});  // step 5: chunk 5 to rank 5
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 6 to rank 6)
+        q.copy(6, {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 6, 0});  // step 6: chunk 6 to rank 6
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 7 to rank 7)
+        q.copy(7, {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 7, 0});  // step 7: chunk 7 to rank 7
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 2 to rank 2)
+        q.copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0});  // step 1: chunk 2 to rank 2
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 3 to rank 3)
+        q.copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0});  // step 2: chunk 3 to rank 3
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 4 to rank 4)
+        q.copy(3, {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 4, 0});  // step 3: chunk 4 to rank 4
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 5 to rank 5)
+        q.copy(4, {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 5, 0});  // step 4: chunk 5 to rank 5
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 6 to rank 6)
+        q.copy(5, {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 6, 0});  // step 5: chunk 6 to rank 6
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 7 to rank 7)
+        q.copy(6, {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 7, 0});  // step 6: chunk 7 to rank 7
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 0 to rank 0)
+        q.copy(7, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 7: chunk 0 to rank 0
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 3 to rank 3)
+        q.copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0});  // step 1: chunk 3 to rank 3
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 4 to rank 4)
+        q.copy(2, {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 4, 0});  // step 2: chunk 4 to rank 4
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 5 to rank 5)
+        q.copy(3, {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 5, 0});  // step 3: chunk 5 to rank 5
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 6 to rank 6)
+        q.copy(4, {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 6, 0});  // step 4: chunk 6 to rank 6
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 7 to rank 7)
+        q.copy(5, {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 7, 0});  // step 5: chunk 7 to rank 7
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 0 to rank 0)
+        q.copy(6, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 6: chunk 0 to rank 0
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 1 to rank 1)
+        q.copy(7, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0});  // step 7: chunk 1 to rank 1
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 4 to rank 4)
+        q.copy(1, {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 4, 0});  // step 1: chunk 4 to rank 4
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 5 to rank 5)
+        q.copy(2, {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 5, 0});  // step 2: chunk 5 to rank 5
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 6 to rank 6)
+        q.copy(3, {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 6, 0});  // step 3: chunk 6 to rank 6
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 7 to rank 7)
+        q.copy(4, {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 7, 0});  // step 4: chunk 7 to rank 7
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 0 to rank 0)
+        q.copy(5, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 5: chunk 0 to rank 0
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 1 to rank 1)
+        q.copy(6, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0});  // step 6: chunk 1 to rank 1
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 2 to rank 2)
+        q.copy(7, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0});  // step 7: chunk 2 to rank 2
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+      case 4:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 5 to rank 5)
+        q.copy(1, {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 5, 0});  // step 1: chunk 5 to rank 5
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 6 to rank 6)
+        q.copy(2, {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 6, 0});  // step 2: chunk 6 to rank 6
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 7 to rank 7)
+        q.copy(3, {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 7, 0});  // step 3: chunk 7 to rank 7
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 0 to rank 0)
+        q.copy(4, {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 4: chunk 0 to rank 0
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 1 to rank 1)
+        q.copy(5, {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 1, 0});  // step 5: chunk 1 to rank 1
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 2 to rank 2)
+        q.copy(6, {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 2, 0});  // step 6: chunk 2 to rank 2
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 3 to rank 3)
+        q.copy(7, {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 3, 0});  // step 7: chunk 3 to rank 3
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 4, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+      case 5:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 6 to rank 6)
+        q.copy(1, {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 6, 0});  // step 1: chunk 6 to rank 6
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 7 to rank 7)
+        q.copy(2, {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 7, 0});  // step 2: chunk 7 to rank 7
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 0 to rank 0)
+        q.copy(3, {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 3: chunk 0 to rank 0
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 1 to rank 1)
+        q.copy(4, {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 1, 0});  // step 4: chunk 1 to rank 1
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 2 to rank 2)
+        q.copy(5, {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 2, 0});  // step 5: chunk 2 to rank 2
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 3 to rank 3)
+        q.copy(6, {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 3, 0});  // step 6: chunk 3 to rank 3
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 4 to rank 4)
+        q.copy(7, {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 4, 0});  // step 7: chunk 4 to rank 4
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 5, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+      case 6:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 7 to rank 7)
+        q.copy(1, {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 7, 0});  // step 1: chunk 7 to rank 7
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 0 to rank 0)
+        q.copy(2, {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 2: chunk 0 to rank 0
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 1 to rank 1)
+        q.copy(3, {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 1, 0});  // step 3: chunk 1 to rank 1
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 2 to rank 2)
+        q.copy(4, {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 2, 0});  // step 4: chunk 2 to rank 2
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 3 to rank 3)
+        q.copy(5, {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 3, 0});  // step 5: chunk 3 to rank 3
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 4 to rank 4)
+        q.copy(6, {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 4, 0});  // step 6: chunk 4 to rank 4
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 5 to rank 5)
+        q.copy(7, {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 5, 0});  // step 7: chunk 5 to rank 5
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 6, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+      case 7:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
+        q.copy(1, {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (chunk 1 to rank 1)
+        q.copy(2, {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 1, 0});  // step 2: chunk 1 to rank 1
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (chunk 2 to rank 2)
+        q.copy(3, {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 2, 0});  // step 3: chunk 2 to rank 2
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (chunk 3 to rank 3)
+        q.copy(4, {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 3, 0});  // step 4: chunk 3 to rank 3
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (chunk 4 to rank 4)
+        q.copy(5, {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 4, 0});  // step 5: chunk 4 to rank 4
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (chunk 5 to rank 5)
+        q.copy(6, {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 5, 0});  // step 6: chunk 5 to rank 5
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (chunk 6 to rank 6)
+        q.copy(7, {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 6, 0});  // step 7: chunk 6 to rank 6
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 7, 0});  // step 8: own chunk
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_to_all_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_to_all_ce_w8_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 1 to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0});  // step 1: chunk 1 to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 2 to rank 2)
-      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0});  // step 2: chunk 2 to rank 2
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 3 to rank 3)
-      copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0});  // step 3: chunk 3 to rank 3
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 4 to rank 4)
-      copy(4, {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 4, 0});  // step 4: chunk 4 to rank 4
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 5 to rank 5)
-      copy(5, {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 5, 0});  // step 5: chunk 5 to rank 5
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 6 to rank 6)
-      copy(6, {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 6, 0});  // step 6: chunk 6 to rank 6
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 7 to rank 7)
-      copy(7, {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 7, 0});  // step 7: chunk 7 to rank 7
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 2 to rank 2)
-      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0});  // step 1: chunk 2 to rank 2
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 3 to rank 3)
-      copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0});  // step 2: chunk 3 to rank 3
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 4 to rank 4)
-      copy(3, {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 4, 0});  // step 3: chunk 4 to rank 4
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 5 to rank 5)
-      copy(4, {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 5, 0});  // step 4: chunk 5 to rank 5
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 6 to rank 6)
-      copy(5, {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 6, 0});  // step 5: chunk 6 to rank 6
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 7 to rank 7)
-      copy(6, {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 7, 0});  // step 6: chunk 7 to rank 7
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 0 to rank 0)
-      copy(7, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 7: chunk 0 to rank 0
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 3 to rank 3)
-      copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0});  // step 1: chunk 3 to rank 3
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 4 to rank 4)
-      copy(2, {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 4, 0});  // step 2: chunk 4 to rank 4
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 5 to rank 5)
-      copy(3, {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 5, 0});  // step 3: chunk 5 to rank 5
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 6 to rank 6)
-      copy(4, {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 6, 0});  // step 4: chunk 6 to rank 6
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 7 to rank 7)
-      copy(5, {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 7, 0});  // step 5: chunk 7 to rank 7
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 0 to rank 0)
-      copy(6, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 6: chunk 0 to rank 0
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 1 to rank 1)
-      copy(7, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0});  // step 7: chunk 1 to rank 1
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 4 to rank 4)
-      copy(1, {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 4, 0});  // step 1: chunk 4 to rank 4
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 5 to rank 5)
-      copy(2, {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 5, 0});  // step 2: chunk 5 to rank 5
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 6 to rank 6)
-      copy(3, {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 6, 0});  // step 3: chunk 6 to rank 6
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 7 to rank 7)
-      copy(4, {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 7, 0});  // step 4: chunk 7 to rank 7
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 0 to rank 0)
-      copy(5, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 5: chunk 0 to rank 0
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 1 to rank 1)
-      copy(6, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0});  // step 6: chunk 1 to rank 1
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 2 to rank 2)
-      copy(7, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0});  // step 7: chunk 2 to rank 2
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-    case 4:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 5 to rank 5)
-      copy(1, {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 5, 0});  // step 1: chunk 5 to rank 5
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 6 to rank 6)
-      copy(2, {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 6, 0});  // step 2: chunk 6 to rank 6
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 7 to rank 7)
-      copy(3, {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 7, 0});  // step 3: chunk 7 to rank 7
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 0 to rank 0)
-      copy(4, {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 4: chunk 0 to rank 0
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 1 to rank 1)
-      copy(5, {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 1, 0});  // step 5: chunk 1 to rank 1
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 2 to rank 2)
-      copy(6, {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 2, 0});  // step 6: chunk 2 to rank 2
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 3 to rank 3)
-      copy(7, {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 3, 0});  // step 7: chunk 3 to rank 3
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 4, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-    case 5:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 6 to rank 6)
-      copy(1, {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 6, 0});  // step 1: chunk 6 to rank 6
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 7 to rank 7)
-      copy(2, {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 7, 0});  // step 2: chunk 7 to rank 7
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 0 to rank 0)
-      copy(3, {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 3: chunk 0 to rank 0
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 1 to rank 1)
-      copy(4, {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 1, 0});  // step 4: chunk 1 to rank 1
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 2 to rank 2)
-      copy(5, {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 2, 0});  // step 5: chunk 2 to rank 2
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 3 to rank 3)
-      copy(6, {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 3, 0});  // step 6: chunk 3 to rank 3
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 4 to rank 4)
-      copy(7, {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 4, 0});  // step 7: chunk 4 to rank 4
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 5, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-    case 6:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 7 to rank 7)
-      copy(1, {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 7, 0});  // step 1: chunk 7 to rank 7
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 0 to rank 0)
-      copy(2, {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 2: chunk 0 to rank 0
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 1 to rank 1)
-      copy(3, {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 1, 0});  // step 3: chunk 1 to rank 1
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 2 to rank 2)
-      copy(4, {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 2, 0});  // step 4: chunk 2 to rank 2
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 3 to rank 3)
-      copy(5, {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 3, 0});  // step 5: chunk 3 to rank 3
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 4 to rank 4)
-      copy(6, {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 4, 0});  // step 6: chunk 4 to rank 4
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 5 to rank 5)
-      copy(7, {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 5, 0});  // step 7: chunk 5 to rank 5
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 6, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-    case 7:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (chunk 0 to rank 0)
-      copy(1, {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 1: chunk 0 to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (chunk 1 to rank 1)
-      copy(2, {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 1, 0});  // step 2: chunk 1 to rank 1
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (chunk 2 to rank 2)
-      copy(3, {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 2, 0});  // step 3: chunk 2 to rank 2
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (chunk 3 to rank 3)
-      copy(4, {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 3, 0});  // step 4: chunk 3 to rank 3
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (chunk 4 to rank 4)
-      copy(5, {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 4, 0});  // step 5: chunk 4 to rank 4
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (chunk 5 to rank 5)
-      copy(6, {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 5, 0});  // step 6: chunk 5 to rank 5
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (chunk 6 to rank 6)
-      copy(7, {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 6, 0});  // step 7: chunk 6 to rank 6
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 7, 0});  // step 8: own chunk
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's chunk)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 10);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_to_all_ce_w8_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_to_all_ce::T, 8, 10, 32, 512, all_to_all_ce_w8_sync, all_to_all_ce_w8_reduce,
+                           all_to_all_ce_w8_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 

@@ -28,12 +28,12 @@
 //   59: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
 //   entry points (extern "C"):
 //     reduce_scatter_ce_w2_sync 584, reduce_scatter_ce_w2_reduce 589, reduce_scatter_ce_w2_end 596
-//     reduce_scatter_ce_w2_prepare 602, reduce_scatter_ce_w2_launch 611, reduce_scatter_ce_w3_sync 687
-//     reduce_scatter_ce_w3_reduce 692, reduce_scatter_ce_w3_end 699, reduce_scatter_ce_w3_prepare 705
-//     reduce_scatter_ce_w3_launch 714, reduce_scatter_ce_w4_sync 837, reduce_scatter_ce_w4_reduce 842
-//     reduce_scatter_ce_w4_end 849, reduce_scatter_ce_w4_prepare 855, reduce_scatter_ce_w4_launch 864
-//     reduce_scatter_ce_w8_sync 1052, reduce_scatter_ce_w8_reduce 1057, reduce_scatter_ce_w8_end 1064
-//     reduce_scatter_ce_w8_prepare 1070, reduce_scatter_ce_w8_launch 1079
+//     reduce_scatter_ce_w2_prepare 601, reduce_scatter_ce_w2_launch 605, reduce_scatter_ce_w3_sync 658
+//     reduce_scatter_ce_w3_reduce 663, reduce_scatter_ce_w3_end 670, reduce_scatter_ce_w3_prepare 675
+//     reduce_scatter_ce_w3_launch 679, reduce_scatter_ce_w4_sync 779, reduce_scatter_ce_w4_reduce 784
+//     reduce_scatter_ce_w4_end 791, reduce_scatter_ce_w4_prepare 796, reduce_scatter_ce_w4_launch 800
+//     reduce_scatter_ce_w8_sync 965, reduce_scatter_ce_w8_reduce 970, reduce_scatter_ce_w8_end 977
+//     reduce_scatter_ce_w8_prepare 982, reduce_scatter_ce_w8_launch 986
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -597,88 +597,59 @@ extern "C" __global__ void reduce_scatter_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w2_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w2_prepare(int rank, int device) { return tsgen::ce::prepare<2>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[3] = { stream, lanes->side[1], lanes->side[2] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 3));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
+        q.reduce(2, 5);  // step 5: reduce piece 0
+        q.sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
+        q.reduce(2, 6);  // step 6: reduce piece 1
+        q.sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
+        q.reduce(2, 7);  // step 7: reduce piece 2
+        q.sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
+        q.reduce(2, 8);  // step 8: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
+        q.reduce(2, 5);  // step 5: reduce piece 0
+        q.sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
+        q.reduce(2, 6);  // step 6: reduce piece 1
+        q.sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
+        q.reduce(2, 7);  // step 7: reduce piece 2
+        q.sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
+        q.reduce(2, 8);  // step 8: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
-      reduce(2, 5);  // step 5: reduce piece 0
-      sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
-      reduce(2, 6);  // step 6: reduce piece 1
-      sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
-      reduce(2, 7);  // step 7: reduce piece 2
-      sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
-      reduce(2, 8);  // step 8: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
-      reduce(2, 5);  // step 5: reduce piece 0
-      sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
-      reduce(2, 6);  // step 6: reduce piece 1
-      sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
-      reduce(2, 7);  // step 7: reduce piece 2
-      sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
-      reduce(2, 8);  // step 8: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 3);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w2_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 2, 3, 64, 512, reduce_scatter_ce_w2_sync, reduce_scatter_ce_w2_reduce,
+                           reduce_scatter_ce_w2_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -700,135 +671,106 @@ extern "C" __global__ void reduce_scatter_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w3_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w3_prepare(int rank, int device) { return tsgen::ce::prepare<3>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[4] = { stream, lanes->side[1], lanes->side[2], lanes->side[3] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 4));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+        q.reduce(3, 9);  // step 9: reduce piece 0
+        q.sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+        q.reduce(3, 10);  // step 10: reduce piece 1
+        q.sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+        q.reduce(3, 11);  // step 11: reduce piece 2
+        q.sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+        q.reduce(3, 12);  // step 12: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+        q.reduce(3, 9);  // step 9: reduce piece 0
+        q.sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+        q.reduce(3, 10);  // step 10: reduce piece 1
+        q.sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+        q.reduce(3, 11);  // step 11: reduce piece 2
+        q.sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+        q.reduce(3, 12);  // step 12: reduce piece 3
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+        q.reduce(3, 9);  // step 9: reduce piece 0
+        q.sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+        q.reduce(3, 10);  // step 10: reduce piece 1
+        q.sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+        q.reduce(3, 11);  // step 11: reduce piece 2
+        q.sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+        q.reduce(3, 12);  // step 12: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
-      reduce(3, 9);  // step 9: reduce piece 0
-      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
-      reduce(3, 10);  // step 10: reduce piece 1
-      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
-      reduce(3, 11);  // step 11: reduce piece 2
-      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
-      reduce(3, 12);  // step 12: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
-      reduce(3, 9);  // step 9: reduce piece 0
-      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
-      reduce(3, 10);  // step 10: reduce piece 1
-      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
-      reduce(3, 11);  // step 11: reduce piece 2
-      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
-      reduce(3, 12);  // step 12: reduce piece 3
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
-      reduce(3, 9);  // step 9: reduce piece 0
-      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
-      reduce(3, 10);  // step 10: reduce piece 1
-      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
-      reduce(3, 11);  // step 11: reduce piece 2
-      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
-      reduce(3, 12);  // step 12: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 4);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w3_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 3, 4, 64, 512, reduce_scatter_ce_w3_sync, reduce_scatter_ce_w3_reduce,
+                           reduce_scatter_ce_w3_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -850,200 +792,171 @@ extern "C" __global__ void reduce_scatter_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w4_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w4_prepare(int rank, int device) { return tsgen::ce::prepare<4>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 5));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 5);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w4_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 4, 5, 64, 512, reduce_scatter_ce_w4_sync, reduce_scatter_ce_w4_reduce,
+                           reduce_scatter_ce_w4_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -1065,639 +978,610 @@ extern "C" __global__ void reduce_scatter_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w8_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w8_prepare(int rank, int device) { return tsgen::ce::prepare<8>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[9] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 9));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0});  // step 13: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1});  // step 14: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2});  // step 15: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3});  // step 16: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0});  // step 17: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1});  // step 18: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2});  // step 19: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3});  // step 20: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0});  // step 21: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1});  // step 22: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2});  // step 23: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3});  // step 24: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0});  // step 25: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1});  // step 26: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2});  // step 27: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3});  // step 28: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0});  // step 9: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1});  // step 10: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2});  // step 11: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3});  // step 12: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0});  // step 13: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1});  // step 14: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2});  // step 15: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3});  // step 16: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0});  // step 17: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1});  // step 18: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2});  // step 19: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3});  // step 20: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0});  // step 21: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1});  // step 22: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2});  // step 23: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3});  // step 24: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 25: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 26: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 27: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 28: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0});  // step 5: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1});  // step 6: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2});  // step 7: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3});  // step 8: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0});  // step 9: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1});  // step 10: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2});  // step 11: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3});  // step 12: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0});  // step 13: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1});  // step 14: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2});  // step 15: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3});  // step 16: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0});  // step 17: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1});  // step 18: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2});  // step 19: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3});  // step 20: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 21: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 22: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 23: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 24: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 25: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 26: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 27: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 28: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0});  // step 1: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1});  // step 2: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2});  // step 3: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3});  // step 4: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0});  // step 5: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1});  // step 6: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2});  // step 7: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3});  // step 8: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0});  // step 9: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1});  // step 10: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2});  // step 11: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3});  // step 12: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0});  // step 13: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1});  // step 14: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2});  // step 15: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3});  // step 16: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 17: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 18: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 19: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 20: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 21: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 22: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 23: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 24: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 25: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 26: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 27: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 28: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 4:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0});  // step 1: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1});  // step 2: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2});  // step 3: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3});  // step 4: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0});  // step 5: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1});  // step 6: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2});  // step 7: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3});  // step 8: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0});  // step 9: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1});  // step 10: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2});  // step 11: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3});  // step 12: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0});  // step 13: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1});  // step 14: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2});  // step 15: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3});  // step 16: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0});  // step 17: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1});  // step 18: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2});  // step 19: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3});  // step 20: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0});  // step 21: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1});  // step 22: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2});  // step 23: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3});  // step 24: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0});  // step 25: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1});  // step 26: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2});  // step 27: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3});  // step 28: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 5:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0});  // step 1: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1});  // step 2: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2});  // step 3: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3});  // step 4: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0});  // step 5: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1});  // step 6: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2});  // step 7: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3});  // step 8: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0});  // step 13: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1});  // step 14: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2});  // step 15: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3});  // step 16: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0});  // step 17: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1});  // step 18: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2});  // step 19: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3});  // step 20: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0});  // step 21: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1});  // step 22: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2});  // step 23: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3});  // step 24: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0});  // step 25: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1});  // step 26: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2});  // step 27: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3});  // step 28: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 6:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0});  // step 1: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1});  // step 2: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2});  // step 3: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3});  // step 4: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0});  // step 13: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1});  // step 14: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2});  // step 15: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3});  // step 16: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0});  // step 17: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1});  // step 18: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2});  // step 19: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3});  // step 20: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0});  // step 21: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1});  // step 22: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2});  // step 23: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3});  // step 24: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0});  // step 25: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1});  // step 26: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2});  // step 27: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3});  // step 28: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 7:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0});  // step 13: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1});  // step 14: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2});  // step 15: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3});  // step 16: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0});  // step 17: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1});  // step 18: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2});  // step 19: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3});  // step 20: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0});  // step 21: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1});  // step 22: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2});  // step 23: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3});  // step 24: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0});  // step 25: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1});  // step 26: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2});  // step 27: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3});  // step 28: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0});  // step 13: piece 0 of chunk 4 to rank 4's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1});  // step 14: piece 1 of chunk 4 to rank 4's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2});  // step 15: piece 2 of chunk 4 to rank 4's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3});  // step 16: piece 3 of chunk 4 to rank 4's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0});  // step 17: piece 0 of chunk 5 to rank 5's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1});  // step 18: piece 1 of chunk 5 to rank 5's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2});  // step 19: piece 2 of chunk 5 to rank 5's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3});  // step 20: piece 3 of chunk 5 to rank 5's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0});  // step 21: piece 0 of chunk 6 to rank 6's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1});  // step 22: piece 1 of chunk 6 to rank 6's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2});  // step 23: piece 2 of chunk 6 to rank 6's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3});  // step 24: piece 3 of chunk 6 to rank 6's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0});  // step 25: piece 0 of chunk 7 to rank 7's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1});  // step 26: piece 1 of chunk 7 to rank 7's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2});  // step 27: piece 2 of chunk 7 to rank 7's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3});  // step 28: piece 3 of chunk 7 to rank 7's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0});  // step 9: piece 0 of chunk 4 to rank 4's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1});  // step 10: piece 1 of chunk 4 to rank 4's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2});  // step 11: piece 2 of chunk 4 to rank 4's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3});  // step 12: piece 3 of chunk 4 to rank 4's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0});  // step 13: piece 0 of chunk 5 to rank 5's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1});  // step 14: piece 1 of chunk 5 to rank 5's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2});  // step 15: piece 2 of chunk 5 to rank 5's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3});  // step 16: piece 3 of chunk 5 to rank 5's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0});  // step 17: piece 0 of chunk 6 to rank 6's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1});  // step 18: piece 1 of chunk 6 to rank 6's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2});  // step 19: piece 2 of chunk 6 to rank 6's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3});  // step 20: piece 3 of chunk 6 to rank 6's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0});  // step 21: piece 0 of chunk 7 to rank 7's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1});  // step 22: piece 1 of chunk 7 to rank 7's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2});  // step 23: piece 2 of chunk 7 to rank 7's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3});  // step 24: piece 3 of chunk 7 to rank 7's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 25: piece 0 of chunk 0 to rank 0's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 26: piece 1 of chunk 0 to rank 0's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 27: piece 2 of chunk 0 to rank 0's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 28: piece 3 of chunk 0 to rank 0's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0});  // step 5: piece 0 of chunk 4 to rank 4's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1});  // step 6: piece 1 of chunk 4 to rank 4's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2});  // step 7: piece 2 of chunk 4 to rank 4's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3});  // step 8: piece 3 of chunk 4 to rank 4's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0});  // step 9: piece 0 of chunk 5 to rank 5's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1});  // step 10: piece 1 of chunk 5 to rank 5's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2});  // step 11: piece 2 of chunk 5 to rank 5's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3});  // step 12: piece 3 of chunk 5 to rank 5's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0});  // step 13: piece 0 of chunk 6 to rank 6's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1});  // step 14: piece 1 of chunk 6 to rank 6's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2});  // step 15: piece 2 of chunk 6 to rank 6's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3});  // step 16: piece 3 of chunk 6 to rank 6's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0});  // step 17: piece 0 of chunk 7 to rank 7's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1});  // step 18: piece 1 of chunk 7 to rank 7's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2});  // step 19: piece 2 of chunk 7 to rank 7's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3});  // step 20: piece 3 of chunk 7 to rank 7's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 21: piece 0 of chunk 0 to rank 0's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 22: piece 1 of chunk 0 to rank 0's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 23: piece 2 of chunk 0 to rank 0's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 24: piece 3 of chunk 0 to rank 0's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 25: piece 0 of chunk 1 to rank 1's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 26: piece 1 of chunk 1 to rank 1's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 27: piece 2 of chunk 1 to rank 1's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 28: piece 3 of chunk 1 to rank 1's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0});  // step 1: piece 0 of chunk 4 to rank 4's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1});  // step 2: piece 1 of chunk 4 to rank 4's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2});  // step 3: piece 2 of chunk 4 to rank 4's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3});  // step 4: piece 3 of chunk 4 to rank 4's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0});  // step 5: piece 0 of chunk 5 to rank 5's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1});  // step 6: piece 1 of chunk 5 to rank 5's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2});  // step 7: piece 2 of chunk 5 to rank 5's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3});  // step 8: piece 3 of chunk 5 to rank 5's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0});  // step 9: piece 0 of chunk 6 to rank 6's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1});  // step 10: piece 1 of chunk 6 to rank 6's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2});  // step 11: piece 2 of chunk 6 to rank 6's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3});  // step 12: piece 3 of chunk 6 to rank 6's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0});  // step 13: piece 0 of chunk 7 to rank 7's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1});  // step 14: piece 1 of chunk 7 to rank 7's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2});  // step 15: piece 2 of chunk 7 to rank 7's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3});  // step 16: piece 3 of chunk 7 to rank 7's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 17: piece 0 of chunk 0 to rank 0's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 18: piece 1 of chunk 0 to rank 0's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 19: piece 2 of chunk 0 to rank 0's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 20: piece 3 of chunk 0 to rank 0's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 21: piece 0 of chunk 1 to rank 1's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 22: piece 1 of chunk 1 to rank 1's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 23: piece 2 of chunk 1 to rank 1's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 24: piece 3 of chunk 1 to rank 1's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 25: piece 0 of chunk 2 to rank 2's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 26: piece 1 of chunk 2 to rank 2's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 27: piece 2 of chunk 2 to rank 2's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 28: piece 3 of chunk 2 to rank 2's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 4:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0});  // step 1: piece 0 of chunk 5 to rank 5's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1});  // step 2: piece 1 of chunk 5 to rank 5's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2});  // step 3: piece 2 of chunk 5 to rank 5's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3});  // step 4: piece 3 of chunk 5 to rank 5's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0});  // step 5: piece 0 of chunk 6 to rank 6's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1});  // step 6: piece 1 of chunk 6 to rank 6's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2});  // step 7: piece 2 of chunk 6 to rank 6's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3});  // step 8: piece 3 of chunk 6 to rank 6's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0});  // step 9: piece 0 of chunk 7 to rank 7's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1});  // step 10: piece 1 of chunk 7 to rank 7's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2});  // step 11: piece 2 of chunk 7 to rank 7's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3});  // step 12: piece 3 of chunk 7 to rank 7's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0});  // step 13: piece 0 of chunk 0 to rank 0's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1});  // step 14: piece 1 of chunk 0 to rank 0's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2});  // step 15: piece 2 of chunk 0 to rank 0's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3});  // step 16: piece 3 of chunk 0 to rank 0's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0});  // step 17: piece 0 of chunk 1 to rank 1's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1});  // step 18: piece 1 of chunk 1 to rank 1's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2});  // step 19: piece 2 of chunk 1 to rank 1's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3});  // step 20: piece 3 of chunk 1 to rank 1's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0});  // step 21: piece 0 of chunk 2 to rank 2's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1});  // step 22: piece 1 of chunk 2 to rank 2's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2});  // step 23: piece 2 of chunk 2 to rank 2's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3});  // step 24: piece 3 of chunk 2 to rank 2's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0});  // step 25: piece 0 of chunk 3 to rank 3's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1});  // step 26: piece 1 of chunk 3 to rank 3's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2});  // step 27: piece 2 of chunk 3 to rank 3's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3});  // step 28: piece 3 of chunk 3 to rank 3's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 5:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0});  // step 1: piece 0 of chunk 6 to rank 6's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1});  // step 2: piece 1 of chunk 6 to rank 6's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2});  // step 3: piece 2 of chunk 6 to rank 6's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3});  // step 4: piece 3 of chunk 6 to rank 6's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0});  // step 5: piece 0 of chunk 7 to rank 7's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1});  // step 6: piece 1 of chunk 7 to rank 7's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2});  // step 7: piece 2 of chunk 7 to rank 7's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3});  // step 8: piece 3 of chunk 7 to rank 7's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0});  // step 13: piece 0 of chunk 1 to rank 1's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1});  // step 14: piece 1 of chunk 1 to rank 1's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2});  // step 15: piece 2 of chunk 1 to rank 1's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3});  // step 16: piece 3 of chunk 1 to rank 1's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0});  // step 17: piece 0 of chunk 2 to rank 2's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1});  // step 18: piece 1 of chunk 2 to rank 2's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2});  // step 19: piece 2 of chunk 2 to rank 2's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3});  // step 20: piece 3 of chunk 2 to rank 2's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0});  // step 21: piece 0 of chunk 3 to rank 3's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1});  // step 22: piece 1 of chunk 3 to rank 3's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2});  // step 23: piece 2 of chunk 3 to rank 3's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3});  // step 24: piece 3 of chunk 3 to rank 3's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0});  // step 25: piece 0 of chunk 4 to rank 4's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1});  // step 26: piece 1 of chunk 4 to rank 4's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2});  // step 27: piece 2 of chunk 4 to rank 4's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3});  // step 28: piece 3 of chunk 4 to rank 4's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 6:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0});  // step 1: piece 0 of chunk 7 to rank 7's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1});  // step 2: piece 1 of chunk 7 to rank 7's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2});  // step 3: piece 2 of chunk 7 to rank 7's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3});  // step 4: piece 3 of chunk 7 to rank 7's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0});  // step 13: piece 0 of chunk 2 to rank 2's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1});  // step 14: piece 1 of chunk 2 to rank 2's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2});  // step 15: piece 2 of chunk 2 to rank 2's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3});  // step 16: piece 3 of chunk 2 to rank 2's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0});  // step 17: piece 0 of chunk 3 to rank 3's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1});  // step 18: piece 1 of chunk 3 to rank 3's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2});  // step 19: piece 2 of chunk 3 to rank 3's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3});  // step 20: piece 3 of chunk 3 to rank 3's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0});  // step 21: piece 0 of chunk 4 to rank 4's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1});  // step 22: piece 1 of chunk 4 to rank 4's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2});  // step 23: piece 2 of chunk 4 to rank 4's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3});  // step 24: piece 3 of chunk 4 to rank 4's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0});  // step 25: piece 0 of chunk 5 to rank 5's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1});  // step 26: piece 1 of chunk 5 to rank 5's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2});  // step 27: piece 2 of chunk 5 to rank 5's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3});  // step 28: piece 3 of chunk 5 to rank 5's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 7:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0});  // step 13: piece 0 of chunk 3 to rank 3's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1});  // step 14: piece 1 of chunk 3 to rank 3's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2});  // step 15: piece 2 of chunk 3 to rank 3's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3});  // step 16: piece 3 of chunk 3 to rank 3's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0});  // step 17: piece 0 of chunk 4 to rank 4's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1});  // step 18: piece 1 of chunk 4 to rank 4's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2});  // step 19: piece 2 of chunk 4 to rank 4's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3});  // step 20: piece 3 of chunk 4 to rank 4's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0});  // step 21: piece 0 of chunk 5 to rank 5's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1});  // step 22: piece 1 of chunk 5 to rank 5's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2});  // step 23: piece 2 of chunk 5 to rank 5's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3});  // step 24: piece 3 of chunk 5 to rank 5's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0});  // step 25: piece 0 of chunk 6 to rank 6's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1});  // step 26: piece 1 of chunk 6 to rank 6's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2});  // step 27: piece 2 of chunk 6 to rank 6's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3});  // step 28: piece 3 of chunk 6 to rank 6's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 9);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w8_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 8, 9, 64, 512, reduce_scatter_ce_w8_sync, reduce_scatter_ce_w8_reduce,
+                           reduce_scatter_ce_w8_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 
