@@ -149,7 +149,7 @@ static __device__ const tsgen::step steps_w8[] = {
 static __device__ const int step_base_w8[8] = { 0, 3, 6, 9, 12, 15, 18, 21 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -171,7 +171,7 @@ template <> struct plan<2> {
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -198,7 +198,7 @@ template <> struct plan<3> {
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
       case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
@@ -232,7 +232,7 @@ template <> struct plan<4> {
   }
 };
 template <> struct plan<8> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
       case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;

@@ -138,7 +138,7 @@ static __device__ const tsgen::step steps_w8[] = {
 static __device__ const int step_base_w8[8] = { 0, 2, 10, 12, 14, 16, 18, 20 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x2u, index = 0; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -157,7 +157,7 @@ template <> struct plan<2> {
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x2u, index = 0; break; case 2: mask = 0x2u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -180,7 +180,7 @@ template <> struct plan<3> {
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x2u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x2u, index = 3; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -207,7 +207,7 @@ template <> struct plan<4> {
   }
 };
 template <> struct plan<8> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
       case 0: mask = 0x2u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x2u, index = 3; break; case 4: mask = 0x2u, index = 4; break; case 5: mask = 0x2u, index = 5; break;

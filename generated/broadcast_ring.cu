@@ -430,7 +430,7 @@ static __device__ const uint16_t first_w8[8][129] = {  // block b of rank r runs
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x2u, index = 0; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -484,7 +484,7 @@ template <> struct plan<2> {
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x4u, index = 0; break; case 2: mask = 0x2u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -561,7 +561,7 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x8u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
@@ -571,7 +571,7 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
       case 0: mask = 0x80u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; case 4: mask = 0x8u, index = 4; break; case 5: mask = 0x10u, index = 5; break;

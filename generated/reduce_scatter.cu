@@ -378,7 +378,7 @@ static __device__ const uint16_t first_w8[8][65] = {  // block b of rank r runs 
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
@@ -410,7 +410,7 @@ template <> struct plan<2> {
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
@@ -464,7 +464,7 @@ template <> struct plan<3> {
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
       case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
@@ -569,7 +569,7 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // first step (tsgen::open_signal)
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
     uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
       case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
